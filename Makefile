@@ -1,0 +1,30 @@
+# `make test` and `make demo` work on a fresh machine with only Python >= 3.10 installed.
+PYTHON ?= python3
+VENV ?= .venv
+# Installed into the venv only when no torch is importable, so pip never resolves an unpinned torch
+# (a multi-GB CUDA download). Override for another build, e.g. TORCH_SPEC='torch==2.13.0+cu128'.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: test demo docs clean
+
+# Where the system Python already imports torch (GPU machines), the venv sees it and keeps it.
+$(VENV)/.installed: pyproject.toml
+	if $(PYTHON) -c 'import torch' 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else $(PYTHON) -m venv $(VENV); fi
+	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+demo: $(VENV)/.installed
+	$(BIN)/hetero check plans/*.yaml
+	$(BIN)/hetero show plans/gpt-tiny-cpu.plan.yaml
+
+docs: $(VENV)/.installed
+	$(BIN)/python -m hetero.docs docs/plan-format.md
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,3 @@
+from hetero.cli.main import main
+
+raise SystemExit(main())

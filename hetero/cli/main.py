@@ -1,0 +1,85 @@
+"""Entry point: registers the subcommands and turns errors into `error:`/`hint:` lines and exit codes."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import traceback
+
+import typer
+
+from hetero import __version__
+from hetero.cli import check, show
+from hetero.errors import INTERRUPTED, FileProblems, HeteroError, Interrupted
+
+app = typer.Typer(
+    name="hetero",
+    help="Train PyTorch models larger and faster than GPU memory allows, using every memory tier.",
+    epilog="Example: hetero check plan.yaml && hetero show plan.yaml",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+_debug = False
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"hetero {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+) -> None:
+    global _debug
+    _debug = debug
+
+
+check.register(app)
+show.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `hetero` with `argv` (default: sys.argv[1:]) and return its exit code; user errors never show a
+    traceback (`--debug` shows one). Typer itself reports usage errors (exit 2)."""
+    try:
+        with _interrupts():
+            app(args=argv, prog_name="hetero")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except HeteroError as e:
+        report(e)
+        return e.exit_code
+    except Interrupted:
+        print("error: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """Ctrl-C raises Interrupted, which the CLI framework does not turn into 'Aborted!' with exit 1."""
+
+    def handler(signum, frame):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def report(e: HeteroError) -> None:
+    if _debug:
+        traceback.print_exception(e)
+    problems = e.problems if isinstance(e, FileProblems) else None
+    for line in [str(p) for p in problems] if problems else [e.message]:
+        print(f"error: {line}", file=sys.stderr)
+    if e.hint:
+        print(f"hint: {e.hint}", file=sys.stderr)

@@ -1,0 +1,113 @@
+"""`hetero show FILE`: a profile or plan as Rich tables, one per section, or as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from hetero import files
+from hetero.fields import FieldSpec, is_schema, specs, strip_optional
+from hetero.profile.schema import CurvePoint
+from hetero.units import RATE
+
+
+def show(
+    path: Path = typer.Argument(..., metavar="FILE", help="A profile or plan file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the parsed file as JSON (base units) on stdout."),
+) -> None:
+    """Show a profile or plan: a table per section (layers, tiers, schedule, predictions)."""
+    obj = files.load(path)
+    if as_json:
+        print(json.dumps(files.to_data(obj), indent=2))
+        return
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # pipes and files get whole tables
+    console.print(f"[bold]{type(obj).__name__}[/bold] {path}")
+    # Plans say why a section is absent, profiles why a field is null: show it where the section would be.
+    reasons = getattr(obj, "omitted", None) or getattr(obj, "unmeasured", None) or {}
+    for spec in specs(type(obj)):
+        _section(console, spec.key, getattr(obj, spec.name), spec, reasons)
+
+
+def _section(console: Console, title: str, value: Any, spec: FieldSpec, reasons: dict[str, str]) -> None:
+    tp = strip_optional(spec.type)
+    if value is None or value == [] or value == {}:
+        reason = f" ({reasons[title]})" if title in reasons else ""
+        console.print(f"\n[bold]{title}[/bold]: none{escape(reason)}")
+    elif typing.get_origin(tp) is list and is_schema(typing.get_args(tp)[0]):
+        _rows(console, title, value, typing.get_args(tp)[0])
+    elif is_schema(tp):
+        _record(console, title, value, reasons)
+    else:
+        table = Table(title=title, title_justify="left", show_header=False)
+        for key, item in value.items():
+            table.add_row(str(key), _cell(item, spec))
+        console.print(table)
+
+
+def _record(console: Console, title: str, value: Any, reasons: dict[str, str]) -> None:
+    """Scalar fields as one key/value table, then each nested section under its own title."""
+    table = Table(title=title, title_justify="left", show_header=False)
+    nested = []
+    for spec in specs(type(value)):
+        item = getattr(value, spec.name)
+        if _is_section(spec, item):
+            nested.append(spec)
+        else:
+            table.add_row(spec.key, _cell(item, spec))
+    if table.row_count:
+        console.print(table)
+    for spec in nested:
+        _section(console, f"{title}.{spec.key}", getattr(value, spec.name), spec, reasons)
+
+
+def _rows(console: Console, title: str, items: list, cls: type) -> None:
+    # A column empty in every row (DHA times on a CPU-only profile, `why` of hand-written entries) says nothing.
+    columns = [s for s in specs(cls) if any(getattr(i, s.name) not in (None, "") for i in items)]
+    table = Table(title=f"{title} ({len(items)})", title_justify="left")
+    for spec in columns:
+        table.add_column(spec.key, justify="right" if spec.unit else "left", overflow="fold")
+    for item in items:
+        table.add_row(*(_cell(getattr(item, s.name), s) for s in columns))
+    console.print(table)
+
+
+def _is_section(spec: FieldSpec, value: Any) -> bool:
+    tp = strip_optional(spec.type)
+    if is_schema(tp):
+        return True
+    return typing.get_origin(tp) is list and is_schema(typing.get_args(tp)[0]) and tp != list[CurvePoint]
+
+
+def _cell(value: Any, spec: FieldSpec) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list) and value and isinstance(value[0], CurvePoint):
+        peak = max(p.size_bytes / p.time_s for p in value if p.time_s > 0)
+        return f"peak {RATE.format_short(peak)} ({len(value)} sizes)"
+    if isinstance(value, dict) and spec.unit is not None:
+        return spec.unit.format_short(sum(value.values()))
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v, spec)}" for k, v in value.items()) or "-"
+    if isinstance(value, list):
+        return ", ".join(_cell(v, spec) for v in value) or "-"
+    if is_schema(type(value)):
+        return ", ".join(f"{s.key}={_cell(getattr(value, s.name), s)}" for s in specs(type(value)))
+    if spec.unit is not None:
+        return spec.unit.format_short(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="show", epilog="Example: hetero show plan.yaml   |   hetero show --json profile.yaml | jq .layers")(
+        show
+    )

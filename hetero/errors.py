@@ -1,0 +1,56 @@
+"""User-facing errors and the exit codes every hetero command shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OK = 0
+FAILURE = 1
+USAGE = 2
+INVALID_FILE = 3
+STALE_PLAN = 4
+INTERRUPTED = 130
+
+
+class HeteroError(Exception):
+    """An error the user can fix: printed as `error: ...` and `hint: ...`, never as a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None, exit_code: int = FAILURE):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong in a file, located where the user can find it."""
+
+    file: str
+    message: str
+    line: int | None = None  # 1-based; None when the problem has no place (an unreadable file)
+    column: int | None = None  # 1-based
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        return f"{where}: {self.message}"
+
+
+class FileProblems(HeteroError):
+    """A file failed validation; carries every problem found, not just the first."""
+
+    def __init__(self, problems: list[Problem]):
+        assert problems, "FileProblems needs at least one problem"
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        super().__init__(f"{first}{more}", hint=None, exit_code=INVALID_FILE)
+        self.problems = problems
+
+
+class Interrupted(BaseException):
+    """Ctrl-C. A BaseException of our own, so neither a script's `except Exception` nor the CLI framework's
+    KeyboardInterrupt handling swallows it; `finally` blocks still clean up on the way out."""

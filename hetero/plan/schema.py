@@ -1,0 +1,188 @@
+"""plan.yaml: where every tensor lives and when it moves, as `hetero plan` decided and the user may edit.
+
+`hetero run` carries a plan out and decides nothing itself. Every decision of the solver carries a `why` written as
+a `# why:` comment; entries marked `pinned: true` are kept as written when re-planning. A section that is absent
+(null, or no layers) says why in `omitted`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hetero.fields import doc, unique_names
+from hetero.profile.schema import Backend
+from hetero.units import SIZE, TIME
+
+Mode = Literal["gfgb", "dha", "dfgb"]
+GradPlace = Literal["gpu", "host"]
+OptimizerDevice = Literal["axdimm", "host", "gpu"]
+StateTier = Literal["axdimm", "nvme", "host", "gpu"]
+SECTIONS = ("layers", "optimizer", "activations", "routing")
+
+
+@dataclass(kw_only=True, slots=True)
+class Source:
+    """The profile this plan was solved from; `hetero run` refuses the plan when either hash no longer matches."""
+
+    profile: str = doc("Path of the profile, as given to `hetero plan`.")
+    profile_sha256: str = doc("Hash of the profile's content (not its formatting).")
+    model_fingerprint: str = doc("The profiled model's fingerprint (`model.fingerprint` of the profile).")
+
+
+@dataclass(kw_only=True, slots=True)
+class Budget:
+    """The limits the plan was solved under."""
+
+    gpu_memory_bytes: int | None = doc("GPU memory the plan may use; null: the whole device.", unit=SIZE)
+    dram_budget_bytes: int | None = doc("Host memory the plan may use; null: what the profile measured.", unit=SIZE)
+    reserve: float = doc("GO-MemFerry's reserve factor: the fraction of gradient bytes allowed to stay on the "
+                         "GPU (1 keeps all, 0 writes all to host).", ge=0, le=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerPlan:
+    """How one layer's parameters and gradients are placed on a GPU (MemFerry)."""
+
+    name: str = doc("Layer name from the profile.")
+    mode: Mode = doc("`gfgb`: copied to the GPU before forward; `dha`: the GPU reads it from pinned host memory; "
+                     "`dfgb`: forward from host memory, copied to the GPU before backward.")
+    grad: GradPlace = doc("Where backward writes the layer's gradients: `gpu`, or `host` (pinned, GO-MemFerry).")
+    pinned: bool = doc("Keep this entry as written when re-planning.", default=False)
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class StatePlacement:
+    """Where one parameter's fp32 master copy, gradient and Adam states live."""
+
+    param: str = doc("Qualified parameter name, as in `model.named_parameters()`.")
+    tier: StateTier = doc("Device holding the states.")
+    channel: int | None = doc("AXDIMM channel; null unless `tier: axdimm`.", ge=0, default=None)
+
+
+@dataclass(kw_only=True, slots=True)
+class NvmeOverflow:
+    """The file-backed tier for optimizer states that do not fit on the device."""
+
+    path: str = doc("Directory for the state files (created 0600, removed at exit).")
+    size_bytes: int = doc("Bytes of states placed there.", unit=SIZE)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerPlan:
+    """Where Adam(W) keeps its states and runs (AXDIMM paper §5)."""
+
+    kind: Literal["adam", "adamw"] = doc("The optimizer the script builds.")
+    device: OptimizerDevice = doc("Where the update runs: the AXDIMM's channels, the host CPU, or the GPU.")
+    backend: Backend | None = doc("AXDIMM backend (`emulated` here); null for host and gpu.", default=None)
+    channels: int | None = doc("AXDIMM channels used; null for host and gpu.", ge=1, default=None)
+    overlap_backward: bool = doc("Update each parameter as soon as its gradient is final, during backward.")
+    nvme: NvmeOverflow | None = doc("Overflow tier; null when everything fits.", default=None)
+    states: list[StatePlacement] = doc("Placement of every parameter's states.", default_factory=list)
+    pinned: bool = doc("Keep this section as written when re-planning.", default=False)
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = unique_names(self.states, "states", "param")
+        if self.device == "axdimm" and (self.backend is None or self.channels is None):
+            out.append(("device", "device axdimm needs `backend` and `channels`"))
+        for i, s in enumerate(self.states):
+            if (s.tier == "axdimm") != (s.channel is not None):
+                out.append((f"states[{i}].channel", "a channel is set exactly when tier is axdimm"))
+            elif s.channel is not None and self.channels is not None and s.channel >= self.channels:
+                out.append((f"states[{i}].channel", f"channel {s.channel} out of range (channels: {self.channels})"))
+            if s.tier == "nvme" and self.nvme is None:
+                out.append((f"states[{i}].tier", "tier nvme needs the `nvme` section"))
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class Eviction:
+    """TierTrain's decision for one layer's saved tensors (§5.3)."""
+
+    layer: str = doc("Layer name from the profile.")
+    evict_bytes: int = doc("Saved bytes moved to the slow tier when the layer's forward ends (Eq. 6-7, 10).",
+                           unit=SIZE)
+    prefetch_at_s: float = doc("When to start bringing them back, from the iteration start (Eq. 8).", unit=TIME)
+    prefetch_after: str | None = doc("Start the prefetch when this layer's backward starts (progress, not clock); "
+                                     "null: by time alone.", default=None)
+    pinned: bool = doc("Keep this entry as written when re-planning.", default=False)
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class ActivationPlan:
+    """Where saved activations wait between a layer's forward and its backward (TierTrain)."""
+
+    fast: str = doc("Tier the layers compute in (a profile tier name).")
+    slow: str = doc("Tier evicted tensors wait in.")
+    stay_time_s: float = doc("Least time an evicted tensor stays in the slow tier (TierTrain's ST).", unit=TIME)
+    min_tensor_bytes: int = doc("Tensors smaller than this are never evicted.", unit=SIZE)
+    schedule: list[Eviction] = doc("Evictions, in forward order.")
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = unique_names(self.schedule, "schedule", "layer")
+        if self.fast == self.slow:
+            out.append(("slow", f"slow tier {self.slow!r} is the fast tier"))
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class RoutingPlan:
+    """COARSE's routing of data-parallel gradient synchronization (§III-E/F)."""
+
+    threshold_bytes: int = doc("Tensors up to this size take the latency path, larger ones the bandwidth path.",
+                               unit=SIZE)
+    latency_peer: int = doc("Rank whose link has the lowest latency.", ge=0)
+    bandwidth_peer: int = doc("Rank whose link has the highest bandwidth.", ge=0)
+    shard_bytes: int = doc("Large tensors are split into shards of this size and pipelined.", unit=SIZE)
+    dual_sync_bytes: int = doc("Bytes of the first layers synchronized ahead of the rest (COARSE's m).",
+                               unit=SIZE)
+    pinned: bool = doc("Keep this section as written when re-planning.", default=False)
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class ActivationPrediction:
+    """Saved-activation bytes resident in the fast tier over one iteration, with and without tiering."""
+
+    avg_fast_bytes: int = doc("Time-averaged, with the schedule.", unit=SIZE)
+    peak_fast_bytes: int = doc("Peak, with the schedule.", unit=SIZE)
+    avg_fast_untiered_bytes: int = doc("Time-averaged, without tiering.", unit=SIZE)
+    peak_fast_untiered_bytes: int = doc("Peak, without tiering.", unit=SIZE)
+
+
+@dataclass(kw_only=True, slots=True)
+class Predicted:
+    """What the simulator predicts for one iteration under this plan."""
+
+    iteration_s: float = doc("Iteration time.", unit=TIME)
+    peak_bytes: dict[str, int] = doc("Peak bytes used in each memory tier, by tier name.", unit=SIZE)
+    activations: ActivationPrediction | None = doc("Saved-activation residency; null without a schedule.",
+                                                   default=None)
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """plan.yaml: the placement and schedule `hetero run` enforces."""
+
+    source: Source = doc("The profile the plan was solved from.")
+    budget: Budget = doc("The limits it was solved under.")
+    layers: list[LayerPlan] = doc("Per-layer GPU modes, in forward order; empty without a GPU.")
+    optimizer: OptimizerPlan | None = doc("Optimizer state placement; null leaves the script's optimizer as is.")
+    activations: ActivationPlan | None = doc("Saved-activation tiering; null: none.")
+    routing: RoutingPlan | None = doc("Gradient-sync routing; null for one process.")
+    predicted: Predicted = doc("The simulator's prediction.")
+    omitted: dict[str, str] = doc("Why each absent section is absent, by section name.", default_factory=dict)
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = unique_names(self.layers, "layers")
+        for key in self.omitted:
+            if key not in SECTIONS:
+                out.append((f"omitted.{key}", f"unknown section {key!r} (sections: {', '.join(SECTIONS)})"))
+        for section in SECTIONS:
+            value = getattr(self, section)
+            if (value is None or value == []) and section not in self.omitted:
+                out.append((section, f"{section} is empty; say why under `omitted: {{{section}: ...}}`"))
+        return out

@@ -1,0 +1,189 @@
+"""profile.yaml: what `hetero profile` measured about the machine and about every layer of the model.
+
+Times of a layer are relative to the start of the iteration; all quantities are in base units (bytes, seconds,
+bytes/s) and are written with units by the YAML boundary (`hetero.files`). A value that could not be measured is
+null, and `unmeasured` says why: nothing here is invented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hetero.fields import doc, unique_names
+from hetero.units import COUNT, PARAM_RATE, RATE, SIZE, TIME
+
+Granularity = Literal["module", "block"]
+TierKind = Literal["hbm", "dram", "numa", "cxl", "nvme"]
+Backend = Literal["emulated", "hardware"]
+CommBackend = Literal["gloo", "nccl"]
+OptimizerKind = Literal["adam", "adamw", "other"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CurvePoint:
+    """One point of a transfer-time curve: moving `size` bytes took `time`."""
+
+    size_bytes: int = doc("Bytes moved in one transfer.", unit=SIZE)
+    time_s: float = doc("Median time of that transfer over the repeats.", unit=TIME)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelInfo:
+    """Which model was profiled; `hetero run` refuses a plan made for another one."""
+
+    fingerprint: str = doc("`sha256:` hash over (name, shape, dtype) of every parameter, in order.")
+    script: str = doc("The training script, as given to `hetero profile`.")
+    num_params: int = doc("Parameters the optimizer owns.", unit=COUNT)
+    dtype: str = doc("Parameter dtype, e.g. `float32` (the most common one when mixed).")
+
+
+@dataclass(kw_only=True, slots=True)
+class Training:
+    """How the script trains, and the mean cost of one optimizer step."""
+
+    optimizer: OptimizerKind = doc("The optimizer class the script built; only Adam and AdamW can be offloaded.")
+    grad_accumulation: int = doc("Backward passes per optimizer step.", ge=1)
+    clips_grad: bool = doc("Whether the script calls `clip_grad_norm_` between backward and step.")
+    warmup_steps: int = doc("Steps run before measuring.", ge=0)
+    steps_measured: int = doc("Steps measured; every time here is their mean.", ge=1)
+    granularity: Granularity = doc("`module`: a layer per module owning parameters; `block`: per repeated block.")
+    iteration_s: float = doc("Wall time of one optimizer step, all micro-batches included.", unit=TIME)
+    forward_s: float = doc("Forward time of one optimizer step.", unit=TIME)
+    backward_s: float = doc("Backward time of one optimizer step.", unit=TIME)
+    optimizer_step_s: float = doc("Time of `optimizer.step()`.", unit=TIME)
+    overhead: float = doc("Profiling overhead: step time with the profiler's hooks over step time without, "
+                          "minus one (0.03 = 3% slower while measured).", ge=0)
+
+
+@dataclass(kw_only=True, slots=True)
+class Cpu:
+    """The host processor and its memory bandwidth."""
+
+    model: str = doc("Processor model name.")
+    cores: int = doc("Cores this process may run on.", ge=1)
+    dram_bandwidth_bytes_per_s: float = doc("Host memory copy bandwidth with all cores.", unit=RATE)
+    adam_params_per_s: float | None = doc("Fused AdamW throughput on the host with all cores.", unit=PARAM_RATE)
+
+
+@dataclass(kw_only=True, slots=True)
+class NumaNode:
+    """A NUMA node of the host."""
+
+    node: int = doc("Node id, as in /sys/devices/system/node.", ge=0)
+    memory_bytes: int = doc("Memory of the node.", unit=SIZE)
+
+
+@dataclass(kw_only=True, slots=True)
+class Pcie:
+    """The GPU's PCIe link as NVML reports it."""
+
+    generation: int = doc("Current link generation.", ge=1)
+    width: int = doc("Current link width (lanes).", ge=1)
+    max_generation: int = doc("Highest generation the link supports.", ge=1)
+    max_width: int = doc("Highest width the link supports.", ge=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class Gpu:
+    """The CUDA device training runs on, and its links to host memory."""
+
+    name: str = doc("Device name.")
+    uuid: str = doc("Device UUID (the key NVML and CUDA_VISIBLE_DEVICES agree on).")
+    memory_bytes: int = doc("Device memory.", unit=SIZE)
+    pcie: Pcie | None = doc("PCIe link, null when NVML cannot tell.")
+    h2d: list[CurvePoint] = doc("Pinned host-to-device copy time by size (MemFerry's T_trans).")
+    d2h: list[CurvePoint] = doc("Device-to-pinned-host copy time by size.")
+    dha_read_bytes_per_s: float | None = doc("Bandwidth of kernels reading pinned host memory directly (DHA).",
+                                             unit=RATE)
+    dha_write_bytes_per_s: float | None = doc("Bandwidth of kernels writing pinned host memory directly.",
+                                              unit=RATE)
+
+
+@dataclass(kw_only=True, slots=True)
+class Tier:
+    """A memory tier tensors can live in, with its measured transfer rates."""
+
+    name: str = doc("Name plans use to refer to the tier, e.g. `dram`, `nvme0`.")
+    kind: TierKind = doc("What the tier is.")
+    capacity_bytes: int = doc("Space hetero may use in the tier.", unit=SIZE)
+    path: str | None = doc("Directory of a file-backed tier; null for memory tiers.", default=None)
+    read: list[CurvePoint] = doc("Time to read (prefetch into the fast tier) by size.", default_factory=list)
+    write: list[CurvePoint] = doc("Time to write (evict from the fast tier) by size.", default_factory=list)
+    emulated: bool = doc("True when the tier is emulated on other hardware.", default=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class Axdimm:
+    """The near-memory accelerator DIMM that runs Adam next to the optimizer states."""
+
+    backend: Backend = doc("`emulated`: host memory and worker threads; `hardware`: a real device driver.")
+    channels: int = doc("Independent memory channels, each with its own arbiter and Adam kernel.", ge=1)
+    channel_capacity_bytes: int = doc("Memory of one channel.", unit=SIZE)
+    adam_params_per_s: float = doc("Adam throughput of one channel's kernel.", unit=PARAM_RATE)
+
+
+@dataclass(kw_only=True, slots=True)
+class Peer:
+    """The link between two data-parallel ranks (COARSE's per-proxy profile)."""
+
+    src: int = doc("Sending rank.", ge=0)
+    dst: int = doc("Receiving rank.", ge=0)
+    backend: CommBackend = doc("torch.distributed backend measured.")
+    transfer: list[CurvePoint] = doc("Point-to-point transfer time by size.")
+
+
+@dataclass(kw_only=True, slots=True)
+class Machine:
+    """Everything measured about the machine."""
+
+    cpu: Cpu = doc("The host processor.")
+    numa: list[NumaNode] = doc("NUMA nodes; one entry on a single-node machine.")
+    gpu: Gpu | None = doc("The CUDA device; null on a CPU-only machine.")
+    tiers: list[Tier] = doc("Memory tiers, fastest first.")
+    axdimm: Axdimm | None = doc("The AXDIMM; null when there is none.")
+    peers: list[Peer] = doc("Links between data-parallel ranks; empty for one process.", default_factory=list)
+
+    def problems(self) -> list[tuple[str, str]]:
+        return unique_names(self.tiers, "tiers")
+
+
+@dataclass(kw_only=True, slots=True)
+class Layer:
+    """One layer, in forward order: its parameters, its times and its saved activations."""
+
+    name: str = doc("Qualified module name, as in `model.named_modules()`.")
+    type: str = doc("Module class, e.g. `Linear`.")
+    num_params: int = doc("Parameters this layer owns directly.", unit=COUNT)
+    params: dict[str, int] = doc("Bytes of each parameter the layer owns, by local name (`weight`).", unit=SIZE)
+    fp_s: float = doc("Forward time with parameters in fast memory (MemFerry's T_FP).", unit=TIME)
+    bp_s: float = doc("Backward time with parameters and gradients in fast memory (T_BP, GO's T_CBP).",
+                      unit=TIME)
+    fp_dha_s: float | None = doc("Forward time reading parameters from pinned host memory (T_FP^H).", unit=TIME)
+    bp_dha_s: float | None = doc("Backward time reading parameters from pinned host memory (T_BP^H).", unit=TIME)
+    bp_grad_host_s: float | None = doc("Backward time writing gradients to pinned host memory (GO's T_GBP).",
+                                       unit=TIME)
+    saved_bytes: int = doc("Bytes of tensors autograd saves in this layer's forward, parameters excluded.",
+                           unit=SIZE)
+    fp_end_s: float = doc("End of the layer's forward, from the iteration start (TierTrain's te^F).", unit=TIME)
+    bp_start_s: float = doc("Start of the layer's backward, from the iteration start (ts^B).", unit=TIME)
+
+    @property
+    def params_bytes(self) -> int:
+        return sum(self.params.values())
+
+
+@dataclass(kw_only=True, slots=True)
+class Profile:
+    """profile.yaml: the machine and the model as `hetero profile` measured them."""
+
+    model: ModelInfo = doc("The model profiled.")
+    training: Training = doc("How the script trains.")
+    machine: Machine = doc("The machine.")
+    layers: list[Layer] = doc("Layers in forward order.")
+    unmeasured: dict[str, str] = doc("Why each null field is null, by path (`machine.gpu`, `layers.*.fp_dha`).",
+                                     default_factory=dict)
+
+    def problems(self) -> list[tuple[str, str]]:
+        return unique_names(self.layers, "layers")
+

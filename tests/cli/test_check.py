@@ -1,0 +1,72 @@
+"""`hetero check`: one exact line per problem with file:line:col, exit 3, never a traceback."""
+
+from pathlib import Path
+
+import pytest
+
+from hetero.cli.main import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "plans"
+PLAN = (EXAMPLES / "gpt-tiny-cpu.plan.yaml").read_text()
+
+# name -> (file content, the exact line `hetero check` prints for it)
+GOLDEN = {
+    "misspelt key": (
+        PLAN.replace("  kind: adamw", "  knd: adamw"),
+        "error: bad.yaml:12:3: unknown key 'knd' in optimizer (did you mean 'kind'?)",
+    ),
+    "wrong enum word": (
+        PLAN.replace("  device: axdimm", "  device: axdim"),
+        "error: bad.yaml:13:11: optimizer.device: 'axdim' is not one of axdimm, host or gpu (did you mean 'axdimm'?)",
+    ),
+    "negative size": (
+        PLAN.replace("dram_budget: 8GiB", "dram_budget: -8GiB"),
+        "error: bad.yaml:9:41: budget.dram_budget: negative size '-8GiB' (a size is >= 0)",
+    ),
+    "bad unit": (
+        PLAN.replace("stay_time: 1ms", "stay_time: 1mss"),
+        "error: bad.yaml:51:14: activations.stay_time: bad time '1mss': unknown unit 'mss' "
+        "(use ns, us, ms, s, µs); did you mean '1ms'?",
+    ),
+    "YAML syntax error": (
+        PLAN.replace("layers: []", "layers: [wte"),
+        "error: bad.yaml:11:10: YAML syntax error: expected ',' or ']', but got ':'",
+    ),
+    "empty file": ("", "error: bad.yaml:1:1: empty file (expected a Profile or Plan starting with 'apiVersion: hetero/v1')"),
+    "wrong apiVersion": (
+        PLAN.replace("apiVersion: hetero/v1", "apiVersion: hetero/v2"),
+        "error: bad.yaml:3:13: apiVersion: unsupported 'hetero/v2' (this hetero reads hetero/v1)",
+    ),
+    "binary file": (
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
+        "error: bad.yaml: not a text file (byte 0x89 at offset 0); expected a YAML profile or plan",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=list(GOLDEN))
+def test_bad_files_get_one_exact_line_and_exit_3(case, tmp_path, capsys, monkeypatch):
+    content, expected = GOLDEN[case]
+    monkeypatch.chdir(tmp_path)
+    Path("bad.yaml").write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["check", "bad.yaml"]) == 3
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [expected]
+    assert "Traceback" not in out + err
+
+
+def test_valid_files_pass(capsys):
+    assert main(["check", *map(str, sorted(EXAMPLES.glob("*.yaml")))]) == 0
+    out, err = capsys.readouterr()
+    assert "gpt-tiny-cpu.plan.yaml: ok (Plan, 0 GPU layers, sections: optimizer, activations)" in out
+    assert "gpt-tiny-cpu.profile.yaml: ok (Profile, 470,528 params, 16 layers)" in out
+    assert err == ""
+
+
+def test_every_file_is_checked_even_after_a_bad_one(tmp_path, capsys):
+    (tmp_path / "a.yaml").write_text("")
+    good = EXAMPLES / "gpt-tiny-cpu.plan.yaml"
+    assert main(["check", str(tmp_path / "a.yaml"), str(good), str(tmp_path / "missing.yaml")]) == 3
+    out, err = capsys.readouterr()
+    assert "ok (Plan" in out
+    assert err.splitlines()[1] == f"error: {tmp_path / 'missing.yaml'}: no such file"

@@ -1,0 +1,166 @@
+import dataclasses
+import os
+import random
+import typing
+from pathlib import Path
+
+import pytest
+
+from hetero import files
+from hetero.errors import FileProblems
+from hetero.fields import is_schema, specs
+from hetero.plan.schema import SECTIONS, LayerPlan, Plan
+from hetero.profile.schema import Profile
+from tests import schema_random
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "plans").glob("*.yaml"))
+PLAN = next(p for p in EXAMPLES if p.name.endswith(".plan.yaml"))
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(FileProblems) as e:
+        files.loads(text, name="plan.yaml")
+    return [str(p) for p in e.value.problems]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_round_trip(path):
+    obj = files.load(path)
+    text = files.dumps(obj)
+    assert files.loads(text) == obj
+    assert files.dumps(files.loads(text)) == text
+
+
+@pytest.mark.parametrize("cls", [Profile, Plan])
+def test_random_valid_files_round_trip(cls):
+    rng = random.Random(1234)
+    checked = 0
+    for _ in range(400):
+        obj = schema_random.instance(cls, rng)
+        if cls is Plan:  # a random plan's empty sections need the reason the schema asks for
+            obj.omitted = {s: "none" for s in SECTIONS if getattr(obj, s) in (None, [])}
+        if not schema_random.valid(obj):
+            continue
+        text = files.dumps(obj)
+        assert files.loads(text) == obj, text
+        checked += 1
+    assert checked >= 100
+
+
+def test_why_comments_are_written_and_read_back():
+    plan = files.load(PLAN)
+    plan.layers = [LayerPlan(name="wte", mode="dha", grad="host", why="DHA fp 0.21ms < copy 3.1ms + fp 0.05ms"),
+                   LayerPlan(name="h.0", mode="gfgb", grad="gpu")]
+    del plan.omitted["layers"]
+    text = files.dumps(plan)
+    assert "  - {name: wte, mode: dha, grad: host, pinned: false}  # why: DHA fp 0.21ms < copy 3.1ms + fp 0.05ms\n" in text
+    assert "optimizer:  # why: all states fit" in text
+    again = files.loads(text)
+    assert [layer.why for layer in again.layers] == ["DHA fp 0.21ms < copy 3.1ms + fp 0.05ms", ""]
+    assert again.optimizer.why == plan.optimizer.why
+    assert [e.why for e in again.activations.schedule] == [e.why for e in plan.activations.schedule]
+
+
+def test_content_hash_ignores_formatting_and_comments():
+    text = PLAN.read_text()
+    reformatted = "# a comment of the user's\n" + text.replace("# why:", "# why: edited,")
+    assert files.content_sha256(files.loads(reformatted)) == files.content_sha256(files.loads(text))
+    changed = text.replace("reserve: 0.5", "reserve: 0.25")
+    assert files.content_sha256(files.loads(changed)) != files.content_sha256(files.loads(text))
+
+
+def test_only_true_and_false_are_booleans():
+    for word in ("yes", "on", "True", "1"):
+        text = PLAN.read_text().replace("overlap_backward: true", f"overlap_backward: {word}")
+        assert problems(text) == [
+            f"plan.yaml:16:21: optimizer.overlap_backward: expected true or false, got {word!r}"
+        ]
+
+
+def test_words_yaml_1_1_would_mangle_stay_strings(repo):
+    text = PLAN.read_text().replace("fast: dram", "fast: off").replace("slow: nvme0", "slow: 1:20")
+    plan = files.loads(text)
+    assert (plan.activations.fast, plan.activations.slow) == ("off", "1:20")
+
+
+def test_every_problem_is_reported_at_once():
+    text = (PLAN.read_text().replace("reserve: 0.5", "reserve: 1.5").replace("  kind: adamw", "  kind: sgd")
+            .replace("stay_time: 1ms", "stay_time: soon"))
+    assert problems(text) == [
+        "plan.yaml:9:56: budget.reserve: 1.5 is out of range (0 to 1)",
+        "plan.yaml:12:9: optimizer.kind: 'sgd' is not one of adam or adamw",
+        "plan.yaml:51:14: activations.stay_time: bad time 'soon' (write a number with a unit, e.g. 12.5ms)",
+    ]
+
+
+def test_semantic_problems_point_at_the_value():
+    text = PLAN.read_text().replace("{param: wpe.weight, tier: axdimm, channel: 1}",
+                                    "{param: wpe.weight, tier: axdimm, channel: 5}")
+    assert problems(text) == ["plan.yaml:20:50: optimizer.states[1].channel: channel 5 out of range (channels: 2)"]
+
+
+def test_absent_section_needs_a_reason():
+    text = PLAN.read_text().replace(
+        '  routing: "the profile has one process: no gradient synchronization to route"\n', "")
+    assert problems(text) == ["plan.yaml:68:10: routing: routing is empty; say why under `omitted: {routing: ...}`"]
+
+
+def test_duplicate_keys_and_unsupported_tags_are_errors():
+    text = PLAN.read_text().replace("layers: []", "layers: []\nlayers: []").replace(
+        "reserve: 0.5", "reserve: !!python/object/apply:os.system [ls]")
+    assert problems(text) == [
+        "plan.yaml:9:56: budget.reserve: unsupported YAML tag 'tag:yaml.org,2002:python/object/apply:os.system'",
+        "plan.yaml:11:1: duplicate key 'layers'",
+    ]
+
+
+def test_kind_must_match_what_the_caller_expects(tmp_path):
+    with pytest.raises(FileProblems) as e:
+        files.load(PLAN, expect=Profile)
+    assert str(e.value.problems[0]).endswith(":4:7: kind: kind 'Plan', expected Profile")
+
+
+def test_save_is_atomic_and_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "plan.yaml"
+    target.write_text("old")
+    plan = files.load(PLAN)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError):
+        files.save(plan, target)
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["plan.yaml"]
+    monkeypatch.undo()
+    files.save(plan, target)
+    assert files.load(target) == plan
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_schema_dataclasses_are_kw_only_slotted():
+    seen, todo = set(), [Profile, Plan]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        assert hasattr(cls, "__slots__"), cls
+        assert all(f.kw_only for f in dataclasses.fields(cls)), cls
+        for spec in specs(cls):
+            for inner in _types(spec.type):
+                if is_schema(inner):
+                    todo.append(inner)
+
+
+def _types(tp):
+    yield tp
+    for arg in typing.get_args(tp):
+        yield from _types(arg)
