@@ -130,3 +130,9 @@ PARAM_RATE = Unit(
     | {"": Decimal(1)},
     ladder=tuple((s, f"{w} params/s" if w else " params/s") for s, w in _COUNTS),
 )
+
+
+def measured(value: float, digits: int = 4) -> float:
+    """A measurement rounded to `digits` significant digits: timings vary far more than that between runs, and
+    the files that hold them stay readable."""
+    return float(f"{value:.{digits}g}")

@@ -10,7 +10,7 @@ import traceback
 import typer
 
 from hetero import __version__
-from hetero.cli import check, show
+from hetero.cli import check, profile, show
 from hetero.errors import INTERRUPTED, FileProblems, HeteroError, Interrupted
 
 app = typer.Typer(
@@ -41,6 +41,7 @@ def _options(
 
 
 check.register(app)
+profile.register(app)
 show.register(app)
 
 

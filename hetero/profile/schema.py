@@ -1,6 +1,7 @@
 """profile.yaml: what `hetero profile` measured about the machine and about every layer of the model.
 
-Times of a layer are relative to the start of the iteration; all quantities are in base units (bytes, seconds,
+Times of a layer are per micro-batch (one forward and backward), relative to the start of its forward, and
+averaged over the measured micro-batches; all quantities are in base units (bytes, seconds,
 bytes/s) and are written with units by the YAML boundary (`hetero.files`). A value that could not be measured is
 null, and `unmeasured` says why: nothing here is invented.
 """
@@ -18,6 +19,7 @@ TierKind = Literal["hbm", "dram", "numa", "cxl", "nvme"]
 Backend = Literal["emulated", "hardware"]
 CommBackend = Literal["gloo", "nccl"]
 OptimizerKind = Literal["adam", "adamw", "other"]
+ROOT_LAYER = "(model)"  # the layer of parameters the model's root module owns directly
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,25 +154,33 @@ class Machine:
 class Layer:
     """One layer, in forward order: its parameters, its times and its saved activations."""
 
-    name: str = doc("Qualified module name, as in `model.named_modules()`.")
+    name: str = doc("Qualified module name, as in `model.named_modules()`; `(model)` for the root module.")
     type: str = doc("Module class, e.g. `Linear`.")
     num_params: int = doc("Parameters this layer owns directly.", unit=COUNT)
     params: dict[str, int] = doc("Bytes of each parameter the layer owns, by local name (`weight`).", unit=SIZE)
-    fp_s: float = doc("Forward time with parameters in fast memory (MemFerry's T_FP).", unit=TIME)
-    bp_s: float = doc("Backward time with parameters and gradients in fast memory (T_BP, GO's T_CBP).",
-                      unit=TIME)
+    fp_s: float = doc("Forward time of the layer itself (nested layers excluded), parameters in fast memory "
+                      "(MemFerry's T_FP).", unit=TIME)
+    bp_s: float = doc("Backward time of the layer's region, from its backward start to the next one's: its own "
+                      "backward, its gradient accumulation and the operations between it and the next layer "
+                      "(T_BP, GO's T_CBP).", unit=TIME)
     fp_dha_s: float | None = doc("Forward time reading parameters from pinned host memory (T_FP^H).", unit=TIME)
     bp_dha_s: float | None = doc("Backward time reading parameters from pinned host memory (T_BP^H).", unit=TIME)
     bp_grad_host_s: float | None = doc("Backward time writing gradients to pinned host memory (GO's T_GBP).",
                                        unit=TIME)
-    saved_bytes: int = doc("Bytes of tensors autograd saves in this layer's forward, parameters excluded.",
-                           unit=SIZE)
-    fp_end_s: float = doc("End of the layer's forward, from the iteration start (TierTrain's te^F).", unit=TIME)
-    bp_start_s: float = doc("Start of the layer's backward, from the iteration start (ts^B).", unit=TIME)
+    saved_bytes: int = doc("Bytes autograd saves from the layer's forward start until the next layer starts "
+                           "(distinct storages, parameters excluded).", unit=SIZE)
+    fp_end_s: float = doc("End of the layer's forward, from the start of the micro-batch's forward "
+                          "(TierTrain's te^F).", unit=TIME)
+    bp_start_s: float = doc("When backward first reads a tensor the layer saved (saving none: when its output's "
+                            "gradient is ready), from the micro-batch's forward start (TierTrain's ts^B).", unit=TIME)
 
     @property
     def params_bytes(self) -> int:
         return sum(self.params.values())
+
+    def param_names(self) -> list[str]:
+        """Qualified names of the layer's parameters, as in `model.named_parameters()`."""
+        return [local if self.name == ROOT_LAYER else f"{self.name}.{local}" for local in self.params]
 
 
 @dataclass(kw_only=True, slots=True)

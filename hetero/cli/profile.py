@@ -1,0 +1,82 @@
+"""`hetero profile [OPTIONS] SCRIPT [ARGS]...`: measure the machine and every layer of a script into a profile."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hetero import files
+from hetero.units import SIZE, TIME
+
+EXAMPLE = "Example: hetero profile --steps 5 examples/train_gpt.py --batch-size 8   (then: hetero plan)"
+
+
+def profile(
+    script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
+    args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
+    steps: int = typer.Option(5, help="Optimizer steps to measure."),
+    warmup: int = typer.Option(2, help="Optimizer steps to run first, unmeasured."),
+    granularity: str = typer.Option("module", help="module: a layer per module owning parameters; block: per "
+                                                   "repeated transformer block."),
+    nvme: str = typer.Option(None, "--nvme", metavar="DIR", help="Directory for the disk tier [default: a temp dir]."),
+    model: str = typer.Option(None, "--model", metavar="NAME", help="Which model, when the script has several."),
+    output: Path = typer.Option(Path("profile.yaml"), "-o", "--output", help="Where to write the profile."),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout (script output goes "
+                                                       "to stderr)."),
+) -> None:
+    """Run SCRIPT for a few steps and write what hetero measured about the machine and each layer."""
+    from hetero.profile.profiler import ProfileOptions, profile_script  # imports torch: only for this command
+
+    options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model)
+    with _progress() as report, contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        result = profile_script(script, list(args or []), options, report)
+    files.save(result, output, header=(f"hetero profile of {script}", "Edit with care: `hetero plan` reads it."))
+    if as_json:
+        print(json.dumps(files.to_data(result), indent=2))
+    else:
+        _summary(result, output)
+
+
+@contextlib.contextmanager
+def _progress():
+    """A progress bar per phase on stderr; silent when stderr is not a terminal."""
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        yield report
+
+
+def _summary(profile, output: Path) -> None:
+    t = profile.training
+    table = Table(title=f"wrote {output}", title_justify="left", show_header=False)
+    table.add_row("model", f"{profile.model.num_params:,} parameters, {len(profile.layers)} layers "
+                           f"({t.granularity} granularity)")
+    table.add_row("step", f"{TIME.format_short(t.iteration_s)} (forward {TIME.format_short(t.forward_s)}, "
+                          f"backward {TIME.format_short(t.backward_s)}, optimizer {TIME.format_short(t.optimizer_step_s)})")
+    table.add_row("saved activations", SIZE.format_short(sum(layer.saved_bytes for layer in profile.layers)))
+    table.add_row("training", f"{t.optimizer}, {t.grad_accumulation} micro-batch(es) per step, "
+                              f"clips gradients: {'yes' if t.clips_grad else 'no'}")
+    table.add_row("tiers", ", ".join(f"{tier.name} ({tier.kind}, {SIZE.format_short(tier.capacity_bytes)})"
+                                     for tier in profile.machine.tiers))
+    table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    # Options for hetero come before SCRIPT; everything after it belongs to the script, `--help` included.
+    settings = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+    app.command(name="profile", epilog=EXAMPLE, context_settings=settings)(profile)

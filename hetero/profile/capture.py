@@ -1,0 +1,133 @@
+"""Find the model and its optimizer inside a script we did not write.
+
+The model is the root module (one called outside any other module's forward) whose parameters the first
+optimizer to step owns. Roots are seen through global module hooks until that first `optimizer.step()`; DDP,
+FSDP and `torch.compile` wrappers are unwrapped. Several candidates are an error that lists them by the names the
+script gives them, so `--model NAME` can choose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from hetero.errors import USAGE, HeteroError
+from hetero.run.bootstrap import StopScript
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's model inside DDP/FSDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(module, "_orig_mod", None) or _wrapped(module)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    wrappers = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+    return getattr(module, "module", None) if type(module).__name__ in wrappers else None
+
+
+def fingerprint(model: nn.Module) -> str:
+    """`sha256:` over (name, shape, dtype) of every parameter in order: the identity a plan is made for."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+class Capture:
+    """Watches the script until its first optimizer step, then calls `on_found(model, optimizer)` once."""
+
+    def __init__(self, on_found: Callable[[nn.Module, torch.optim.Optimizer], None], script: str,
+                 model_name: str | None = None):
+        self.on_found = on_found
+        self.script = os.path.abspath(script)
+        self.model_name = model_name
+        self.roots: list[nn.Module] = []  # modules called at depth 0, in order of first call
+        self.depth = 0
+        self.found = False
+        self.handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> Capture:
+        self.handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+            register_optimizer_step_pre_hook(self._step),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _pre(self, module: nn.Module, args) -> None:
+        if self.depth == 0 and not any(module is r for r in self.roots):
+            self.roots.append(module)
+        self.depth += 1
+
+    def _post(self, module: nn.Module, args, output) -> None:
+        self.depth = max(0, self.depth - 1)
+
+    def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if self.found:
+            return
+        self.found = True
+        self.__exit__()  # global hooks cost every module call: drop them as soon as the model is known
+        try:
+            self.on_found(self.choose(optimizer), optimizer)
+        except HeteroError as e:
+            raise StopScript(e) from None  # an Exception here could be swallowed by the script
+
+    def choose(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        candidates = []
+        for root in map(unwrap, self.roots):
+            if any(id(p) in owned for p in root.parameters()) and not any(root is c for c in candidates):
+                candidates.append(root)
+        names = _names(candidates, self.script)
+        if self.model_name is not None:
+            chosen = [c for c, n in zip(candidates, names) if self.model_name in (n, type(c).__name__)]
+            if len(chosen) != 1:
+                raise _error(f"--model {self.model_name} matches {len(chosen)} of the candidates", names, candidates)
+            return chosen[0]
+        if len(candidates) == 1:
+            return candidates[0]
+        if not candidates:
+            raise HeteroError(
+                "no model found: the parameters of the first optimizer to step belong to no module called "
+                "before that step",
+                hint="hetero needs the script to call the model (an nn.Module) before optimizer.step()",
+            )
+        raise _error("several models own parameters of the optimizer", names, candidates)
+
+
+def _error(message: str, names: list[str], candidates: list[nn.Module]) -> HeteroError:
+    listed = ", ".join(f"{n} ({type(c).__name__})" for n, c in zip(names, candidates))
+    return HeteroError(f"{message}: {listed}", hint=f"choose one with --model NAME, e.g. --model {names[0]}",
+                       exit_code=USAGE)
+
+
+def _names(modules: list[nn.Module], script: str) -> list[str]:
+    """The variable name each module has in the script's frames (innermost first), else its class name."""
+    names = [type(m).__name__ for m in modules]
+    frame = sys._getframe()
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename) != script:
+            frame = frame.f_back
+            continue
+        for var, value in {**frame.f_globals, **frame.f_locals}.items():
+            for i, m in enumerate(modules):
+                if names[i] == type(m).__name__ and isinstance(value, nn.Module) and unwrap(value) is m:
+                    names[i] = var
+        frame = frame.f_back
+    return names

@@ -1,0 +1,289 @@
+"""Per-layer times and saved-activation bytes of training micro-batches, measured with hooks only.
+
+Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors:
+a `saved_tensors_hooks` pair around the model's forward attributes every tensor autograd saves (parameters
+excluded, each storage once) to the layer running, or to the last one that ended when it is saved between
+layers; a storage saved by several layers belongs to the last of them. Backward: the first unpack of a layer's saved tensors is its backward start (TierTrain's ts^B: the moment
+they must be back in fast memory); gradient-accumulation hooks on the parameters mark the end of backward.
+Nothing blocks inside a step: the clock hands out tokens (perf_counter values, or CUDA events) that are resolved
+to seconds once all steps are done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.units import measured
+from hetero.profile.schema import ROOT_LAYER, Layer
+
+
+@dataclass(slots=True)
+class LayerSpec:
+    """A layer to measure: a module and the parameters counted as its own."""
+
+    name: str
+    module: nn.Module
+    params: dict[str, nn.Parameter]  # local name -> parameter (a shared parameter counts for its first owner)
+
+
+def select_layers(model: nn.Module, granularity: str) -> list[LayerSpec]:
+    """Modules owning parameters directly, or (`block`) the repeated blocks plus the owners outside them."""
+    blocks = _repeated_blocks(model) if granularity == "block" else []
+    inside = {id(m) for b in blocks for m in b.modules()}
+    seen: set[int] = set()
+    layers = []
+    for name, module in model.named_modules():
+        if any(module is b for b in blocks):
+            local = dict(module.named_parameters())
+        elif id(module) in inside:
+            continue
+        else:
+            local = dict(module.named_parameters(recurse=False))
+            if not local:
+                continue
+        mine = {k: p for k, p in local.items() if id(p) not in seen}
+        seen.update(id(p) for p in local.values())
+        layers.append(LayerSpec(name or ROOT_LAYER, module, mine))
+    return layers
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Children of ModuleLists/Sequentials whose members all share one class: a transformer's blocks."""
+    blocks = []
+    for module in model.modules():
+        children = list(module.children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 1 and \
+                len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters()):
+            if not any(any(c is m for m in b.modules()) for b in blocks for c in children):
+                blocks.extend(children)
+    return blocks
+
+
+class CpuClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def finish(self) -> None:
+        pass
+
+
+class CudaClock:
+    """CUDA events recorded in stream order; read once, after the last step (no sync inside a step)."""
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def finish(self) -> None:
+        torch.cuda.synchronize()
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Tokens of one forward+backward; layer indices are positions in the profiler's layer list."""
+
+    start: Any
+    forward_end: Any = None
+    intervals: list = field(default_factory=list)  # (layer, start token, end token, nesting depth)
+    fp_end: dict[int, Any] = field(default_factory=dict)
+    grad_ready: dict[int, Any] = field(default_factory=dict)
+    first_unpack: dict[int, Any] = field(default_factory=dict)
+    saved_bytes: Counter = field(default_factory=Counter)
+    owner: dict[int, int] = field(default_factory=dict)  # storage -> layer that saved it last
+    backward_end: Any = None
+    order: list[int] = field(default_factory=list)  # layers in the order their forward started
+
+
+class LayerProfiler:
+    """Hooks on one model; every forward with grad enabled while attached is recorded as a MicroBatch."""
+
+    def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock):
+        self.model, self.layers, self.clock = model, layers, clock
+        self.index = {id(layer.module): i for i, layer in enumerate(layers)}
+        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.micro_batches: list[MicroBatch] = []
+        self.current: MicroBatch | None = None  # the micro-batch whose forward is running
+        self.last_forward: MicroBatch | None = None  # the one whose backward runs next
+        self.stack: list[list] = []  # [layer, start token, child count] of layers running
+        self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
+        self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.hook_s = 0.0  # time spent inside these hooks: the profiler's own cost
+        self.handles: list = []
+
+    def attach(self) -> None:
+        self.handles = [self.model.register_forward_pre_hook(self._forward_start),
+                        self.model.register_forward_hook(self._forward_end, always_call=True)]
+        for layer in self.layers:
+            self.handles += [layer.module.register_forward_pre_hook(self._layer_start),
+                             layer.module.register_forward_hook(self._layer_end)]
+        self.handles += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
+                         for p in self.model.parameters() if p.requires_grad]
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    # -- forward ---------------------------------------------------------------------------------------------
+
+    def _forward_start(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation forwards are not training micro-batches
+        t = time.perf_counter()
+        self.current = MicroBatch(start=self.clock.mark())
+        self.micro_batches.append(self.current)
+        self.stack, self.last_ended = [], -2
+        self.saved_hooks.__enter__()
+        self.hook_s += time.perf_counter() - t
+
+    def _forward_end(self, module, args, output) -> None:
+        if self.current is None:
+            return
+        self.saved_hooks.__exit__(None, None, None)
+        self.current.forward_end = self.clock.mark()
+        self.last_forward, self.current = self.current, None
+
+    def _layer_start(self, module, args) -> None:
+        mb = self.current
+        if mb is None:
+            return
+        t = time.perf_counter()
+        i = self.index[id(module)]
+        if i not in mb.order:
+            mb.order.append(i)
+        self.stack.append([i, self.clock.mark(), len(self.stack)])
+        self.hook_s += time.perf_counter() - t
+
+    def _layer_end(self, module, args, output) -> None:
+        mb = self.current
+        if mb is None or not self.stack:
+            return
+        t = time.perf_counter()
+        i, start, depth = self.stack.pop()
+        end = self.clock.mark()
+        mb.intervals.append((i, start, end, depth))
+        mb.fp_end[i] = end
+        self.last_ended = i
+        for grad_fn in {o.grad_fn for o in _tensors(output) if o.grad_fn is not None}:
+            grad_fn.register_prehook(self._grad_ready_hook(mb, i))
+        self.hook_s += time.perf_counter() - t
+
+    # -- saved tensors and backward ----------------------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor) -> tuple:
+        t = time.perf_counter()
+        mb = self.current
+        storage, nbytes = _storage(tensor)
+        if mb is None or storage in self.param_storages:
+            layer = -1
+        else:
+            layer = self.stack[-1][0] if self.stack else self.last_ended
+            # A storage saved by several layers belongs to the last: its backward is the first to need it back.
+            previous = mb.owner.get(storage)
+            if previous != layer:
+                if previous is not None:
+                    mb.saved_bytes[previous] -= nbytes
+                mb.owner[storage] = layer
+                mb.saved_bytes[layer] += nbytes
+        self.hook_s += time.perf_counter() - t
+        return mb, layer, tensor
+
+    def _unpack(self, packed: tuple) -> torch.Tensor:
+        mb, layer, tensor = packed
+        if layer >= 0 and layer not in mb.first_unpack:
+            mb.first_unpack[layer] = self.clock.mark()
+        return tensor
+
+    def _grad_ready_hook(self, mb: MicroBatch, layer: int):
+        def hook(grad_outputs):
+            mb.grad_ready.setdefault(layer, self.clock.mark())
+        return hook
+
+    def _grad_accumulated(self, param: nn.Parameter) -> None:
+        if self.last_forward is not None:
+            self.last_forward.backward_end = self.clock.mark()
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory a saved tensor keeps alive."""
+    try:
+        s = tensor.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without plain storage (e.g. some subclasses)
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+# -- from tokens to a profile's layers -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    layers: list[Layer]  # forward order
+    forward_s: float  # mean forward time of a micro-batch
+    backward_s: float  # mean backward time of a micro-batch
+    micro_batches: int
+
+
+def summarize(profiler: LayerProfiler) -> Summary:
+    """Layers in forward order, each quantity the mean over the recorded micro-batches."""
+    profiler.clock.finish()
+    per_mb = [_resolve(mb, profiler.clock, len(profiler.layers)) for mb in profiler.micro_batches if mb.backward_end]
+    assert per_mb, "no complete micro-batch was recorded"
+    mean = lambda key, i=None: sum(r[key] if i is None else r[key][i] for r in per_mb) / len(per_mb)  # noqa: E731
+    layers = []
+    for i in profiler.micro_batches[0].order:
+        spec = profiler.layers[i]
+        layers.append(Layer(
+            name=spec.name, type=type(spec.module).__name__,
+            num_params=sum(p.numel() for p in spec.params.values()),
+            params={k: p.numel() * p.element_size() for k, p in spec.params.items()},
+            fp_s=measured(mean("fp", i)), bp_s=measured(mean("bp", i)),
+            fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
+            saved_bytes=round(mean("saved", i)), fp_end_s=measured(mean("fp_end", i)),
+            bp_start_s=measured(mean("bp_start", i))))
+    return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
+
+
+def _resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:
+    """One micro-batch in seconds from its forward start."""
+    sec = lambda token: clock.seconds(mb.start, token)  # noqa: E731
+    fp = dict.fromkeys(range(n), 0.0)
+    open_children: dict[int, float] = {}  # depth -> time spent by finished layers nested at that depth
+    for i, start, end, depth in mb.intervals:  # in end order: children end before their parents
+        duration = clock.seconds(start, end)
+        fp[i] += duration - open_children.pop(depth + 1, 0.0)
+        open_children[depth] = open_children.get(depth, 0.0) + duration
+    end = sec(mb.backward_end)
+    bp_start = {i: sec(mb.first_unpack.get(i, mb.grad_ready.get(i, mb.backward_end))) for i in range(n)}
+    starts = sorted(set(bp_start.values()) | {end})
+    following = {s: next((t for t in starts if t > s), end) for s in starts}
+    return {
+        "fp": fp, "fp_end": {i: sec(mb.fp_end[i]) if i in mb.fp_end else 0.0 for i in range(n)},
+        "bp_start": bp_start, "bp": {i: following[bp_start[i]] - bp_start[i] for i in range(n)},
+        "saved": {i: mb.saved_bytes[i] + (mb.saved_bytes[-2] if i == (mb.order or [0])[0] else 0)
+                  for i in range(n)},
+        "forward": sec(mb.forward_end), "backward": end - min(bp_start.values(), default=end),
+    }

@@ -1,0 +1,177 @@
+"""`hetero profile`: run the user's script for warm-up plus measured steps, then measure the machine.
+
+Phases: capture the model and optimizer at the first `optimizer.step()`; run the warm-up steps untouched; attach
+the layer profiler for the measured steps; stop the script; measure the machine; assemble the Profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hetero.errors import FAILURE, USAGE, HeteroError
+from hetero.profile import machine
+from hetero.profile.capture import Capture, fingerprint
+from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
+from hetero.units import measured
+from hetero.profile.schema import Layer, ModelInfo, Profile, Training
+from hetero.run.bootstrap import StopScript, run_script
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileOptions:
+    steps: int = 5  # optimizer steps measured
+    warmup: int = 2  # optimizer steps run first, unmeasured (the model is found during the first)
+    granularity: str = "module"
+    nvme_dir: str | None = None  # where to measure the disk tier; a temporary folder by default
+    model_name: str | None = None  # `--model`: which of several candidate models to profile
+
+    def check(self) -> None:
+        if self.warmup < 1:
+            raise HeteroError(f"--warmup {self.warmup}: need at least 1 warm-up step",
+                              hint="hetero finds the model during the first optimizer step", exit_code=USAGE)
+        if self.steps < 1:
+            raise HeteroError(f"--steps {self.steps}: need at least 1 measured step", exit_code=USAGE)
+        if self.granularity not in ("module", "block"):
+            raise HeteroError(f"--granularity {self.granularity}: expected module or block", exit_code=USAGE)
+
+
+def profile_script(script: str, args: list[str], options: ProfileOptions,
+                   progress: Progress | None = None) -> Profile:
+    """Profile `script args`: its layers, then the machine. HeteroError if it crashes or ends too early."""
+    run = measure_script(script, args, options, progress)
+    return Profile(model=run.model, training=run.training, layers=run.layers,
+                   machine=machine.measure(run.device, options.nvme_dir, progress),
+                   unmeasured=machine.unmeasured(run.device))
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptMeasurement:
+    model: ModelInfo
+    training: Training
+    layers: list[Layer]
+    device: torch.device
+
+
+def measure_script(script: str, args: list[str], options: ProfileOptions,
+                   progress: Progress | None = None) -> ScriptMeasurement:
+    """Run the script for warm-up plus measured steps and measure its layers."""
+    options.check()
+    session = _Session(options, progress or (lambda *a: None))
+    with Capture(session.found, script, options.model_name), _watch_clipping() as clips:
+        result = run_script(script, args)
+    if not result.stopped:
+        raise _ended_early(result.exit_code, session.steps_done, options)
+    summary = summarize(session.profiler)
+    return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
+                             training=session.training(summary, clips_grad=clips["calls"] > 0),
+                             layers=summary.layers, device=session.device)
+
+
+class _Session:
+    """The hooks that follow the script's optimizer steps and switch the layer profiler on and off."""
+
+    def __init__(self, options: ProfileOptions, progress: Progress):
+        self.options, self.progress = options, progress
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.profiler: LayerProfiler | None = None
+        self.device = torch.device("cpu")
+        self.steps_done = 0
+        self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
+        self._start = self._previous_end = None
+
+    def found(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.device = next(model.parameters()).device
+        clock = CudaClock() if self.device.type == "cuda" else CpuClock()
+        self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock)
+        optimizer.register_step_pre_hook(self._step_start)
+        optimizer.register_step_post_hook(self._step_end)
+
+    def _step_start(self, optimizer, args, kwargs) -> None:
+        self._start = self.profiler.clock.mark()
+
+    def _step_end(self, optimizer, args, kwargs) -> None:
+        self.steps_done += 1
+        end = self.profiler.clock.mark()
+        warmup, total = self.options.warmup, self.options.warmup + self.options.steps
+        if self.steps_done > warmup:
+            self.step_marks.append((self._start, end, self._previous_end))
+        self._previous_end = end
+        self.progress("warm-up steps" if self.steps_done <= warmup else "measured steps",
+                      min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
+                      warmup if self.steps_done <= warmup else self.options.steps)
+        if self.steps_done == warmup:
+            self.profiler.attach()
+        elif self.steps_done == total:
+            self.profiler.detach()
+            raise StopScript()
+
+    def training(self, summary: Summary, clips_grad: bool) -> Training:
+        clock, steps = self.profiler.clock, len(self.step_marks)
+        iteration = sum(clock.seconds(prev, end) for _, end, prev in self.step_marks) / steps
+        micro = summary.micro_batches / steps
+        return Training(
+            optimizer=_optimizer_kind(self.optimizer), grad_accumulation=max(1, round(micro)),
+            clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
+            granularity=self.options.granularity, iteration_s=measured(iteration),
+            forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
+            optimizer_step_s=measured(sum(clock.seconds(s, e) for s, e, _ in self.step_marks) / steps),
+            overhead=round(self.profiler.hook_s / (iteration * steps), 4),
+        )
+
+
+def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:
+    owned = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
+    return ModelInfo(fingerprint=fingerprint(model), script=script,
+                     num_params=sum(p.numel() for p in owned.values()), dtype=dtypes.most_common(1)[0][0])
+
+
+def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    return {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optimizer), "other")
+
+
+@contextlib.contextmanager
+def _watch_clipping() -> Iterator[Counter]:
+    """Count calls of torch's gradient clipping while the script runs (it decides whether updates may overlap
+    backward: a clipped update needs every gradient first)."""
+    calls: Counter = Counter()
+    utils, module = torch.nn.utils, torch.nn.utils.clip_grad
+    originals = {name: getattr(utils, name) for name in ("clip_grad_norm_", "clip_grad_value_")}
+
+    def watched(original):
+        def wrapper(*args, **kwargs):
+            calls["calls"] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(utils, name, watched(original))
+        setattr(module, name, getattr(utils, name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(utils, name, original)
+            setattr(module, name, original)
+
+
+def _ended_early(exit_code: int, steps: int, options: ProfileOptions) -> HeteroError:
+    needed = options.warmup + options.steps
+    if exit_code != 0:
+        return HeteroError(f"the script exited with code {exit_code} after {steps} optimizer steps; "
+                           "no profile written", exit_code=exit_code)
+    return HeteroError(
+        f"the script ended after {steps} optimizer step{'s' * (steps != 1)}; hetero profile needs {needed} "
+        f"(--warmup {options.warmup} + --steps {options.steps})",
+        hint="let the script run longer (e.g. pass it a larger step count) or lower --steps/--warmup",
+        exit_code=FAILURE)

@@ -1,0 +1,89 @@
+"""Run a training script we did not write exactly as `python script.py args` would, in this process.
+
+`hetero profile` and `hetero run` install their hooks first, then call `run_script`. The script sees its own
+`sys.argv` and `sys.path[0]`, runs as `__main__`, and its exit code passes through. A crash prints the script's
+traceback starting at the script's own frames (hetero's and runpy's frames are dropped) and gives exit code 1.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetero.errors import USAGE, HeteroError
+
+
+class StopScript(BaseException):
+    """Raised from a hook to end the script early: the profiler has seen enough steps, or hetero found a problem
+    (`error`) that `run_script` re-raises once it is outside the script.
+
+    A BaseException so that the script's own `except Exception:` cannot swallow it; its `finally` blocks run.
+    """
+
+    def __init__(self, error: HeteroError | None = None):
+        super().__init__(error.message if error else "stop")
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptResult:
+    exit_code: int
+    stopped: bool  # ended by StopScript rather than by running to its end
+
+
+def script_argv(script: str, args: list[str]) -> list[str]:
+    """`sys.argv` the script sees: its path, then its arguments, without a `--` that only separated them."""
+    if args[:1] == ["--"]:
+        args = args[1:]
+    return [script, *args]
+
+
+def check_script(script: str) -> Path:
+    path = Path(script)
+    if not path.is_file():
+        hint = "give the path of a Python training script, e.g. examples/train_gpt.py"
+        raise HeteroError(f"no such script: {script}", hint=hint, exit_code=USAGE)
+    return path
+
+
+def run_script(script: str, args: list[str]) -> ScriptResult:
+    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates."""
+    path = check_script(script)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = script_argv(script, args)
+    sys.path[:1] = [str(path.resolve().parent)]  # as `python script.py` does: the script's folder comes first
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        return ScriptResult(0, stopped=False)
+    except StopScript as stop:
+        if stop.error is not None:
+            raise stop.error from None
+        return ScriptResult(0, stopped=True)
+    except SystemExit as e:
+        return ScriptResult(_exit_code(e), stopped=False)
+    except Exception as e:
+        _print_script_traceback(e, path)
+        return ScriptResult(1, stopped=False)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _exit_code(e: SystemExit) -> int:
+    """What the interpreter would exit with for `sys.exit(e.code)`."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _print_script_traceback(e: BaseException, path: Path) -> None:
+    script = str(path.resolve())
+    tb = e.__traceback__
+    while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb or e.__traceback__)

@@ -1,0 +1,73 @@
+"""`hetero profile` end to end: the example script into a profile `hetero check` accepts."""
+
+import json
+import os
+
+import pytest
+
+from hetero import files
+from hetero.cli.main import main
+from hetero.profile.schema import Profile
+from tests.conftest import REPO
+from tests.profile import scripts
+
+SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--n-layer", "2", "--n-embd", "64", "--vocab", "256",
+             "--seq-len", "32", "--steps", "50"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("p")
+    nvme = out / "disk"
+    code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
+                 *SMALL_GPT])
+    return code, out, nvme
+
+
+def test_profile_of_the_example_is_valid(profiled, capsys):
+    code, out, nvme = profiled
+    assert code == 0
+    assert main(["check", str(out / "profile.yaml")]) == 0
+    profile = files.load(out / "profile.yaml", expect=Profile)
+    assert [layer.name for layer in profile.layers][:4] == ["wte", "wpe", "h.0.ln_1", "h.0.attn.c_attn"]
+    assert profile.machine.gpu is None and profile.unmeasured["machine.gpu"] == "no CUDA device in use"
+    assert [t.kind for t in profile.machine.tiers] == ["dram", "nvme"]
+    nvme_tier = profile.machine.tiers[1]
+    assert nvme_tier.path == str(nvme) and all(p.time_s > 0 for p in nvme_tier.read + nvme_tier.write)
+    assert profile.machine.cpu.dram_bandwidth_bytes_per_s > 1e9
+    assert 0 <= profile.training.overhead < 0.5
+
+
+def test_the_disk_probe_leaves_nothing_behind(profiled):
+    _, _, nvme = profiled
+    assert not nvme.exists() or os.listdir(nvme) == []
+
+
+def test_json_goes_to_stdout_and_the_scripts_output_to_stderr(tmp_path, capfd):
+    path = scripts.write(tmp_path, scripts.LOOP)
+    assert main(["profile", "--json", "--steps", "1", "--warmup", "1", "-o", str(tmp_path / "p.yaml"), path]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["layers"][0]["name"] == "body.0"
+    assert "finished" not in out
+
+
+def test_a_crashing_script_exits_1_with_its_own_traceback(tmp_path, capfd):
+    path = scripts.write(tmp_path, """
+        model = Net(); opt = torch.optim.AdamW(model.parameters())
+        def train_step():
+            raise RuntimeError("CUDA out of patience")
+        train_step()
+    """)
+    assert main(["profile", "-o", str(tmp_path / "p.yaml"), path]) == 1
+    out, err = capfd.readouterr()
+    assert f'File "{path}", line' in err and "in train_step" in err
+    assert "hetero/" not in err.split("RuntimeError")[0]
+    assert err.splitlines()[-1] == ("error: the script exited with code 1 after 0 optimizer steps; "
+                                   "no profile written")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_arguments_after_the_script_reach_it_untouched(tmp_path, capfd):
+    path = scripts.write(tmp_path, "print('ARGV', sys.argv[1:]); raise SystemExit(5)\n")
+    assert main(["profile", path, "--steps", "9", "--help", "-o", "x"]) == 5
+    assert "ARGV ['--steps', '9', '--help', '-o', 'x']" in capfd.readouterr().out

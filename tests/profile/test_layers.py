@@ -1,0 +1,95 @@
+"""The layer profiler against what we know independently about a small model."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetero.profile.layers import select_layers
+from hetero.profile.profiler import ProfileOptions, measure_script
+from tests.profile import scripts
+
+
+def independent_saved_bytes(model, x, y) -> int:
+    """Bytes autograd keeps for one forward, counted with our own hooks: distinct storages, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(seen.values())
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    path = scripts.write(tmp_path_factory.mktemp("s"), scripts.LOOP)
+    return measure_script(path, [], ProfileOptions(steps=3, warmup=1))
+
+
+def test_layers_are_the_parameter_owners_in_forward_order(measured):
+    assert [layer.name for layer in measured.layers] == ["body.0", "body.2", "norm", "head"]
+    assert [layer.type for layer in measured.layers] == ["Linear", "Linear", "LayerNorm", "Linear"]
+
+
+def test_parameter_bytes_are_exact(measured):
+    width = 32
+    expected = {"body.0": (16 * width + width) * 4, "body.2": (width * width + width) * 4,
+                "norm": 2 * width * 4, "head": (width * 4 + 4) * 4}
+    assert {layer.name: layer.params_bytes for layer in measured.layers} == expected
+    assert measured.layers[0].params == {"weight": 16 * width * 4, "bias": width * 4}
+    assert measured.model.num_params == sum(expected.values()) // 4
+
+
+def test_saved_bytes_equal_an_independent_count(measured, tmp_path):
+    sys.path.insert(0, str(tmp_path))
+    namespace: dict = {}
+    exec(compile(scripts.HEADER, "net", "exec"), namespace)
+    model = namespace["Net"]()
+    total = independent_saved_bytes(model, torch.randn(8, 16), torch.randint(4, (8,)))
+    assert sum(layer.saved_bytes for layer in measured.layers) == total
+    assert all(layer.saved_bytes > 0 for layer in measured.layers)
+
+
+def test_every_time_is_positive_and_idle_time_shrinks_towards_the_last_layer(measured):
+    for layer in measured.layers:
+        assert layer.fp_s > 0 and layer.bp_s > 0 and layer.fp_end_s > 0 and layer.bp_start_s > 0, layer
+    idle = [layer.bp_start_s - layer.fp_end_s for layer in measured.layers]
+    assert all(a > b > 0 for a, b in zip(idle, idle[1:])), idle
+    t = measured.training
+    assert t.iteration_s > t.forward_s > 0 and t.backward_s > 0 and t.optimizer_step_s > 0
+    assert (t.steps_measured, t.warmup_steps, t.optimizer) == (3, 1, "adamw")
+
+
+def test_gradient_accumulation_and_clipping_are_detected(tmp_path):
+    path = scripts.write(tmp_path, scripts.LOOP)
+    plain = measure_script(path, [], ProfileOptions(steps=2, warmup=1)).training
+    assert (plain.grad_accumulation, plain.clips_grad) == (1, False)
+    accum = measure_script(path, ["--accum", "4", "--clip", "1.0"], ProfileOptions(steps=2, warmup=1)).training
+    assert (accum.grad_accumulation, accum.clips_grad) == (4, True)
+    assert torch.nn.utils.clip_grad_norm_.__name__ == "clip_grad_norm_"  # the watch is undone afterwards
+
+
+def test_block_granularity_measures_repeated_blocks():
+    gpt = _gpt()
+    model = gpt.GPT(vocab=64, block_size=8, n_layer=3, n_embd=16, n_head=2)
+    layers = select_layers(model, "block")
+    assert [layer.name for layer in layers] == ["wte", "wpe", "h.0", "h.1", "h.2", "ln_f", "lm_head"]
+    assert sum(p.numel() for layer in layers for p in layer.params.values()) == \
+        sum(p.numel() for p in model.parameters())
+    assert layers[-1].params == {}  # lm_head's weight is tied to wte's, counted once
+
+
+def _gpt():
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "examples"))
+    import train_gpt
+
+    return train_gpt
