@@ -1,0 +1,351 @@
+"""NVMe store: tensors that fit in no faster tier, kept in files of one directory (paper §5.3: optimizer state
+that overflows the AXDIMM; later also evicted activations).
+
+Rules the store keeps:
+- Files are private (mode 0600) and named by the store; keys never reach the file system.
+- A write goes to a new file and replaces the key's previous file only once complete. A failed write (a full disk)
+  therefore loses nothing: its half-written file is removed and the previous version stays readable.
+- Operations on one key run in the order they were submitted; each waits for the key's previous one. So a read
+  submitted after a write returns exactly the written data, never a half-written buffer.
+- Like an asynchronous CUDA copy, a write's tensor must stay alive and unchanged, and a read's `out` must not be
+  used, until the handle is done. The caller keeps the tensor, so a failed write leaves it where it was.
+- I/O bypasses the page cache (O_DIRECT, through a 4 KiB-aligned bounce buffer per worker) where the file system
+  allows: cached writes look fast but free no memory, which defeats the point of offloading. `direct` says which.
+- Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
+  and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
+
+torch is not imported here: tensors are recognised only when the caller has imported torch (numpy arrays work too).
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import itertools
+import os
+import queue
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero.errors import HeteroError
+
+_BLOCK = 4096  # O_DIRECT alignment of buffer, offset and length; a multiple of every common logical block size
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+class Handle:
+    """Completion of one asynchronous operation: `done()` polls; `wait()` blocks and re-raises the operation's error."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[Any]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._future.result(timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class _File:
+    path: Path
+    nbytes: int
+
+
+class NvmeStore:
+    """Tensors by key in files under `directory` (created, with its missing parents, and removed at close if absent).
+
+    `workers` threads do the I/O; `chunk_bytes` is each one's bounce buffer (and the size of one system call).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
+                 direct: bool = True) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % _BLOCK:
+            raise HeteroError(f"NVMe chunk size {chunk_bytes} bytes", hint=f"use a positive multiple of {_BLOCK}")
+        self.directory = Path(directory)
+        self._made_dirs = _make_dirs(self.directory)
+        self._prefix = f"hetero-{os.getpid()}-{secrets.token_hex(4)}-"  # two stores may share a directory
+        self._chunk = chunk_bytes
+        try:
+            self.direct = direct and _direct_io_works(self.directory / f"{self._prefix}probe")
+        except BaseException:
+            _remove_dirs(self._made_dirs)
+            raise
+        self._bounce: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for _ in range(workers if self.direct else 0):
+            self._bounce.put(_aligned_buffer(chunk_bytes))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hetero-nvme")
+        self._lock = threading.Lock()  # guards the four fields below; worker threads update them
+        self._files: dict[str, _File] = {}
+        self._created: set[Path] = set()  # every file made and not yet removed, whatever state it is in
+        self._tail: dict[str, Future[None]] = {}  # each key's last submitted operation
+        self._seq = itertools.count()
+        self._closed = False
+        _OPEN.add(self)
+
+    def __repr__(self) -> str:
+        return f"NvmeStore({str(self.directory)!r}, {'direct' if self.direct else 'buffered'} I/O, {len(self)} keys)"
+
+    def __enter__(self) -> NvmeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._files
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the complete versions held (not counting block padding or writes in flight)."""
+        with self._lock:
+            return sum(f.nbytes for f in self._files.values())
+
+    def write_async(self, key: str, tensor: Any) -> Handle:
+        """Store a contiguous CPU tensor (or numpy array) under `key`, replacing any previous version when done."""
+        src = _byte_view(tensor, writable=False)
+        path = self.directory / f"{self._prefix}{next(self._seq)}.bin"
+        return self._submit(key, lambda: self._write(key, src, path))
+
+    def read_async(self, key: str, out: Any) -> Handle:
+        """Fill the preallocated contiguous CPU tensor (or numpy array) `out` with the data stored under `key`."""
+        dst = _byte_view(out, writable=True)
+        with self._lock:
+            if key not in self._files and key not in self._tail:
+                raise KeyError(f"nothing stored under {key!r}")
+        return self._submit(key, lambda: self._read(key, dst))
+
+    def delete(self, key: str) -> None:
+        """Remove `key`'s data, after the key's operations in flight have finished."""
+        self._submit(key, lambda: self._delete(key)).wait()
+
+    def close(self) -> None:
+        """Finish the operations in flight, drop those queued, remove every file and any directory the store made.
+
+        Idempotent, and safe to call again after an interrupted call: it removes whatever is left."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            leftover = list(self._created)
+            self._files.clear()
+        for path in leftover:
+            self._remove(path)
+        _remove_dirs(self._made_dirs)
+        self._made_dirs = []
+        _OPEN.discard(self)
+
+    # -- worker side -----------------------------------------------------------------------------------------
+
+    def _submit(self, key: str, job: Callable[[], None]) -> Handle:
+        with self._lock:
+            if self._closed:
+                raise HeteroError(f"the NVMe store in {self.directory} is closed", hint="open a new NvmeStore")
+            previous = self._tail.get(key)
+            future = self._pool.submit(_after, previous, job)
+            self._tail[key] = future
+        future.add_done_callback(lambda f: self._forget(key, f))
+        return Handle(future)
+
+    def _forget(self, key: str, future: Future[None]) -> None:
+        with self._lock:
+            if self._tail.get(key) is future:
+                del self._tail[key]
+
+    def _write(self, key: str, src: np.ndarray, path: Path) -> None:
+        with self._lock:
+            self._created.add(path)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._direct_flag(), 0o600)
+            try:
+                os.fchmod(fd, 0o600)  # the umask may only clear bits; make the mode exact
+                self._write_chunks(fd, src)
+            finally:
+                os.close(fd)
+        except BaseException as e:
+            self._remove(path)
+            if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                raise _no_space(self.directory, src.nbytes) from e
+            raise
+        with self._lock:
+            old = self._files.get(key)
+            self._files[key] = _File(path, src.nbytes)
+        if old is not None:
+            self._remove(old.path)
+
+    def _write_chunks(self, fd: int, src: np.ndarray) -> None:
+        if not self.direct:
+            for offset in range(0, src.nbytes, self._chunk):
+                _pwrite_all(fd, src[offset:offset + self._chunk], offset)
+            return
+        bounce = self._bounce.get()
+        try:
+            for offset in range(0, src.nbytes, self._chunk):
+                n = min(self._chunk, src.nbytes - offset)
+                padded = -(-n // _BLOCK) * _BLOCK
+                bounce[:n] = src[offset:offset + n]
+                bounce[n:padded] = 0  # only the last chunk is short; its padding is never read back
+                _pwrite_all(fd, bounce[:padded], offset)
+        finally:
+            self._bounce.put(bounce)
+
+    def _read(self, key: str, dst: np.ndarray) -> None:
+        with self._lock:
+            stored = self._files.get(key)
+        if stored is None:
+            raise KeyError(f"nothing stored under {key!r} (its write failed or it was deleted)")
+        if stored.nbytes != dst.nbytes:
+            raise ValueError(f"{key!r} holds {stored.nbytes} bytes; the output buffer has {dst.nbytes}")
+        fd = os.open(stored.path, os.O_RDONLY | self._direct_flag())
+        try:
+            self._read_chunks(fd, dst)
+        finally:
+            os.close(fd)
+
+    def _read_chunks(self, fd: int, dst: np.ndarray) -> None:
+        bounce = self._bounce.get() if self.direct else None
+        try:
+            for offset in range(0, dst.nbytes, self._chunk):
+                n = min(self._chunk, dst.nbytes - offset)
+                if bounce is None:
+                    _pread_exact(fd, dst[offset:offset + n], offset)
+                else:
+                    _pread_exact(fd, bounce[:-(-n // _BLOCK) * _BLOCK], offset)
+                    dst[offset:offset + n] = bounce[:n]
+        finally:
+            if bounce is not None:
+                self._bounce.put(bounce)
+
+    def _delete(self, key: str) -> None:
+        with self._lock:
+            stored = self._files.pop(key, None)
+        if stored is None:
+            raise KeyError(f"nothing stored under {key!r}")
+        self._remove(stored.path)
+
+    def _remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._created.discard(path)
+
+    def _direct_flag(self) -> int:
+        return os.O_DIRECT if self.direct else 0
+
+
+def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
+    # Never deadlocks: the pool's queue is FIFO, so `previous` (submitted earlier) was taken by a worker before
+    # this job was, and it waits on nothing submitted later. Its failure does not stop this job (a read after a
+    # failed write returns the previous version).
+    if previous is not None:
+        wait_all([previous])
+    job()
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = data.data.cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _pread_exact(fd: int, out: np.ndarray, offset: int) -> None:
+    view = out.data.cast("B")
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise OSError(errno.EIO, f"NVMe store file ended {len(view)} bytes early")
+        view, offset = view[got:], offset + got
+
+
+def _byte_view(x: Any, *, writable: bool) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor or numpy array as a flat uint8 array sharing its memory."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"the NVMe store takes contiguous CPU tensors, not a {x.device} tensor with strides "
+                             f"{x.stride()}")
+        x = x.detach().reshape(-1).view(torch.uint8).numpy()
+    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or (writable and not x.flags.writeable):
+        raise ValueError(f"the NVMe store takes contiguous{' writable' if writable else ''} tensors, not {type(x)}")
+    return x.reshape(-1).view(np.uint8)
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + _BLOCK, dtype=np.uint8)
+    start = -raw.ctypes.data % _BLOCK
+    buffer = raw[start:start + nbytes]
+    buffer.fill(0)  # first touch now, not inside the first timed write
+    return buffer
+
+
+def _direct_io_works(probe: Path) -> bool:
+    """Whether this file system takes aligned O_DIRECT writes (tmpfs before Linux 6.6 and some FUSE ones do not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        try:
+            _pwrite_all(fd, _aligned_buffer(_BLOCK), 0)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        if e.errno in _NO_SPACE:
+            raise _no_space(probe.parent, _BLOCK) from e
+        raise HeteroError(f"cannot write in {probe.parent}: {e.strerror}",
+                          hint="point --nvme to a writable directory") from e
+    return True
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    """Create `directory` and its missing parents (mode 0700); return those created, outermost first."""
+    missing = [p for p in [directory, *directory.parents] if not p.exists()][::-1]
+    made: list[Path] = []
+    try:
+        for path in missing:
+            path.mkdir(mode=0o700)
+            made.append(path)
+    except OSError as e:
+        _remove_dirs(made)
+        raise HeteroError(f"cannot create the NVMe directory {directory}: {e.strerror}",
+                          hint="point --nvme to a writable directory") from e
+    return missing
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    for directory in reversed(made):
+        try:
+            directory.rmdir()
+        except OSError:  # someone else put files there meanwhile: leave it, and them
+            return
+
+
+def _no_space(directory: Path, nbytes: int) -> HeteroError:
+    return HeteroError(f"no space left in {directory} for {nbytes} bytes",
+                       hint="free space or point --nvme elsewhere")
+
+
+_OPEN: set[NvmeStore] = set()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Stores the program never closed (an exception or Ctrl-C unwound past them): their files must not outlive us.
+    for store in list(_OPEN):
+        store.close()
