@@ -141,8 +141,31 @@ def measure_nvme(nvme_dir: str | None) -> Tier:
     return Tier(name="nvme0", kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write)
 
 
-def measure_axdimm() -> Axdimm | None:
-    return None
+def measure_axdimm(channels: int = 2, numel: int = 4 * 2**20) -> Axdimm:
+    """The emulated AXDIMM: its nominal capacity and one channel's measured Adam rate (through the device API, mode
+    switches included, as the runtime will drive it)."""
+    from hetero.kernels.adam import Hyperparameters
+    from hetero.run.devices.axdimm import EmulatedAxdimm
+
+    with EmulatedAxdimm(channel_capacity_bytes=4 * numel * 4 + 4096, channels=1) as device:
+        buffers = [device.malloc(numel * 4, channel=0) for _ in range(4)]
+        device.memcpy(buffers[3], torch.full((numel,), 1e-3), numel * 4)
+        hp = Hyperparameters(decoupled_weight_decay=True)
+
+        def update() -> None:
+            device.set_arbiter(0, "acceleration")
+            device.run_adam_async(*buffers, hyperparameters=hp, step=1, channel=0).wait()
+            device.set_arbiter(0, "normal")
+
+        rate = numel / median_time(update, repeats=5)
+    return Axdimm(backend="emulated", channels=channels, channel_capacity_bytes=emulated_channel_capacity(channels),
+                  adam_params_per_s=measured(rate))
+
+
+def emulated_channel_capacity(channels: int) -> int:
+    """Nominal capacity of an emulated channel: the paper's 8 GiB, or a quarter of free host memory shared by the
+    channels when that is less (the emulation holds the DIMM's memory in host DRAM)."""
+    return min(8 * GiB, _meminfo("MemAvailable") // 4 // channels) // MiB * MiB
 
 
 # -- gpu -----------------------------------------------------------------------------------------------------------

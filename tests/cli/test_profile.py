@@ -35,6 +35,8 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     nvme_tier = profile.machine.tiers[1]
     assert nvme_tier.path == str(nvme) and all(p.time_s > 0 for p in nvme_tier.read + nvme_tier.write)
     assert profile.machine.cpu.dram_bandwidth_bytes_per_s > 1e9
+    axdimm = profile.machine.axdimm
+    assert axdimm.backend == "emulated" and axdimm.channels == 2 and axdimm.adam_params_per_s > 1e7
     assert 0 <= profile.training.overhead < 0.5
 
 
