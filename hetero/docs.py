@@ -37,7 +37,7 @@ def _classes(cls: type, where: str, out: list[str], seen: set[type]) -> None:
     out.append("| --- | --- | --- |")
     nested = []
     for spec in specs(cls):
-        key = f"`# why:` comment" if spec.comment else f"`{spec.key}`"
+        key = "`# why:` comment" if spec.comment else f"`{spec.key}`"
         value = describe(spec) + ("" if spec.required or spec.comment else " (optional)")
         out.append(f"| {key} | {value} | {spec.doc.replace('|', '/')} |")
         inner = _schema_of(spec.type)

@@ -66,7 +66,12 @@ class Unit:
         if value is None:
             return "-"
         scale, word = self._rung(value)
-        return _significant(value, scale, digits) + word
+        text = _significant(value, scale, digits)
+        up = next((rung for rung in self.ladder if rung[0] > scale), None)
+        if up is not None and Decimal(text) * scale >= up[0]:  # 999.9999us rounds to "1ms", not to "1000us"
+            scale, word = up
+            text = _significant(value, scale, digits)
+        return text + word
 
     def _rung(self, value: int | float) -> tuple[Decimal, str]:
         if value == 0:  # "0s", not "0ns"

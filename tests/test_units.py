@@ -76,3 +76,5 @@ def test_format_short_rounds_for_tables():
     assert SIZE.format_short(40474214) == "38.6MiB"
     assert TIME.format_short(1 / 3) == "333ms"
     assert TIME.format_short(None) == "-"
+    assert TIME.format_short(0.000999999999) == "1ms"
+    assert SIZE.format_short(2**30) == "1GiB"

@@ -10,7 +10,7 @@ import traceback
 import typer
 
 from hetero import __version__
-from hetero.cli import check, profile, show
+from hetero.cli import check, plan, profile, run, show
 from hetero.errors import INTERRUPTED, FileProblems, HeteroError, Interrupted
 
 app = typer.Typer(
@@ -42,6 +42,8 @@ def _options(
 
 check.register(app)
 profile.register(app)
+plan.register(app)
+run.register(app)
 show.register(app)
 
 

@@ -16,14 +16,21 @@ from rich.table import Table
 from hetero import files
 from hetero.fields import FieldSpec, is_schema, specs, strip_optional
 from hetero.profile.schema import CurvePoint
-from hetero.units import RATE
+from hetero.units import RATE, TIME
 
 
 def show(
     path: Path = typer.Argument(..., metavar="FILE", help="A profile or plan file."),
     as_json: bool = typer.Option(False, "--json", help="Print the parsed file as JSON (base units) on stdout."),
+    timeline: bool = typer.Option(False, "--timeline", help="Write a plan's predicted iteration as a Chrome/Perfetto "
+                                                            "trace (simulated from the profile the plan names)."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Where --timeline writes (default: "
+                                                                     "predicted.json)."),
 ) -> None:
     """Show a profile or plan: a table per section (layers, tiers, schedule, predictions)."""
+    if timeline or output is not None:
+        _timeline(path, output, timeline)
+        return
     obj = files.load(path)
     if as_json:
         print(json.dumps(files.to_data(obj), indent=2))
@@ -107,7 +114,36 @@ def _cell(value: Any, spec: FieldSpec) -> str:
     return str(value)
 
 
+def _timeline(path: Path, output: Path | None, timeline: bool) -> None:
+    from hetero.errors import STALE_PLAN, USAGE, HeteroError
+    from hetero.plan.schema import Plan
+    from hetero.plan.simulate import chrome_trace
+    from hetero.plan.solve import predict
+    from hetero.profile.schema import Profile
+
+    if not timeline:
+        raise HeteroError("-o is only used with --timeline", hint=f"hetero show --timeline {path} -o {output}",
+                          exit_code=USAGE)
+    plan = files.load(path, expect=Plan)
+    source = Path(plan.source.profile)
+    if not source.exists():
+        raise HeteroError(f"{path} was planned from {source}, which does not exist here; the timeline is simulated "
+                          f"from it", hint=f"run this where `hetero plan` ran, or re-plan: "
+                                           f"hetero plan --profile PROFILE -o {path}")
+    profile = files.load(source, expect=Profile)
+    if files.content_sha256(profile) != plan.source.profile_sha256:
+        raise HeteroError(f"{source} changed since {path} was planned from it", exit_code=STALE_PLAN,
+                          hint=f"re-plan: hetero plan --profile {source} -o {path}")
+    result = predict(profile, plan, record=True)
+    target = output or Path("predicted.json")
+    try:
+        target.write_text(json.dumps(chrome_trace(result)))
+    except OSError as e:
+        raise HeteroError(f"cannot write {target}: {e.strerror}", hint="pass -o with a writable path") from None
+    print(f"wrote {target}: {len(result.spans)} spans, predicted iteration {TIME.format_short(result.iteration_s)} "
+          f"(open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
 def register(app: typer.Typer) -> None:
-    app.command(name="show", epilog="Example: hetero show plan.yaml   |   hetero show --json profile.yaml | jq .layers")(
-        show
-    )
+    app.command(name="show", epilog="Example: hetero show plan.yaml   |   hetero show --json profile.yaml | jq .layers"
+                                    "   |   hetero show --timeline plan.yaml -o predicted.json")(show)

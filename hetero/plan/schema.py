@@ -38,6 +38,8 @@ class Budget:
     dram_budget_bytes: int | None = doc("Host memory the plan may use; null: what the profile measured.", unit=SIZE)
     reserve: float = doc("GO-MemFerry's reserve factor: the fraction of gradient bytes allowed to stay on the "
                          "GPU (1 keeps all, 0 writes all to host).", ge=0, le=1)
+    grad_grid_bytes: int | None = doc("Step of the size grid the gradient-offload DP solved on (sizes rounded up "
+                                      "to it, the reserve down); null without a GPU.", unit=SIZE, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,6 +80,8 @@ class OptimizerPlan:
     backend: Backend | None = doc("AXDIMM backend (`emulated` here); null for host and gpu.", default=None)
     channels: int | None = doc("AXDIMM channels used; null for host and gpu.", ge=1, default=None)
     overlap_backward: bool = doc("Update each parameter as soon as its gradient is final, during backward.")
+    micro_batches: int = doc("Backward passes per optimizer step (the profile's gradient accumulation); "
+                             "overlapped updates launch on the last.", ge=1, default=1)
     nvme: NvmeOverflow | None = doc("Overflow tier; null when everything fits.", default=None)
     states: list[StatePlacement] = doc("Placement of every parameter's states.", default_factory=list)
     pinned: bool = doc("Keep this section as written when re-planning.", default=False)
@@ -115,11 +119,15 @@ class Eviction:
 class ActivationPlan:
     """Where saved activations wait between a layer's forward and its backward (TierTrain)."""
 
-    fast: str = doc("Tier the layers compute in (a profile tier name).")
+    fast: str = doc("Tier the layers compute in: a profile tier name, or `gpu` for GPU memory.")
     slow: str = doc("Tier evicted tensors wait in.")
+    slow_path: str | None = doc("Directory of the slow tier when it is file-backed (the profile tier's `path`); "
+                                "null for a memory tier, or to let `hetero run` use the system temp directory.",
+                                default=None)
     stay_time_s: float = doc("Least time an evicted tensor stays in the slow tier (TierTrain's ST).", unit=TIME)
     min_tensor_bytes: int = doc("Tensors smaller than this are never evicted.", unit=SIZE)
     schedule: list[Eviction] = doc("Evictions, in forward order.")
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.schedule, "schedule", "layer")
@@ -137,7 +145,8 @@ class RoutingPlan:
     latency_peer: int = doc("Rank whose link has the lowest latency.", ge=0)
     bandwidth_peer: int = doc("Rank whose link has the highest bandwidth.", ge=0)
     shard_bytes: int = doc("Large tensors are split into shards of this size and pipelined.", unit=SIZE)
-    dual_sync_bytes: int = doc("Bytes of the first layers synchronized ahead of the rest (COARSE's m).",
+    dual_sync_bytes: int = doc("Bytes of the first layers' gradients synchronized directly and first, as the "
+                               "next forward needs them first (COARSE's n - m).",
                                unit=SIZE)
     pinned: bool = doc("Keep this section as written when re-planning.", default=False)
     why: str = doc("The numbers behind the decision.", default="", comment=True)
@@ -158,6 +167,8 @@ class Predicted:
     """What the simulator predicts for one iteration under this plan."""
 
     iteration_s: float = doc("Iteration time.", unit=TIME)
+    sync_s: float | None = doc("Gradient synchronization time of one iteration, all tensors summed; null for one "
+                               "process.", unit=TIME, default=None)
     peak_bytes: dict[str, int] = doc("Peak bytes used in each memory tier, by tier name.", unit=SIZE)
     activations: ActivationPrediction | None = doc("Saved-activation residency; null without a schedule.",
                                                    default=None)

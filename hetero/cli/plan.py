@@ -1,0 +1,106 @@
+"""`hetero plan`: solve profile.yaml into plan.yaml, then print a short summary (or the plan as JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hetero import __version__, files
+from hetero.errors import USAGE, HeteroError
+from hetero.plan.schema import ActivationPrediction, Plan
+from hetero.plan.solve import PlanOptions
+from hetero.plan.solve import plan as solve
+from hetero.profile.schema import Profile
+from hetero.units import SIZE, TIME, Unit
+
+
+def plan(
+    profile: Path = typer.Option(Path("profile.yaml"), "--profile", help="The profile to plan from."),
+    output: Path = typer.Option(Path("plan.yaml"), "-o", "--output", help="Where to write the plan."),
+    reserve: float = typer.Option(0.5, "--reserve", help="Fraction of gradient bytes allowed to stay on the GPU."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="GPU memory the plan may use, e.g. 20GiB "
+                                                                     "(default: the whole device)."),
+    dram_budget: str | None = typer.Option(None, "--dram-budget", help="Host memory the plan may use, e.g. 8GiB "
+                                                                       "(default: what the profile measured)."),
+    optimizer_device: str | None = typer.Option(None, "--optimizer-device", metavar="axdimm|host|gpu",
+                                                help="Where Adam runs (default: axdimm if the profile has one, "
+                                                     "else host)."),
+    slow_tier: str | None = typer.Option(None, "--slow-tier", metavar="NAME",
+                                         help="Tier saved activations are evicted to (a tier name in the profile)."),
+    stay_time: str = typer.Option("1ms", "--stay-time", help="Least time an evicted tensor stays in the slow tier."),
+    previous: Path | None = typer.Option(None, "--from", metavar="OLD_PLAN",
+                                         help="Re-plan, keeping the entries marked `pinned: true` in OLD_PLAN."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (base units) instead of a summary."),
+) -> None:
+    """Solve a profile into a plan: per-layer GPU modes, gradient offload, optimizer placement, activation
+    tiering and routing, with the simulator's predicted iteration. Every decision carries a `# why:` comment."""
+    prof = files.load(profile, expect=Profile)
+    options = PlanOptions(profile_path=str(profile), reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory,
+                                                                                                  "--gpu-memory"),
+                          dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"),
+                          optimizer_device=optimizer_device, slow_tier=slow_tier,
+                          stay_time_s=_quantity(TIME, stay_time, "--stay-time"),
+                          previous=files.load(previous, expect=Plan) if previous else None)
+    result = solve(prof, options)
+    header = (f"hetero plan of {profile} ({prof.model.script}), hetero {__version__}.",
+              "Edit freely: `hetero check` validates it; entries marked `pinned: true` survive `hetero plan --from`.")
+    try:
+        files.save(result, output, header)
+    except OSError as e:
+        raise HeteroError(f"cannot write {output}: {e.strerror}", hint="pass -o with a writable path") from None
+    if as_json:
+        print(json.dumps(files.to_data(result), indent=2))
+        return
+    _summary(prof, result, output)
+
+
+def _quantity(unit: Unit, text: str | None, flag: str):
+    if text is None:
+        return None
+    try:
+        return unit.parse(text)
+    except ValueError as e:
+        raise HeteroError(f"{flag}: {e}", hint=f"write it like {flag} {unit.example()}", exit_code=USAGE) from None
+
+
+def _summary(profile: Profile, out: Plan, path: Path) -> None:
+    p = out.predicted
+    table = Table(title=f"wrote {path}", title_justify="left", show_header=False)
+    table.add_row("iteration", f"{TIME.format_short(p.iteration_s)} predicted "
+                               f"({TIME.format_short(profile.training.iteration_s)} profiled)")
+    for tier, used in p.peak_bytes.items():
+        table.add_row(f"peak {tier}", SIZE.format_short(used))
+    if out.layers:
+        modes = {m: sum(x.mode == m for x in out.layers) for m in ("gfgb", "dha", "dfgb")}
+        host = sum(x.grad == "host" for x in out.layers)
+        table.add_row("layers", ", ".join(f"{n} {m}" for m, n in modes.items()) + f"; {host} write gradients to host")
+    if out.optimizer:
+        spill = f", {SIZE.format_short(out.optimizer.nvme.size_bytes)} on NVMe" if out.optimizer.nvme else ""
+        table.add_row("optimizer", f"{out.optimizer.device}{spill}")
+    if out.activations:
+        moved = sum(e.evict_bytes > 0 for e in out.activations.schedule)
+        table.add_row("activations", f"{moved} of {len(out.activations.schedule)} layers evict to "
+                                     f"{out.activations.slow}{_reduction(p.activations)}")
+    if out.routing:
+        table.add_row("routing", f"threshold {SIZE.format_short(out.routing.threshold_bytes)}, shard "
+                                 f"{SIZE.format_short(out.routing.shard_bytes)}")
+    for section, reason in out.omitted.items():
+        table.add_row(section, f"none: {reason}")
+    (Console() if sys.stdout.isatty() else Console(width=160)).print(table)
+
+
+def _reduction(a: ActivationPrediction | None) -> str:
+    if a is None:
+        return ""
+    avg = 1 - a.avg_fast_bytes / a.avg_fast_untiered_bytes if a.avg_fast_untiered_bytes else 0.0
+    peak = 1 - a.peak_fast_bytes / a.peak_fast_untiered_bytes if a.peak_fast_untiered_bytes else 0.0
+    return f"; fast memory -{avg:.0%} on average, -{peak:.0%} at peak"
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="plan", epilog="Example: hetero plan --profile profile.yaml -o plan.yaml --gpu-memory 20GiB")(plan)

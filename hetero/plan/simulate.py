@@ -1,0 +1,318 @@
+"""One predicted iteration under a plan: tasks on lanes (compute, H2D, D2H, optimizer channels, NVMe read/write,
+activation evict/prefetch, sync), each lane serving its tasks in the order they are issued.
+
+Every lane here has a fixed issue order (GFGB copies in forward order, then DFGB copies in backward order, then
+prefetches as backward progresses; gradients in backward order; updates in gradient order), so the simulation is one
+pass over the layers: a task starts when its lane is free and its inputs are ready. The planners call `simulate`
+hundreds of times, so it records spans only when asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from hetero.plan.model import GPU, Choices, Costs, Update, timed
+
+
+@dataclass(kw_only=True, slots=True)
+class Span:
+    lane: str
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Result:
+    iteration_s: float
+    fp_start_s: list[float]
+    fp_end_s: list[float]
+    bp_start_s: list[float]
+    bp_end_s: list[float]
+    stall_s: float  # compute waiting for copies and prefetches
+    nvme_late_s: float  # updates waiting for states read from NVMe
+    peak_bytes: dict[str, int]
+    act_avg_bytes: int
+    act_peak_bytes: int
+    act_avg_untiered_bytes: int
+    act_peak_untiered_bytes: int
+    spans: list[Span]
+    counters: list[tuple[float, str, int]]  # (time, tier, bytes in use) when recorded
+
+
+@dataclass(slots=True)
+class _State:
+    costs: Costs
+    ch: Choices
+    record: bool
+    free: dict[str, float]
+    n: int
+    spans: list[Span] = field(default_factory=list)
+    fp_start: list[float] = field(default_factory=list)
+    fp_end: list[float] = field(default_factory=list)
+    bp_start: list[float] = field(default_factory=list)
+    bp_end: list[float] = field(default_factory=list)
+    load_end: list[float] = field(default_factory=list)
+    evict_start: list[float] = field(default_factory=list)
+    evict_end: list[float] = field(default_factory=list)
+    pf_start: list[float] = field(default_factory=list)
+    pf_end: list[float] = field(default_factory=list)
+    issued: list[bool] = field(default_factory=list)
+    ready: list[float] = field(default_factory=list)
+    staged: deque = field(default_factory=deque)
+    staged_bytes: int = 0
+    opt_end: float = 0.0
+    stall: float = 0.0
+    nvme_late: float = 0.0
+
+    def run(self, lane: str, what: str, i: int, ready: float, duration: float) -> float:
+        """Start layer i's task `what` on `lane` once the lane is free and its input is `ready`; its end time."""
+        start = max(self.free[lane], ready)
+        end = self.free[lane] = start + duration
+        if self.record:
+            self.span(lane, what, i, start, end)
+        return end
+
+    def span(self, lane: str, what: str, i: int, start: float, end: float) -> None:
+        self.spans.append(Span(lane=lane, name=f"{what} {self.costs.layers[i].name}", start_s=start, end_s=end))
+
+
+def simulate(costs: Costs, ch: Choices, record: bool = False, detail: bool = True) -> Result:
+    """The iteration under `ch`. `record` keeps every span for a trace; without `detail` only the iteration time
+    and peak memory are computed (what a search compares), not averages or untiered activations."""
+    n = len(costs.layers)
+    lanes = ["compute", "h2d", "d2h", "evict", "prefetch", "nvme read", "nvme write", "sync", *ch.lanes]
+    if len(ch.evict_s) != n:
+        ch = timed(costs, replace(ch))
+    st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n)
+    for name in ("fp_start", "fp_end", "bp_start", "bp_end", "load_end", "evict_start", "evict_end", "pf_start",
+                 "pf_end", "ready"):
+        setattr(st, name, [0.0] * n)
+    st.issued = [False] * n
+    _forward(st)
+    _dfgb_copies(st)
+    compute_end = _backward(st)
+    end = max(compute_end, st.opt_end, st.free["nvme write"])
+    compute_only = st.bp_end[costs.bp_order[-1]] if n else 0.0
+    iteration = end + costs.tail_s + (costs.micro_batches - 1) * compute_only
+    if record and iteration > end:
+        st.spans.append(Span(lane="compute", name="rest of the step (earlier micro-batches, data, zero_grad, ...)",
+                             start_s=end, end_s=iteration))
+    return _result(st, iteration, detail)
+
+
+def _forward(st: _State) -> None:
+    """GFGB copies start at the iteration start, back to back (MemFerry Fig. 6); DHA/DFGB layers start at once;
+    saved activations are evicted as each layer's forward ends (TierTrain's aggressive eviction)."""
+    costs, ch, gpu = st.costs, st.ch, st.costs.has_gpu
+    loads = gpu and not ch.params_on_gpu
+    for i, layer in enumerate(costs.layers):
+        if loads and ch.modes[i] == "gfgb" and layer.copy_s > 0:
+            st.load_end[i] = st.run("h2d", "copy", i, 0.0, layer.copy_s)
+    evict_lane = "d2h" if gpu else "evict"
+    c = 0.0
+    for i, layer in enumerate(costs.layers):
+        c += layer.fp_gap_s
+        start = max(c, st.load_end[i])
+        st.stall += start - c
+        dha = gpu and not ch.params_on_gpu and ch.modes[i] != "gfgb"
+        c = start + (layer.fp_dha_s if dha else layer.fp_s)
+        st.fp_start[i], st.fp_end[i] = start, c
+        if st.record:
+            st.span("compute", "fp", i, start, c)
+        st.free["compute"] = c
+        if ch.evict_bytes[i] > 0:
+            st.evict_start[i] = max(st.free[evict_lane], c)
+            st.evict_end[i] = st.run(evict_lane, "evict", i, c, ch.evict_s[i])
+
+
+def _dfgb_copies(st: _State) -> None:
+    """DFGB layers go to the GPU after their DHA forward, in the order backward needs them."""
+    if not st.costs.has_gpu or st.ch.params_on_gpu:
+        return
+    for i in st.costs.bp_order:
+        layer = st.costs.layers[i]
+        if st.ch.modes[i] == "dfgb" and layer.copy_s > 0:
+            st.load_end[i] = st.run("h2d", "dfgb copy", i, st.fp_end[i], layer.copy_s)
+
+
+def _backward(st: _State) -> float:
+    costs, ch, gpu = st.costs, st.ch, st.costs.has_gpu
+    by_time = sorted((ch.prefetch_at_s[i], i) for i in range(st.n) if ch.evict_bytes[i] > 0 and ch.trigger[i] is None)
+    by_layer: dict[int, list[int]] = {}  # prefetches one layer's backward start triggers, in their planned order
+    triggered = [i for i in range(st.n) if ch.evict_bytes[i] > 0 and ch.trigger[i] is not None]
+    for i in sorted(triggered, key=lambda i: (ch.prefetch_at_s[i], i)):
+        by_layer.setdefault(ch.trigger[i], []).append(i)
+    next_timed = 0
+    c = st.free["compute"]
+    for i in costs.bp_order:
+        layer = costs.layers[i]
+        c += layer.bp_gap_s
+        start = c
+        if gpu and ch.modes[i] == "dfgb" and not ch.params_on_gpu:
+            start = max(start, st.load_end[i])
+        while next_timed < len(by_time) and by_time[next_timed][0] <= start:
+            _prefetch(st, by_time[next_timed][1], by_time[next_timed][0])
+            next_timed += 1
+        for k in by_layer.get(i, ()):
+            _prefetch(st, k, start)
+        if ch.evict_bytes[i] > 0:
+            _prefetch(st, i, start)  # not triggered yet (a late trigger in an edited plan): fetched on demand
+            start = max(start, st.pf_end[i])
+        st.stall += start - c
+        mode = ch.modes[i] if gpu and not ch.params_on_gpu else "gfgb"
+        c = start + (layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s)
+        st.bp_start[i], st.bp_end[i] = start, c
+        if st.record:
+            st.span("compute", "bp", i, start, c)
+        st.free["compute"] = c
+        st.ready[i] = _gradient_ready(st, i, c)
+        if ch.overlap_backward:
+            c = _updates(st, i, st.ready[i], c)
+    if not ch.overlap_backward:
+        t = max([c, *st.ready])  # clipping needs every gradient before the first update
+        for i in costs.bp_order:
+            c = _updates(st, i, t, c)
+    if ch.step_s:
+        c = max([c, *st.ready]) + ch.step_s
+    return c
+
+
+def _gradient_ready(st: _State, i: int, bp_end: float) -> float:
+    layer, ch = st.costs.layers[i], st.ch
+    ready = bp_end
+    if st.costs.has_gpu and ch.grads_to_host and ch.grads[i] == "gpu" and layer.params_bytes > 0:
+        ready = st.run("d2h", "grad", i, ready, layer.grad_copy_s)
+    if ch.sync_s and ch.sync_s[i] > 0:
+        ready = st.run("sync", "sync", i, ready, ch.sync_s[i])
+    return ready
+
+
+def _prefetch(st: _State, i: int, at: float) -> None:
+    if st.issued[i]:
+        return
+    st.issued[i] = True
+    lane = "h2d" if st.costs.has_gpu else "prefetch"
+    start = max(st.free[lane], at, st.evict_end[i])
+    st.pf_start[i] = start
+    st.pf_end[i] = st.run(lane, "prefetch", i, start, st.ch.prefetch_s[i])
+
+
+def _updates(st: _State, i: int, ready: float, c: float) -> float:
+    """Run layer i's parameter updates; the compute lane's new end (host Adam without a GPU shares the cores)."""
+    for u in st.ch.updates[i]:
+        t = ready
+        if u.nvme_bytes:  # late only where the update could otherwise have started
+            staged = _stage(st, u, i)
+            st.nvme_late += max(0.0, staged - max(t, c if u.lane < 0 else st.free[st.ch.lanes[u.lane]]))
+            t = max(t, staged)
+        if u.lane < 0:
+            start = max(c, t)
+            end = c = start + u.update_s
+            if st.record:
+                st.span("compute", "adam", i, start, end)
+            st.free["compute"] = c
+        else:
+            end = st.run(st.ch.lanes[u.lane], "adam", i, t, u.update_s)
+        if u.nvme_bytes:
+            done = st.run("nvme write", "write states", i, end, u.write_s)
+            st.staged.append((min(u.nvme_bytes, st.ch.staging_bytes), done))
+            st.staged_bytes += st.staged[-1][0]
+        st.opt_end = max(st.opt_end, end)
+    return c
+
+
+def _stage(st: _State, u: Update, i: int) -> float:
+    """Read states from NVMe as early as staging space allows; space is freed by updated states being written
+    back, oldest first (AXDIMM §5.3: tensors already updated this iteration leave first)."""
+    need = min(u.nvme_bytes, st.ch.staging_bytes)
+    freed_at = 0.0
+    while st.staged and st.staged_bytes + need > st.ch.staging_bytes:
+        size, done = st.staged.popleft()
+        st.staged_bytes -= size
+        freed_at = max(freed_at, done)
+    return st.run("nvme read", "read states", i, freed_at, u.read_s)
+
+
+def _result(st: _State, iteration: float, detail: bool) -> Result:
+    fast, slow = _activation_events(st, tiered=True)
+    untiered_peak = untiered_avg = slow_peak = act_avg = 0
+    fast_curve: list[tuple[float, int]] = []
+    slow_curve: list[tuple[float, int]] = []
+    if detail:
+        act_peak, act_avg, fast_curve = _sweep(fast, iteration)
+        untiered_peak, untiered_avg, _ = _sweep(_activation_events(st, tiered=False)[0], iteration)
+        slow_peak, _, slow_curve = _sweep(slow, iteration)
+    else:  # a search needs the peak only
+        act_peak = max(itertools.accumulate(delta for _, delta in sorted(fast)), default=0)
+    peak = dict(st.ch.static_bytes)
+    if st.costs.has_gpu:
+        peak[GPU] = peak.get(GPU, 0) + _gpu_static(st)
+    counters = []
+    for tier, extra, curve in ((st.ch.fast, act_peak, fast_curve), (st.ch.slow, slow_peak, slow_curve)):
+        if tier is not None:
+            peak[tier] = peak.get(tier, 0) + extra
+            base = peak[tier] - extra
+            counters += [(t, tier, base + used) for t, used in curve] if st.record else []
+    return Result(iteration_s=iteration, fp_start_s=st.fp_start, fp_end_s=st.fp_end, bp_start_s=st.bp_start,
+                  bp_end_s=st.bp_end, stall_s=st.stall, nvme_late_s=st.nvme_late, peak_bytes=peak,
+                  act_avg_bytes=act_avg, act_peak_bytes=act_peak, act_avg_untiered_bytes=untiered_avg,
+                  act_peak_untiered_bytes=untiered_peak, spans=st.spans, counters=counters)
+
+
+def _gpu_static(st: _State) -> int:
+    """Parameter and gradient buffers the shadow model keeps on the GPU for the whole iteration."""
+    ch, total = st.ch, 0
+    for i, layer in enumerate(st.costs.layers):
+        if ch.params_on_gpu or ch.modes[i] != "dha":
+            total += layer.params_bytes
+        if ch.grads[i] == "gpu" or not ch.grads_to_host:
+            total += layer.params_bytes
+    return total
+
+
+def _activation_events(st: _State, tiered: bool) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """(time, change in bytes) of saved activations in the fast and the slow tier: a layer's tensors appear when
+    its forward ends and leave when its backward ends; an evicted part is away from the end of its eviction to
+    the start of its prefetch."""
+    fast, slow = [], []
+    for i, layer in enumerate(st.costs.layers):
+        if layer.saved_bytes:
+            fast += [(st.fp_end[i], layer.saved_bytes), (st.bp_end[i], -layer.saved_bytes)]
+        e = min(st.ch.evict_bytes[i], layer.saved_bytes) if tiered else 0
+        if e > 0:
+            fast += [(st.evict_end[i], -e), (st.pf_start[i], e)]
+            slow += [(st.evict_start[i], e), (st.pf_end[i], -e)]
+    return fast, slow
+
+
+def _sweep(events: list[tuple[float, int]], horizon: float) -> tuple[int, int, list[tuple[float, int]]]:
+    """Peak and time-averaged bytes in use over [0, horizon], and the usage after each event."""
+    used = peak = 0
+    area = 0.0
+    last = 0.0
+    curve = []
+    for t, delta in sorted(events):  # at equal times, frees (negative) come first: no false peak
+        area += used * (t - last)
+        last = t
+        used += delta
+        peak = max(peak, used)
+        curve.append((t, used))
+    avg = int(area / horizon) if horizon > 0 else 0
+    return peak, avg, curve
+
+
+def chrome_trace(result: Result) -> dict:
+    """The timeline as Chrome/Perfetto trace JSON: one thread per lane, memory per tier as counters."""
+    lanes = list(dict.fromkeys(s.lane for s in result.spans))
+    events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": k, "args": {"name": lane}}
+              for k, lane in enumerate(lanes)]
+    tid = {lane: k for k, lane in enumerate(lanes)}
+    events += [{"name": s.name, "cat": s.lane, "ph": "X", "pid": 1, "tid": tid[s.lane], "ts": s.start_s * 1e6,
+                "dur": (s.end_s - s.start_s) * 1e6} for s in result.spans]
+    events += [{"name": f"memory {tier}", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"bytes": used}}
+               for t, tier, used in result.counters]
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes}}

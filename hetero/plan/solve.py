@@ -1,0 +1,412 @@
+"""`hetero plan`: a Profile and the user's options in, a Plan out.
+
+The phases run in a fixed order because each needs the ones before it: check the options against the machine,
+collect what the user pinned in an earlier plan, place the optimizer states, schedule the activations, route the
+synchronization, then (with a GPU) choose gradient places and layer modes with the simulator judging, and finally
+predict the iteration. `predict` simulates any plan, edited ones included, the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero import files
+from hetero.errors import USAGE, HeteroError
+from hetero.plan import axdimm, gradient_offload, memferry, routing, simulate, tiering
+from hetero.plan.choices import build, sync_times
+from hetero.plan.model import GPU, Choices, Costs
+from hetero.plan.schema import (
+    ActivationPlan,
+    ActivationPrediction,
+    Budget,
+    Eviction,
+    LayerPlan,
+    NvmeOverflow,
+    OptimizerDevice,
+    OptimizerPlan,
+    Plan,
+    Predicted,
+    RoutingPlan,
+    Source,
+    StatePlacement,
+)
+from hetero.plan.simulate import Result
+from hetero.profile.schema import Gpu, Profile, Tier
+from hetero.units import SIZE, TIME
+
+NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"
+ONE_PROCESS = "the profile has one process: no gradient synchronization to route"
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanOptions:
+    """The command line of `hetero plan`, checked against the profile by `plan`."""
+
+    profile_path: str = "profile.yaml"
+    reserve: float = 0.5
+    gpu_memory_bytes: int | None = None
+    dram_budget_bytes: int | None = None
+    optimizer_device: str | None = None  # default: axdimm when the profile has one, else host
+    slow_tier: str | None = None
+    stay_time_s: float = 1e-3
+    previous: Plan | None = None  # --from: its pinned entries are kept
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pins:
+    layers: dict[str, LayerPlan]
+    evictions: dict[str, Eviction]
+    optimizer: OptimizerPlan | None
+    routing: RoutingPlan | None
+
+
+@dataclass(kw_only=True, slots=True)
+class Context:
+    """The options checked against the machine, and what every phase reads from the profile."""
+
+    profile: Profile
+    options: PlanOptions
+    gpu: Gpu | None
+    host: Tier  # host memory: the fast tier without a GPU
+    fast: str
+    slow: str | None
+    nvme: Tier | None  # where optimizer states overflow
+    device: OptimizerDevice
+    params: list[axdimm.Param]
+    update_order: list[int]
+    device_bytes: int
+    budget_bytes: int
+    dram_bytes: int
+    host_model_bytes: int  # host memory besides optimizer states: parameters, gradients, activations without a GPU
+    links: list[routing.Link]
+    ranks: int
+
+    def rates(self, device: str) -> axdimm.Rates:
+        return axdimm.rates(self.profile, device)
+
+    def tier_curves(self, slow: str):
+        return tiering.curves(self.profile, slow)
+
+
+def context(profile: Profile, o: PlanOptions) -> Context:
+    m = profile.machine
+    if not m.tiers:
+        raise HeteroError("the profile lists no memory tiers", hint="re-run `hetero profile`", exit_code=USAGE)
+    host = next((t for t in m.tiers if t.kind == "dram"), m.tiers[0])
+    device_bytes, budget = _gpu_budget(m.gpu, o)
+    if not 0 <= o.reserve <= 1:
+        raise HeteroError(f"--reserve {o.reserve:g} is not a fraction", hint="use a value from 0 to 1", exit_code=USAGE)
+    dram = host.capacity_bytes if o.dram_budget_bytes is None else o.dram_budget_bytes
+    if dram > host.capacity_bytes:
+        raise HeteroError(f"--dram-budget {SIZE.format_short(dram)} exceeds the "
+                          f"{SIZE.format_short(host.capacity_bytes)} the profile measured for {host.name}",
+                          hint="lower --dram-budget", exit_code=USAGE)
+    fast = GPU if m.gpu else host.name
+    params = axdimm.params(profile)
+    layers = profile.layers
+    model = 2 * sum(x.params_bytes for x in layers) + (0 if m.gpu else sum(x.saved_bytes for x in layers))
+    links, ranks = routing.links(profile)
+    return Context(profile=profile, options=o, gpu=m.gpu, host=host, fast=fast, slow=_slow_tier(profile, o, fast),
+                   nvme=axdimm.nvme_tier(profile), device=_device(profile, o), params=params,
+                   update_order=axdimm.update_order(profile, params), device_bytes=device_bytes, budget_bytes=budget,
+                   dram_bytes=dram, host_model_bytes=model, links=links, ranks=ranks)
+
+
+def _gpu_budget(gpu: Gpu | None, o: PlanOptions) -> tuple[int, int]:
+    if gpu is None:
+        if o.gpu_memory_bytes is not None:
+            raise HeteroError(f"--gpu-memory {SIZE.format_short(o.gpu_memory_bytes)} given, but the profile has no GPU",
+                              hint="drop --gpu-memory, or profile on a machine with a CUDA device", exit_code=USAGE)
+        return 0, 0
+    if o.gpu_memory_bytes is None:
+        return gpu.memory_bytes, gpu.memory_bytes
+    if o.gpu_memory_bytes > gpu.memory_bytes:
+        raise HeteroError(f"--gpu-memory {SIZE.format_short(o.gpu_memory_bytes)} exceeds the GPU's "
+                          f"{SIZE.format_short(gpu.memory_bytes)} ({gpu.name})",
+                          hint=f"use at most --gpu-memory {SIZE.format_short(gpu.memory_bytes)}", exit_code=USAGE)
+    return gpu.memory_bytes, o.gpu_memory_bytes
+
+
+def _device(profile: Profile, o: PlanOptions) -> OptimizerDevice:
+    m = profile.machine
+    device = o.optimizer_device or ("axdimm" if m.axdimm else "host")
+    if device not in ("axdimm", "host", "gpu"):
+        raise HeteroError(f"--optimizer-device {device}: not a device", hint="use axdimm, host or gpu", exit_code=USAGE)
+    if device == "axdimm" and m.axdimm is None:
+        raise HeteroError("--optimizer-device axdimm, but the profile has no AXDIMM",
+                          hint="use --optimizer-device host", exit_code=USAGE)
+    if device == "gpu" and m.gpu is None:
+        raise HeteroError("--optimizer-device gpu, but the profile has no GPU",
+                          hint="use --optimizer-device host" + (" or axdimm" if m.axdimm else ""), exit_code=USAGE)
+    return device
+
+
+def _slow_tier(profile: Profile, o: PlanOptions, fast: str) -> str | None:
+    """--slow-tier, checked; by default host memory below a GPU, else the first NVMe tier, else any slower tier
+    with measured transfer times."""
+    tiers = profile.machine.tiers
+    names = [t.name for t in tiers]
+    if o.slow_tier is not None:
+        tier = next((t for t in tiers if t.name == o.slow_tier), None)
+        if tier is None:
+            raise HeteroError(f"--slow-tier {o.slow_tier}: the profile has no such tier",
+                              hint=f"tiers in the profile: {', '.join(names)}", exit_code=USAGE)
+        if tier.name == fast or tier.kind == "hbm":
+            raise HeteroError(f"--slow-tier {o.slow_tier} is where layers compute, not a slower tier",
+                              hint=f"pick another of: {', '.join(n for n in names if n != fast)}", exit_code=USAGE)
+        if not (tier.read and tier.write) and not (profile.machine.gpu and tier.kind == "dram"):
+            raise HeteroError(f"--slow-tier {o.slow_tier} has no measured read/write times",
+                              hint="re-run `hetero profile` to measure it, or pick another tier", exit_code=USAGE)
+        return tier.name
+    if profile.machine.gpu:
+        return next(t.name for t in tiers if t.kind == "dram") if any(t.kind == "dram" for t in tiers) else None
+    usable = [t for t in tiers if t.name != fast and t.kind != "hbm" and t.read and t.write]
+    return next((t.name for t in usable if t.kind == "nvme"), usable[0].name if usable else None)
+
+
+def plan(profile: Profile, options: PlanOptions) -> Plan:
+    ctx = context(profile, options)
+    pins = _pins(profile, options.previous)
+    omitted: dict[str, str] = {}
+    optimizer = _optimizer(ctx, pins, omitted)
+    schedules = _activations(ctx, pins, omitted)
+    route = _routing(ctx, pins, omitted)
+    out = Plan(source=Source(profile=options.profile_path, profile_sha256=files.content_sha256(profile),
+                             model_fingerprint=profile.model.fingerprint),
+               budget=Budget(gpu_memory_bytes=options.gpu_memory_bytes, dram_budget_bytes=options.dram_budget_bytes,
+                             reserve=options.reserve),
+               layers=[], optimizer=optimizer, activations=None, routing=route,
+               predicted=Predicted(iteration_s=0.0, peak_bytes={}), omitted=omitted)
+    out.activations = _pick_schedule(ctx, out, schedules)
+    _layers(ctx, out, pins)
+    result = predict(profile, out)
+    out.predicted = _predicted(ctx, out, result)
+    return out
+
+
+def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:
+    """The simulated iteration of `plan` (as written, edits included) on the profiled machine."""
+    costs, choices = build(profile, plan)
+    return simulate.simulate(costs, choices, record)
+
+
+# -- pins ---------------------------------------------------------------------------------------------------------
+
+
+def _pins(profile: Profile, previous: Plan | None) -> _Pins:
+    if previous is None:
+        return _Pins(layers={}, evictions={}, optimizer=None, routing=None)
+    names = {layer.name for layer in profile.layers}
+    layers = {e.name: e for e in previous.layers if e.pinned}
+    evictions = {e.layer: e for e in (previous.activations.schedule if previous.activations else []) if e.pinned}
+    unknown = sorted((set(layers) | set(evictions)) - names)
+    if unknown:
+        raise HeteroError(f"--from plan pins layers the profile does not have: {', '.join(unknown[:5])}",
+                          hint="unpin or delete those entries in the old plan, then re-plan", exit_code=USAGE)
+    optimizer = previous.optimizer if previous.optimizer and previous.optimizer.pinned else None
+    if optimizer is not None and {s.param for s in optimizer.states} != {p.name for p in axdimm.params(profile)}:
+        raise HeteroError("--from plan pins an optimizer section whose parameters differ from the profile's",
+                          hint="unpin the optimizer section of the old plan (pinned: false)", exit_code=USAGE)
+    route = previous.routing if previous.routing and previous.routing.pinned else None
+    return _Pins(layers=layers, evictions=evictions, optimizer=optimizer, routing=route)
+
+
+# -- optimizer ----------------------------------------------------------------------------------------------------
+
+
+def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerPlan | None:
+    training = ctx.profile.training
+    if training.optimizer == "other":
+        omitted["optimizer"] = "the script's optimizer is not Adam or AdamW: it stays as the script built it"
+        return None
+    if pins.optimizer is not None:
+        return pins.optimizer
+    overlap, micro = not training.clips_grad, training.grad_accumulation
+    overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if not overlap else
+                   "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
+    device = ctx.device
+    if device == "gpu":
+        return OptimizerPlan(kind=training.optimizer, device="gpu", overlap_backward=overlap, micro_batches=micro,
+                             states=[StatePlacement(param=p.name, tier="gpu") for p in ctx.params],
+                             why=f"--optimizer-device gpu: every state on the GPU; {overlap_why}")
+    placement = _placement(ctx, device)
+    rates = ctx.rates(device)
+    nvme = NvmeOverflow(path=ctx.nvme.path or ctx.nvme.name, size_bytes=placement.nvme_bytes) \
+        if placement.nvme_bytes else None
+    ax = ctx.profile.machine.axdimm
+    return OptimizerPlan(kind=training.optimizer, device=device, backend=ax.backend if device == "axdimm" else None,
+                         channels=ax.channels if device == "axdimm" else None, overlap_backward=overlap,
+                         micro_batches=micro, nvme=nvme,
+                         states=axdimm.states(ctx.params, placement),
+                         why=f"{placement.why}; Adam at {axdimm.rate_text(rates)}; {overlap_why}")
+
+
+def _placement(ctx: Context, device: str) -> axdimm.Placement:
+    nvme = ctx.nvme.name if ctx.nvme else None
+    if device == "axdimm":
+        ax = ctx.profile.machine.axdimm
+        return axdimm.place(ctx.params, ctx.update_order, ax.channels, ax.channel_capacity_bytes, nvme, "axdimm")
+    return axdimm.place(ctx.params, ctx.update_order, 1, max(0, ctx.dram_bytes - ctx.host_model_bytes), nvme, "host")
+
+
+# -- activations --------------------------------------------------------------------------------------------------
+
+
+def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[ActivationPlan]:
+    """The TierTrain schedule under the paper's busy-prefetcher rule and under ours; `_pick_schedule` simulates
+    both."""
+    if ctx.slow is None:
+        omitted["activations"] = f"the profile has no tier slower than {ctx.fast} with measured transfer times"
+        return []
+    evict, prefetch = ctx.tier_curves(ctx.slow)
+    layers = ctx.profile.layers
+    windows = [tiering.Window(name=x.name, saved_bytes=x.saved_bytes, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s)
+               for x in layers]
+    index = {x.name: i for i, x in enumerate(layers)}
+    pinned = {index[name]: tiering.Decision(layer=index[name], evict_bytes=e.evict_bytes, prefetch_at_s=e.prefetch_at_s,
+                                            prefetch_after=index.get(e.prefetch_after), outcome="pinned", why=e.why)
+              for name, e in pins.evictions.items()}
+    min_tensor = tiering.min_tensor_bytes(evict, prefetch)
+    out = []
+    for rule in ("paper", "packed"):
+        decisions = tiering.schedule(windows, evict, prefetch, ctx.options.stay_time_s, min_tensor, pinned, rule)
+        schedule = [Eviction(layer=layers[d.layer].name, evict_bytes=d.evict_bytes, prefetch_at_s=_ns(d.prefetch_at_s),
+                             prefetch_after=None if d.prefetch_after is None else layers[d.prefetch_after].name,
+                             pinned=d.outcome == "pinned", why=d.why) for d in decisions]
+        out.append(ActivationPlan(fast=ctx.fast, slow=ctx.slow, slow_path=_tier_path(ctx.profile, ctx.slow),
+                                  stay_time_s=ctx.options.stay_time_s,
+                                  min_tensor_bytes=min_tensor, schedule=schedule, why=rule))
+    return out
+
+
+def _tier_path(profile: Profile, name: str) -> str | None:
+    return next((t.path for t in profile.machine.tiers if t.name == name), None)
+
+
+def _pick_schedule(ctx: Context, out: Plan, candidates: list[ActivationPlan]) -> ActivationPlan | None:
+    """The faster schedule in simulation, then the one leaving less in fast memory on average."""
+    scored = []
+    for cand in candidates:
+        out.activations = cand
+        r = predict(ctx.profile, out)
+        scored.append((_ns(r.iteration_s), r.act_avg_bytes, r.act_peak_bytes, r))
+    if not scored:
+        return None
+    best = min(range(len(scored)), key=lambda k: scored[k][:3])
+    chosen, r = candidates[best], scored[best][3]
+    others = "; ".join(f"{c.why} rule: {_t(s[0])}, average {SIZE.format_short(s[1])}"
+                       for k, (c, s) in enumerate(zip(candidates, scored)) if k != best)
+    basis = "simulated with every layer GFGB" if ctx.gpu else "simulated"
+    chosen.why = (f"{chosen.why} prefetch rule, {basis}: iteration {_t(r.iteration_s)}, {ctx.fast} activations "
+                  f"{_pct(r.act_avg_untiered_bytes, r.act_avg_bytes)} on average, "
+                  f"{_pct(r.act_peak_untiered_bytes, r.act_peak_bytes)} at peak (the {others})")
+    return chosen
+
+
+def _pct(before: int, after: int) -> str:
+    cut = 1 - after / before if before else 0.0
+    return f"{SIZE.format_short(before)} -> {SIZE.format_short(after)} (-{cut:.0%})"
+
+
+def _t(seconds: float) -> str:
+    return TIME.format_short(round(seconds, 12))  # 0.000999999 would read "1000us"
+
+
+def _ns(seconds: float) -> float:
+    """Times in the plan to the nanosecond: readable, and far below any clock the runtime keeps."""
+    return round(seconds, 9)
+
+
+# -- routing ------------------------------------------------------------------------------------------------------
+
+
+def _routing(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> RoutingPlan | None:
+    if not ctx.links:
+        omitted["routing"] = ONE_PROCESS
+        return None
+    if pins.routing is not None:
+        return pins.routing
+    training = ctx.profile.training
+    r = routing.route(ctx.links, ctx.ranks, sum(p.params_bytes for p in ctx.profile.layers), training.forward_s,
+                      training.backward_s)
+    return RoutingPlan(threshold_bytes=r.threshold_bytes, latency_peer=r.latency_peer, bandwidth_peer=r.bandwidth_peer,
+                       shard_bytes=r.shard_bytes, dual_sync_bytes=r.dual_sync_bytes, why=r.why)
+
+
+# -- layers (GPU) -------------------------------------------------------------------------------------------------
+
+
+def _layers(ctx: Context, out: Plan, pins: _Pins) -> None:
+    layers = ctx.profile.layers
+    if ctx.gpu is None:
+        out.omitted["layers"] = NO_GPU
+        return
+    if out.optimizer is None or out.optimizer.device == "gpu":
+        reason = "the optimizer updates parameters on the GPU: every parameter and gradient stays there"
+        out.layers = [_pinned(pins, x.name) or LayerPlan(name=x.name, mode="gfgb", grad="gpu", why=reason)
+                      for x in layers]
+        _check_fits(ctx, out)
+        return
+    costs, template = build(ctx.profile, out)
+    items = [gradient_offload.GradItem(name=c.name, size_bytes=c.params_bytes, pinned=_pin(pins, c.name, "grad"),
+                                       gain_s=None if c.bp_grad_host_s is None else c.bp_grad_host_s - c.bp_s)
+             for c in costs.layers]
+    go = gradient_offload.offload(items, ctx.options.reserve)
+    out.budget.grad_grid_bytes = go.grid_bytes
+    template.grads = ["gpu" if keep else "host" for keep in go.keep]
+    fixed = {i: pins.layers[x.name].mode for i, x in enumerate(layers) if x.name in pins.layers}
+    chosen, why = memferry.solve(costs, template, fixed, ctx.device_bytes, ctx.budget_bytes)
+    if chosen is None:
+        _too_small(ctx, costs, template)
+    out.layers = [_pinned(pins, x.name) or LayerPlan(name=x.name, mode=chosen.modes[i], grad=template.grads[i],
+                                                     why=f"{why[i]}; grad: {go.why[i]}")
+                  for i, x in enumerate(layers)]
+
+
+def _pin(pins: _Pins, name: str, field: str) -> str | None:
+    entry = pins.layers.get(name)
+    return getattr(entry, field) if entry else None
+
+
+def _pinned(pins: _Pins, name: str) -> LayerPlan | None:
+    return pins.layers.get(name)
+
+
+def _check_fits(ctx: Context, out: Plan) -> None:
+    used = predict(ctx.profile, out).peak_bytes.get(GPU, 0)
+    if used > ctx.budget_bytes:
+        raise HeteroError(f"keeping every parameter, gradient and state on the GPU needs {SIZE.format_short(used)}, "
+                          f"over the GPU budget {SIZE.format_short(ctx.budget_bytes)}",
+                          hint="use --optimizer-device host (or axdimm) so MemFerry can offload", exit_code=USAGE)
+
+
+def _too_small(ctx: Context, costs: Costs, template: Choices) -> None:
+    fewest = [next((m for m in ("dha", "dfgb", "gfgb") if m in memferry.allowed_modes(c))) for c in costs.layers]
+    least = memferry.evaluate(costs, template, fewest).gpu_bytes
+    raise HeteroError(f"the GPU budget {SIZE.format_short(ctx.budget_bytes)} is too small: even with every layer "
+                      f"in host memory the plan needs {SIZE.format_short(least)} (kept gradients and activations)",
+                      hint=f"use --gpu-memory {SIZE.format_short(least, 3)} or more, or a lower --reserve",
+                      exit_code=USAGE)
+
+
+# -- prediction ---------------------------------------------------------------------------------------------------
+
+
+def _predicted(ctx: Context, out: Plan, result: Result) -> Predicted:
+    peak = {tier.name: 0 for tier in ctx.profile.machine.tiers} | ({GPU: 0} if ctx.gpu else {})
+    for tier, used in result.peak_bytes.items():
+        peak[tier] = peak.get(tier, 0) + used
+    host = ctx.host.name
+    if peak[host] > ctx.dram_bytes:
+        raise HeteroError(f"the plan needs {SIZE.format_short(peak[host])} of {host}, over the budget "
+                          f"{SIZE.format_short(ctx.dram_bytes)}",
+                          hint="raise --dram-budget, lower --stay-time, or move the optimizer (--optimizer-device)",
+                          exit_code=USAGE)
+    act = None
+    if out.activations is not None and any(e.evict_bytes for e in out.activations.schedule):
+        act = ActivationPrediction(avg_fast_bytes=result.act_avg_bytes, peak_fast_bytes=result.act_peak_bytes,
+                                   avg_fast_untiered_bytes=result.act_avg_untiered_bytes,
+                                   peak_fast_untiered_bytes=result.act_peak_untiered_bytes)
+    sync = sync_times(ctx.profile, out)
+    return Predicted(iteration_s=_ns(result.iteration_s), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
+                     activations=act)

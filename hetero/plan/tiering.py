@@ -1,0 +1,217 @@
+"""Which saved activations wait in a slower tier between a layer's forward and its backward (TierTrain §5.3).
+
+A layer's saved tensors are idle from the end of its forward to the start of its backward (Eq. 2). They are worth
+moving only if there is time to evict them, let them stay at least the stay time ST (against ping-pong) and prefetch
+them back (Eq. 3-6); otherwise the part that fits is moved (Eq. 7). The prefetch starts just in time (Eq. 8), and one
+prefetcher serves the requests: a request that would start while it is still busy is cut to what fits after it
+(Eq. 9-10), or dropped. The paper writes sizes over rates (sz * MR with MR = 1/ER + 1/PR); here the tiers' measured
+curves give the times, which are the paper's when a curve is a pure rate and include each transfer's latency when it
+is not.
+
+Requests are decided in the order the prefetcher serves them, the backward order: the paper's t_busy rule (t_busy
+becomes the layer's backward start) only makes sense that way, since decided in forward order every later layer
+would find the prefetcher busy past its own backward and be dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+
+from hetero.plan.model import Curve
+from hetero.profile.schema import Profile
+from hetero.units import SIZE, TIME
+
+_SLACK_S = 1e-9  # float noise: a partial eviction ends exactly ST before its prefetch (Eq. 7), never "late" by it
+_ROUNDS = 8  # re-placements after the eviction queue cut requests; caps only shrink, so it settles fast
+LATENCY_SHARE = 0.5  # a tensor is moved only if a transfer's fixed cost is at most this share of its time
+
+
+@dataclass(kw_only=True, slots=True)
+class Window:
+    """A layer's idle window, from the profile."""
+
+    name: str
+    saved_bytes: int
+    fp_end_s: float  # te^F
+    bp_start_s: float  # ts^B
+
+
+@dataclass(kw_only=True, slots=True)
+class Decision:
+    layer: int
+    evict_bytes: int
+    prefetch_at_s: float
+    prefetch_after: int | None  # the layer whose backward start triggers the prefetch
+    outcome: str  # whole | partial | cut | queued | dropped | pinned
+    why: str
+
+
+def curves(profile: Profile, slow: str) -> tuple[Curve, Curve]:
+    """Eviction and prefetch times to `slow`: its measured write and read curves without a GPU; from the GPU, the
+    D2H/H2D copies, followed by the tier's own write/read unless it is host memory itself."""
+    tier = next(t for t in profile.machine.tiers if t.name == slow)
+    gpu = profile.machine.gpu
+    if gpu is None:
+        return Curve.of(tier.write, f"{slow} write"), Curve.of(tier.read, f"{slow} read")
+    evict, prefetch = Curve.of(gpu.d2h, "gpu.d2h"), Curve.of(gpu.h2d, "gpu.h2d")
+    if tier.kind == "dram":
+        return evict, prefetch
+    return evict.then(Curve.of(tier.write, f"{slow} write")), Curve.of(tier.read, f"{slow} read").then(prefetch)
+
+
+def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:
+    """The smallest measured size at which, in both directions, a transfer's fixed cost (the smallest measured
+    transfer's time) is at most LATENCY_SHARE of the transfer. The runtime applies it per tensor, so it must not be
+    a size only whole layers reach (half the peak rate lands at 16 MiB on this VM's disk)."""
+    def amortized(curve: Curve, size: int) -> bool:
+        return curve.times[0] <= LATENCY_SHARE * curve.time_s(size)
+    for size in sorted(set(evict.sizes) | set(prefetch.sizes)):
+        if amortized(evict, size) and amortized(prefetch, size):
+            return size
+    return max(evict.sizes[-1], prefetch.sizes[-1])
+
+
+def schedule(windows: list[Window], evict: Curve, prefetch: Curve, stay_time_s: float, min_tensor: int,
+             pinned: dict[int, Decision] | None = None, rule: str = "paper") -> list[Decision]:
+    """One decision per layer whose saved bytes reach `min_tensor` (dropped requests included, with the reason),
+    in forward order. `pinned` decisions are kept and occupy the prefetcher like any other.
+
+    rule `paper`: requests in backward order, each prefetch ending at its layer's backward start and cut to what
+    fits after t_busy (Eq. 9-10). rule `packed` (ours): the same prefetcher, but requests are placed from the last
+    backward layer to the first, each ending at its backward start or when the next prefetch begins, whichever is
+    earlier; a large request then uses the idle time before a small one instead of being cut behind it.
+    Either way the evictions' own queue is then checked (`_queue`), and requests it cut are placed again with that
+    cap until nothing changes, so a slot freed by a cut request goes to another."""
+    q = _Queue(windows=windows, evict=evict, prefetch=prefetch, migrate=evict.then(prefetch), stay_s=stay_time_s,
+               min_tensor=max(min_tensor, 1), pinned=pinned or {}, rule=rule,
+               starts=sorted((w.bp_start_s, i) for i, w in enumerate(windows)))
+    for _ in range(_ROUNDS):  # the reasons are written once, for the final placement
+        cut = q.evictions(q.place(explain=False))
+        if not cut:
+            break
+        q.caps.update(cut)
+    out = q.place(explain=True)
+    q.evictions(out)
+    for d in out:
+        if d.outcome != "pinned":
+            d.prefetch_after = trigger(q.starts, d.prefetch_at_s) if d.evict_bytes else None
+    return sorted(out, key=lambda d: d.layer)
+
+
+def trigger(starts: list[tuple[float, int]], at_s: float) -> int | None:
+    """The latest layer whose backward starts at or before `at_s`; None when the backward has not started yet."""
+    k = bisect.bisect_right(starts, (at_s, len(starts)))
+    return starts[k - 1][1] if k else None
+
+
+@dataclass(kw_only=True, slots=True)
+class _Queue:
+    windows: list[Window]
+    evict: Curve  # ER
+    prefetch: Curve  # PR
+    migrate: Curve  # evict then prefetch: sz * MR (Eq. 5)
+    stay_s: float
+    min_tensor: int
+    pinned: dict[int, Decision]
+    rule: str
+    starts: list[tuple[float, int]]  # (backward start, layer), in backward order
+    caps: dict[int, tuple[int, float]] = field(default_factory=dict)  # layer -> (bytes, eviction start)
+
+    def place(self, explain: bool) -> list[Decision]:
+        busy, free = 0.0, float("inf")  # paper: t_busy; packed: when the prefetcher starts the next request
+        out = []
+        for _, i in self.starts if self.rule == "paper" else self.starts[::-1]:
+            w = self.windows[i]
+            if i in self.pinned:
+                d = replace(self.pinned[i])
+            elif w.saved_bytes >= self.min_tensor:
+                d = self.decide(i, w, busy, free, explain)
+            else:
+                continue
+            out.append(d)
+            if d.evict_bytes and self.rule == "paper":
+                busy = max(busy, w.bp_start_s)
+            elif d.evict_bytes:
+                free = min(free, d.prefetch_at_s)
+        return out
+
+    def decide(self, i: int, w: Window, busy: float, free: float, explain: bool) -> Decision:
+        end = min(w.bp_start_s, free)  # the paper's end is the backward start: free is infinite there
+        idle = end - w.fp_end_s  # Eq. 2
+        move = self.migrate.time_s(w.saved_bytes)  # Eq. 4-5: sz * MR
+        size, outcome = w.saved_bytes, "whole"
+        if idle < move + self.stay_s:  # Eq. 7: the part that still fits
+            size, outcome = _largest(self.migrate, idle - self.stay_s, size), "partial"
+        cap = self.caps.get(i)
+        if cap is not None and cap[0] < size:
+            size, outcome = cap[0], "queued"
+        fitted = size
+        if size and busy > end - self.prefetch.time_s(size):  # Eq. 8-10: only what fits after the busy prefetcher
+            size, outcome = _largest(self.prefetch, end - busy, size), "cut"
+        start = end - self.prefetch.time_s(size)  # Eq. 8
+        d = Decision(layer=i, evict_bytes=size, prefetch_at_s=start if size else w.bp_start_s, prefetch_after=None,
+                     outcome=outcome if size else "dropped", why="")
+        if explain:
+            d.why = _why(w, d, idle, move, self.stay_s, end, cap, fitted, busy)
+        return d
+
+    def evictions(self, decisions: list[Decision]) -> dict[int, tuple[int, float]]:
+        """Evictions share one writer, which the paper's equations leave out: an eviction queued behind earlier ones
+        ends later, so it is cut to what still stays ST before its prefetch (a cut never delays another request:
+        it shortens its own eviction and starts its own prefetch later). Returns the caps it set, by layer."""
+        free, cut = 0.0, {}
+        for d in sorted(decisions, key=lambda d: (self.windows[d.layer].fp_end_s, d.layer)):
+            w = self.windows[d.layer]
+            start = max(free, w.fp_end_s)
+            late = start + self.evict.time_s(d.evict_bytes) + self.stay_s - d.prefetch_at_s
+            if d.evict_bytes and d.outcome != "pinned" and late > _SLACK_S:
+                end = d.prefetch_at_s + self.prefetch.time_s(d.evict_bytes)
+                size = _largest(self.migrate, end - start - self.stay_s, d.evict_bytes)
+                cut[d.layer] = (size, start)
+                _cap(d, size, start, self.stay_s, end - self.prefetch.time_s(size) if size else w.bp_start_s)
+            free = start + self.evict.time_s(d.evict_bytes) if d.evict_bytes else free
+        return cut
+
+
+def _cap(d: Decision, size: int, start: float, stay_s: float, prefetch_at: float) -> None:
+    d.why += _queued(start, size, stay_s)
+    d.evict_bytes, d.prefetch_at_s = size, prefetch_at
+    d.outcome = "queued" if size else "dropped"
+    if not size and not d.why.startswith("dropped"):
+        d.why = f"dropped: {d.why}"
+
+
+def _why(w: Window, d: Decision, idle: float, move: float, stay_s: float, end: float,
+         cap: tuple[int, float] | None, fitted: int, busy: float) -> str:
+    why = (f"idle {_t(idle)} >= evict + prefetch {_t(move)} + stay {_t(stay_s)} (Eq. 6)" if idle >= move + stay_s
+           else f"idle {_t(idle)} < evict + prefetch {_t(move)} of {_b(w.saved_bytes)} + stay {_t(stay_s)} (Eq. 7)")
+    if end < w.bp_start_s:
+        why = f"next prefetch starts at {_t(end)}, before backward at {_t(w.bp_start_s)}: {why}"
+    if cap is not None and cap[0] <= fitted and cap[0] < w.saved_bytes:
+        why += _queued(cap[1], cap[0], stay_s)
+    if fitted > d.evict_bytes:
+        why += f"; prefetcher busy until {_t(busy)}: {_b(d.evict_bytes)} fits before {_t(end)} (Eq. 10)"
+    if not d.evict_bytes:
+        return f"dropped: {why}"
+    return f"{why}; prefetch {_b(d.evict_bytes)} takes {_t(end - d.prefetch_at_s)}"
+
+
+def _queued(start: float, size: int, stay_s: float) -> str:
+    if size:
+        return f"; evictions queue: it starts at {_t(start)}, so {_b(size)} still stays {_t(stay_s)} before prefetch"
+    return f"; evictions queue: it would start at {_t(start)}, too late to stay {_t(stay_s)} before prefetch"
+
+
+def _largest(curve: Curve, budget_s: float, upper: int) -> int:
+    """The largest size <= upper that `curve` moves within budget_s; a picosecond of slack keeps float noise from
+    losing the last byte of an exact fit."""
+    return min(upper, curve.size_within(budget_s + 1e-12)) if budget_s > 0 else 0
+
+
+def _t(seconds: float) -> str:
+    return TIME.format_short(round(seconds, 12))  # 0.000999999 would read "1000us"
+
+
+def _b(size: int) -> str:
+    return SIZE.format_short(size)

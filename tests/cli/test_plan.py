@@ -1,0 +1,109 @@
+"""`hetero plan` and `hetero show --timeline` from the command line."""
+
+import json
+import shutil
+from pathlib import Path
+
+from hetero import files
+from hetero.cli.main import main
+from hetero.plan.schema import Plan
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = "tests/plan/fixtures/handworked.profile.yaml"
+
+
+def test_plan_writes_a_plan_that_check_accepts_and_show_renders(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--profile", PROFILE, "-o", str(out), "--dram-budget", "8GiB"]) == 0
+    summary = capsys.readouterr().out
+    assert f"wrote {out}" in summary and "predicted (46ms profiled)" in summary and "peak nvme0" in summary
+    text = out.read_text()
+    assert text.startswith(f"# hetero plan of {PROFILE} (examples/train_gpt.py)")
+    assert "optimizer:  # why: all states fit in 2 x 8GiB channels; round-robin by bytes" in text
+    assert main(["check", str(out)]) == 0
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    schedule = len(files.load(out, expect=Plan).activations.schedule)
+    assert "predicted" in shown and f"activations.schedule ({schedule})" in shown
+
+
+def test_plan_json_is_the_written_plan(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--profile", PROFILE, "-o", str(out), "--json", "--stay-time", "2ms"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data == files.to_data(files.load(out))
+    assert data["activations"]["stay_time_s"] == 0.002
+
+
+def test_bad_flags_exit_2_with_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = str(tmp_path / "plan.yaml")
+    assert main(["plan", "--profile", PROFILE, "-o", out, "--slow-tier", "nvme9"]) == 2
+    assert capsys.readouterr().err == ("error: --slow-tier nvme9: the profile has no such tier\n"
+                                       "hint: tiers in the profile: dram, nvme0\n")
+    assert main(["plan", "--profile", PROFILE, "-o", out, "--gpu-memory", "20GB2"]) == 2
+    assert "unknown unit 'GB2'" in capsys.readouterr().err
+    assert main(["plan", "--profile", "missing.yaml", "-o", out]) == 3
+    assert not Path(out).exists()
+
+
+def test_from_keeps_pinned_entries(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    old = tmp_path / "old.yaml"
+    assert main(["plan", "--profile", PROFILE, "-o", str(old)]) == 0
+    edited = files.load(old, expect=Plan)
+    first = next(e for e in edited.activations.schedule if e.evict_bytes)
+    first.evict_bytes, first.pinned = 100 * 1024, True  # the user's edit
+    files.save(edited, old)
+    new = tmp_path / "new.yaml"
+    assert main(["plan", "--profile", PROFILE, "-o", str(new), "--from", str(old)]) == 0
+    kept = next(e for e in files.load(new, expect=Plan).activations.schedule if e.layer == first.layer)
+    assert (kept.evict_bytes, kept.pinned) == (100 * 1024, True)
+
+
+def test_show_timeline_writes_a_trace(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "predicted.json"
+    assert main(["show", "--timeline", "plans/gpt-tiny-cpu.plan.yaml", "-o", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}: ")
+    trace = json.loads(out.read_text())
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"compute", "evict", "prefetch", "axdimm ch0", "axdimm ch1"} <= lanes
+    predicted = files.load("plans/gpt-tiny-cpu.plan.yaml").predicted.iteration_s
+    assert abs(trace["otherData"]["iteration_s"] - predicted) < 1e-9  # the plan keeps nanoseconds
+
+
+def test_show_timeline_needs_the_plans_profile(tmp_path, monkeypatch, capsys):
+    shutil.copy(REPO / "plans/gpt-tiny-cpu.plan.yaml", tmp_path / "plan.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert main(["show", "--timeline", "plan.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "plan.yaml was planned from plans/gpt-tiny-cpu.profile.yaml, which does not exist here" in err
+    assert "hint: run this where `hetero plan` ran" in err
+    (tmp_path / "plans").mkdir()
+    example = "plans/gpt-tiny-cpu.profile.yaml"
+    profile = (REPO / example).read_text().replace("  warmup_steps: 1", "  warmup_steps: 9")
+    (tmp_path / example).write_text(profile)
+    assert main(["show", "--timeline", "plan.yaml"]) == 4
+    assert "changed since plan.yaml was planned" in capsys.readouterr().err
+    assert main(["show", "plan.yaml", "-o", "x.json"]) == 2
+
+
+def test_a_gpu_plan_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from tests.plan.synthetic import gpu_profile
+
+    monkeypatch.chdir(tmp_path)
+    files.save(gpu_profile(6, seed=2), "profile.yaml")
+    assert main(["plan", "--gpu-memory", "1GiB", "--reserve", "0.3"]) == 0
+    assert "write gradients to host" in capsys.readouterr().out
+    plan = files.load("plan.yaml", expect=Plan)
+    assert (len(plan.layers), plan.budget.gpu_memory_bytes, plan.budget.reserve) == (6, 2**30, 0.3)
+    assert all("# why: " in line for line in Path("plan.yaml").read_text().splitlines() if "{name: layer" in line)
+    assert main(["check", "plan.yaml"]) == 0 and main(["show", "plan.yaml"]) == 0
+    assert "layers (6)" in capsys.readouterr().out
+    assert main(["show", "--timeline", "plan.yaml"]) == 0
+    lanes = {e["args"]["name"] for e in json.loads(Path("predicted.json").read_text())["traceEvents"] if e["ph"] == "M"}
+    assert {"compute", "h2d", "d2h", "host adam"} <= lanes
+    assert main(["plan", "--help"]) == 0 and "Example: hetero plan" in capsys.readouterr().out

@@ -1,0 +1,119 @@
+"""Synthetic profiles for planner tests and bench/plan.py: a GPU machine with PCIe curves, DHA timings and tiers."""
+
+from __future__ import annotations
+
+import random
+
+from hetero.profile.schema import (
+    Axdimm,
+    Cpu,
+    CurvePoint,
+    Gpu,
+    Layer,
+    Machine,
+    ModelInfo,
+    NumaNode,
+    Peer,
+    Profile,
+    Tier,
+    Training,
+)
+
+GiB, MiB, KiB = 2**30, 2**20, 2**10
+SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB]
+
+
+def curve(rate: float, latency: float) -> list[CurvePoint]:
+    return [CurvePoint(size_bytes=s, time_s=latency + s / rate) for s in SIZES]
+
+
+def machine(gpu_memory: int = 80 * GiB, peers: int = 0, axdimm: bool = False) -> Machine:
+    gpu = Gpu(name="Synthetic GPU", uuid="GPU-0", memory_bytes=gpu_memory, pcie=None, h2d=curve(12e9, 10e-6),
+              d2h=curve(12e9, 10e-6), dha_read_bytes_per_s=10e9, dha_write_bytes_per_s=9e9)
+    tiers = [Tier(name="dram", kind="dram", capacity_bytes=512 * GiB, read=curve(20e9, 1e-6), write=curve(20e9, 1e-6)),
+             Tier(name="nvme0", kind="nvme", capacity_bytes=2048 * GiB, path="/tmp/hetero-nvme",
+                  read=curve(3e9, 80e-6), write=curve(2e9, 60e-6))]
+    links = [Peer(src=0, dst=d, backend="nccl", transfer=curve(rate, lat))
+             for d, (rate, lat) in zip(range(1, peers + 1), [(9e9, 5e-6), (16e9, 20e-6), (12e9, 10e-6)] * peers)]
+    return Machine(cpu=Cpu(model="Synthetic CPU", cores=32, dram_bandwidth_bytes_per_s=100e9, adam_params_per_s=2e9),
+                   numa=[NumaNode(node=0, memory_bytes=512 * GiB)], gpu=gpu, tiers=tiers,
+                   axdimm=Axdimm(backend="emulated", channels=2, channel_capacity_bytes=16 * GiB,
+                                 adam_params_per_s=4e8) if axdimm else None, peers=links)
+
+
+def layers(n: int, rng: random.Random) -> list[Layer]:
+    """Layers whose parameters range from small to embedding-sized, so DHA, GFGB and DFGB each win somewhere."""
+    out, t = [], 0.2e-3
+    specs = []
+    for i in range(n):
+        size = int(2 ** rng.uniform(16, 27)) // 4 * 4
+        fp = rng.uniform(0.05e-3, 2e-3)
+        read = size / 10e9
+        specs.append((size, fp, max(fp, read) * rng.uniform(1.0, 1.4), read))
+    for i, (size, fp, fp_dha, read) in enumerate(specs):
+        t += rng.uniform(0, 0.1e-3) + fp
+        out.append(Layer(name=f"layer{i}", type="Linear", num_params=size // 4, params={"weight": size}, fp_s=fp,
+                         bp_s=2 * fp, fp_dha_s=fp_dha, bp_dha_s=2 * fp + read * rng.uniform(0.2, 1.0),
+                         bp_grad_host_s=2 * fp + size / 9e9 * rng.uniform(0.2, 1.2),
+                         saved_bytes=int(2 ** rng.uniform(18, 25)), fp_end_s=t, bp_start_s=0.0))
+    t += 0.5e-3
+    for layer in reversed(out):
+        t += rng.uniform(0, 0.1e-3)
+        layer.bp_start_s = t
+        t += layer.bp_s
+    return out
+
+
+def gpu_profile(n: int, seed: int = 0, gpu_memory: int = 80 * GiB, peers: int = 0, axdimm: bool = False) -> Profile:
+    rng = random.Random(seed)
+    ls = layers(n, rng)
+    backward_end = max(x.bp_start_s + x.bp_s for x in ls)
+    forward_end = ls[-1].fp_end_s if ls else 0.0
+    num = sum(x.num_params for x in ls)
+    training = Training(optimizer="adamw", grad_accumulation=1, clips_grad=False, warmup_steps=2, steps_measured=5,
+                        granularity="module", iteration_s=backward_end + 2e-3, forward_s=forward_end,
+                        backward_s=backward_end - forward_end, optimizer_step_s=1e-3, overhead=0.02)
+    model = ModelInfo(fingerprint=f"sha256:{seed:064x}", script="synthetic.py", num_params=num, dtype="float32")
+    return Profile(model=model, training=training, machine=machine(gpu_memory, peers, axdimm), layers=ls)
+
+
+def search_case(n: int, seed: int, gpu_memory: int = 80 * GiB):
+    """(costs, template) of a small synthetic model, as `hetero plan` hands them to MemFerry's search."""
+    from hetero.plan.choices import build
+    from hetero.plan.solve import PlanOptions, plan
+
+    profile = gpu_profile(n, seed, gpu_memory)
+    return build(profile, plan(profile, PlanOptions()))
+
+
+def gap_study(instances: int, layers: int, seed: int = 0, forward_only: bool = False,
+              budget_fraction: float | None = None) -> dict[str, float]:
+    """Worst gaps to the exhaustive optimum (3^L plans; 2^L GFGB/DHA plans with `forward_only`) of the paper's
+    method (Alg. 1 + greedy DFGB) and of the planner (plus local search and the budget family), and how often each
+    was slower than the optimum. With `budget_fraction`, the GPU budget is that fraction of what the unconstrained
+    optimum uses (instances where nothing fits are skipped; the paper's method is then not compared)."""
+    from hetero.plan import memferry
+
+    allowed = memferry.FORWARD_MODES if forward_only else memferry.MODES
+    stats = {"paper_worst": 0.0, "paper_worse": 0, "ours_worst": 0.0, "ours_worse": 0, "instances": 0}
+    device = 80 * GiB
+    for k in range(instances):
+        costs, template = search_case(layers, seed + k)
+        optimum = memferry.exhaustive(costs, template, device, allowed)
+        budget = device if budget_fraction is None else int(budget_fraction * optimum.gpu_bytes)
+        optimum = memferry.exhaustive(costs, template, budget, allowed)
+        if optimum is None:
+            continue
+        stats["instances"] += 1
+        ours, _ = memferry.solve(costs, template, {}, device, budget, allowed)
+        results = [("ours", ours)]
+        if budget_fraction is None:
+            alg1 = memferry.forward_modes(costs.layers, {}, allowed)
+            first = memferry.evaluate(costs, template, alg1.modes)
+            dfgb = memferry.choose_dfgb(costs, alg1.modes, first.result, device, {}, allowed)
+            results.append(("paper", memferry.evaluate(costs, template, dfgb.modes)))
+        for name, e in results:
+            gap = e.time_s / optimum.time_s - 1
+            stats[f"{name}_worst"] = max(stats[f"{name}_worst"], gap)
+            stats[f"{name}_worse"] += gap > 1e-9
+    return stats

@@ -1,0 +1,86 @@
+"""Optimizer-state placement: balanced round-robin over channels, NVMe overflow of the last-updated, host, gpu."""
+
+import pytest
+
+from hetero.errors import HeteroError
+from hetero.plan import axdimm
+from hetero.plan.solve import PlanOptions, plan, predict
+from tests.plan.synthetic import GiB, curve, gpu_profile
+
+
+def params(*counts):
+    return [axdimm.Param(name=f"p{k}", layer=k, num_params=n) for k, n in enumerate(counts)]
+
+
+def test_round_robin_by_bytes_balances_alternating_weights_and_biases():
+    ps = params(800, 100, 800, 100, 800, 100)
+    placed = axdimm.place(ps, list(range(6))[::-1], 2, GiB, "nvme0", "axdimm")
+    assert placed.channels == [0, 1, 1, 0, 0, 1]  # a plain turn-by-turn would put every weight on channel 0
+    assert placed.channel_bytes == [1700 * 16, 1000 * 16]
+    assert placed.why == ("all states fit in 2 x 1GiB channels; round-robin by bytes: 42.2KiB of states (16 B/param),"
+                          " ch0 26.6KiB, ch1 15.6KiB")
+
+
+def test_overflow_goes_to_nvme_for_the_parameters_updated_last():
+    """Ten tensors of 1600 B of states, 2 x 6400 B of channels: staging for two of the largest spilled tensors
+    (3200 B) leaves 9600 B, so the six updated first (the last layers) stay; layers 0-3 go to NVMe."""
+    ps = params(*[100] * 10)
+    placed = axdimm.place(ps, list(range(10))[::-1], 2, 6400, "nvme0", "axdimm")
+    assert placed.tiers == ["nvme0"] * 4 + ["axdimm"] * 6
+    assert (placed.nvme_bytes, placed.staging_bytes, placed.channel_bytes) == (6400, 3200, [4800, 4800])
+    assert all(b <= 6400 - 1600 for b in placed.channel_bytes)  # each channel keeps its half of the staging
+    assert placed.why.startswith("states 15.6KiB > 2 x 6.25KiB channels: the 4 parameters updated last (6.25KiB) go "
+                                 "to nvme0, read back before their updates through two 1.56KiB staging slots")
+    assert placed.channels[4:] == [1, 0, 1, 0, 1, 0]  # by room, in update order (layer 9 first)
+    states = axdimm.states(ps, placed)
+    assert [s.tier for s in states[:5]] == ["nvme"] * 4 + ["axdimm"] and states[0].channel is None
+
+
+def test_no_room_and_no_nvme_is_an_error_with_a_hint():
+    with pytest.raises(HeteroError, match="do not fit in axdimm") as e:
+        axdimm.place(params(1000), [0], 2, 100, None, "axdimm")
+    assert "nvme tier" in e.value.hint
+
+
+def test_host_placement():
+    placed = axdimm.place(params(1000, 10), [1, 0], 1, 10**6, "nvme0", "host")
+    assert placed.tiers == ["host", "host"] and placed.channels == [None, None]
+    assert placed.why == "all states fit in host memory: 15.8KiB (16 B/param) of 977KiB free"
+
+
+def test_nvme_reads_arrive_before_their_updates_in_the_simulated_iteration():
+    """The spilled states are read from the iteration start, in update order, two staging slots at a time, so with a
+    fast enough drive they are staged before their gradients arrive; a slow drive makes the updates wait (and the
+    prediction says so)."""
+    profile = gpu_profile(20, seed=5, axdimm=True)
+    for x in profile.layers:
+        x.params, x.num_params = {"weight": 8 * 2**20}, 2 * 2**20
+    profile.machine.axdimm.channel_capacity_bytes = 128 * 2**20  # 32 MiB of states each: room for six of twenty
+    profile.machine.axdimm.adam_params_per_s = 4e9  # Adam keeps up: staging slots free up as gradients arrive
+    slow = predict(profile, plan(profile, PlanOptions()))
+    nvme = profile.machine.tiers[1]
+    nvme.read, nvme.write = curve(100e9, 80e-6), curve(100e9, 60e-6)
+    p = plan(profile, PlanOptions())
+    opt = p.optimizer
+    assert opt.device == "axdimm" and opt.nvme.size_bytes > 0 and opt.nvme.path == "/tmp/hetero-nvme"
+    on_nvme = [s.param for s in opt.states if s.tier == "nvme"]
+    assert on_nvme == [f"layer{k}.weight" for k in range(14)]  # the first layers: updated last
+    for c in range(2):
+        assert sum(16 * profile.layers[int(s.param[5:-7])].num_params for s in opt.states if s.channel == c) \
+            <= profile.machine.axdimm.channel_capacity_bytes
+    result = predict(profile, p)
+    assert result.nvme_late_s == 0 < slow.nvme_late_s
+    assert result.peak_bytes["nvme0"] >= opt.nvme.size_bytes
+
+
+def test_gpu_and_host_devices():
+    profile = gpu_profile(4, seed=2)
+    gpu = plan(profile, PlanOptions(optimizer_device="gpu"))
+    assert {s.tier for s in gpu.optimizer.states} == {"gpu"}
+    assert {x.mode for x in gpu.layers} == {"gfgb"} and {x.grad for x in gpu.layers} == {"gpu"}
+    host = plan(profile, PlanOptions(optimizer_device="host"))
+    assert {s.tier for s in host.optimizer.states} == {"host"}
+    assert host.optimizer.why.startswith("all states fit in host memory")
+    with pytest.raises(HeteroError, match="needs .* over the GPU budget") as e:
+        plan(profile, PlanOptions(optimizer_device="gpu", gpu_memory_bytes=2**20))
+    assert e.value.hint.startswith("use --optimizer-device host")

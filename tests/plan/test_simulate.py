@@ -1,0 +1,121 @@
+"""The simulator: curves, a timeline worked by hand, stalls, NVMe staging, memory peaks, the trace."""
+
+import json
+import random
+
+import pytest
+
+from hetero import files
+from hetero.plan.model import Choices, Costs, Curve, LayerCosts, Update, costs
+from hetero.plan.simulate import chrome_trace, simulate
+from hetero.profile.schema import CurvePoint, Profile
+
+MS = 1e-3
+
+
+def points(*pairs):
+    return [CurvePoint(size_bytes=s, time_s=t) for s, t in pairs]
+
+
+def test_curve_interpolates_floors_and_extrapolates():
+    c = Curve.of(points((1000, 1e-6), (2000, 1.5e-6), (4000, 2e-6)))
+    assert c.time_s(0) == 0
+    assert c.time_s(10) == 1e-6  # never below the smallest measured transfer (its latency)
+    assert c.time_s(1500) == pytest.approx(1.25e-6)
+    assert c.time_s(8000) == pytest.approx(3e-6)  # the last segment's 4 GB/s beyond the last point
+    assert c.peak_rate == pytest.approx(2e9)
+
+
+def test_curve_is_made_monotone_and_inverts_exactly():
+    c = Curve.of(points((4096, 5e-6), (65536, 4e-6), (2**20, 60e-6), (2**24, 1e-3)))  # a noisy median at 64 KiB
+    assert c.times[1] == 5e-6
+    rng = random.Random(0)
+    for _ in range(300):
+        t = rng.uniform(0, 3e-3)
+        size = c.size_within(t)
+        assert c.time_s(size) <= t
+        assert size == 0 or c.time_s(size + 1) > t or c.times[1] == c.times[0]
+    assert c.size_within(4e-6) == 0
+
+
+def layer(name, fp_ms, bp_ms, size=1000, saved=0, gap_ms=0.0):
+    return LayerCosts(name=name, params_bytes=size, num_params=size // 4, saved_bytes=saved, fp_s=fp_ms * MS,
+                      bp_s=bp_ms * MS, fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None, copy_s=0.0, grad_copy_s=0.0,
+                      fp_gap_s=gap_ms * MS, bp_gap_s=gap_ms * MS)
+
+
+def cpu_case(updates, overlap=True, evict=(0, 0), trigger=(None, None), at=(0.0, 0.0), lanes=("ch0",), staging=0):
+    c = Costs(layers=[layer("a", 1, 2, saved=4000), layer("b", 2, 4, saved=8000, gap_ms=0.5)], bp_order=[1, 0],
+              tail_s=3 * MS, micro_batches=1, has_gpu=False, evict=Curve.linear(4e6), prefetch=Curve.linear(2e6))
+    ch = Choices(modes=["gfgb"] * 2, grads=["gpu"] * 2, evict_bytes=list(evict), trigger=list(trigger),
+                 prefetch_at_s=list(at), updates=updates, lanes=list(lanes), overlap_backward=overlap,
+                 grads_to_host=True, params_on_gpu=False, staging_bytes=staging, fast="dram", slow="nvme0",
+                 static_bytes={"dram": 100})
+    return c, ch
+
+
+def test_cpu_timeline_by_hand():
+    """Forward a 0-1, gap 0.5, b 1.5-3.5; backward b 4-8 (after its 0.5 ms gap), a 8-10; b's update on the channel
+    8-9 overlaps a's backward; a's 10-11; then the 3 ms tail: 14 ms."""
+    c, ch = cpu_case([[Update(lane=0, update_s=1 * MS)], [Update(lane=0, update_s=1 * MS)]])
+    r = simulate(c, ch)
+    assert [round(t / MS, 9) for t in (*r.fp_start_s, *r.fp_end_s, *r.bp_start_s, *r.bp_end_s)] == [
+        0, 1.5, 1, 3.5, 8, 4, 10, 8]
+    assert r.iteration_s == pytest.approx(14 * MS)
+    no_overlap = simulate(c, cpu_case(ch.updates, overlap=False)[1])
+    assert no_overlap.iteration_s == pytest.approx(15 * MS)  # both updates after the backward
+    host = simulate(c, cpu_case([[Update(lane=-1, update_s=1 * MS)], [Update(lane=-1, update_s=1 * MS)]])[1])
+    assert host.bp_start_s[0] == pytest.approx(9 * MS)  # host Adam without a GPU shares the compute lane
+    assert host.iteration_s == pytest.approx(15 * MS)
+
+
+def test_activations_peak_and_a_late_prefetch_stalls():
+    """a's 4 KB are evicted 1-2 ms (4 MB/s); triggered by b's backward start (4 ms), the 2 ms prefetch lands at
+    6 ms, before a's backward at 8 ms. Triggered by a's own backward it stalls 2 ms; by the clock at 7.5 ms, 1.5."""
+    updates = [[], []]
+    c, ch = cpu_case(updates, evict=(4000, 0), trigger=(1, None))
+    r = simulate(c, ch)
+    assert r.stall_s == 0
+    assert r.act_peak_untiered_bytes == r.act_peak_bytes == 12_000  # a is back at 4 ms, b leaves at 8 ms
+    assert r.peak_bytes == {"dram": 100 + 12_000, "nvme0": 4000}
+    assert r.act_avg_bytes < r.act_avg_untiered_bytes
+    late = simulate(c, cpu_case(updates, evict=(4000, 0), trigger=(0, None))[1])  # its own backward: on demand
+    assert late.stall_s == pytest.approx(2 * MS)
+    timed = simulate(c, cpu_case(updates, evict=(4000, 0), at=(7.5 * MS, 0.0))[1])  # by clock: 7.5 + 2 > 8.5
+    assert timed.stall_s == pytest.approx(1.5 * MS)
+
+
+def test_nvme_states_are_staged_and_written_back_oldest_first():
+    """Staging holds one tensor's states: b's read (0-1 ms) is early, but a's must wait for b's write-back (update
+    8-9, write 9-10), so a's update, ready at 10 ms, waits for its read 10-11."""
+    nvme = dict(nvme_bytes=16, read_s=1 * MS, write_s=1 * MS)
+    c, ch = cpu_case([[Update(lane=0, update_s=1 * MS, **nvme)], [Update(lane=0, update_s=1 * MS, **nvme)]],
+                     staging=16)
+    r = simulate(c, ch, record=True)
+    reads = [(s.start_s / MS, s.end_s / MS) for s in r.spans if s.lane == "nvme read"]
+    assert reads == [pytest.approx((0, 1)), pytest.approx((10, 11))]
+    assert r.nvme_late_s == pytest.approx(1 * MS)
+    roomy = simulate(c, cpu_case(ch.updates, staging=32)[1])
+    assert roomy.nvme_late_s == 0 and roomy.iteration_s < r.iteration_s
+
+
+def test_chrome_trace_has_a_thread_per_lane_spans_and_memory_counters():
+    c, ch = cpu_case([[Update(lane=0, update_s=1 * MS)], []], evict=(4000, 0), trigger=(1, None))
+    trace = json.loads(json.dumps(chrome_trace(simulate(c, ch, record=True))))
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert lanes == {"compute", "evict", "prefetch", "ch0"}
+    names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert names[:3] == ["fp a", "evict a", "fp b"] and "adam a" in names
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "C"} == {"memory dram", "memory nvme0"}
+    assert trace["otherData"]["iteration_s"] == pytest.approx(14 * MS)
+
+
+def test_costs_take_the_compute_between_layers_from_the_profiled_timeline(repo):
+    profile = files.load(repo / "tests/plan/fixtures/handworked.profile.yaml", expect=Profile)
+    c = costs(profile)
+    assert c.layers[0].fp_gap_s == pytest.approx(0.4 * MS)  # wte's forward ends at 450 us after 50 us of work
+    assert c.layers[1].fp_gap_s == pytest.approx(0.05 * MS)
+    assert [c.layers[i].name for i in c.bp_order[:2]] == ["lm_head", "ln_f"]
+    assert c.layers[c.bp_order[0]].bp_gap_s == pytest.approx(1.05 * MS)  # loss: lm_head's forward end to backward
+    assert c.tail_s == pytest.approx(46 * MS - 1.2 * MS - 30.87 * MS)
+    assert not c.has_gpu and all(x.copy_s == 0 for x in c.layers)
