@@ -20,8 +20,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
 demo: $(VENV)/.installed
-	$(BIN)/hetero check plans/*.yaml
-	$(BIN)/hetero show plans/gpt-tiny-cpu.plan.yaml
+	$(BIN)/python examples/demo.py
 
 docs: $(VENV)/.installed
 	$(BIN)/python -m hetero.docs docs/plan-format.md

@@ -13,9 +13,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hetero import files
+from hetero.cli.run import MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC, RDZV, torchrun
+from hetero.profile.schema import Profile
+from hetero.run import launch
 from hetero.units import SIZE, TIME
 
-EXAMPLE = "Example: hetero profile --steps 5 examples/train_gpt.py --batch-size 8   (then: hetero plan)"
+EXAMPLE = ("Example: hetero profile --steps 5 examples/train_gpt.py --batch-size 8   (then: hetero plan; data "
+           "parallel: hetero profile --nproc-per-node 2 train_ddp.py)")
 
 
 def profile(
@@ -30,14 +34,27 @@ def profile(
     output: Path = typer.Option(Path("profile.yaml"), "-o", "--output", help="Where to write the profile."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout (script output goes "
                                                        "to stderr)."),
+    nproc: int = NPROC, nnodes: str = NNODES, node_rank: int = NODE_RANK, master_addr: str = MASTER_ADDR,
+    master_port: int = MASTER_PORT, rdzv: str = RDZV,
 ) -> None:
-    """Run SCRIPT for a few steps and write what hetero measured about the machine and each layer."""
-    from hetero.profile.profiler import ProfileOptions, profile_script  # imports torch: only for this command
+    """Run SCRIPT for a few steps and write what hetero measured about the machine and each layer (and, with
+    --nproc-per-node, the links between its ranks)."""
+    from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model)
-    with _progress() as report, contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-        result = profile_script(script, list(args or []), options, report)
-    files.save(result, output, header=(f"hetero profile of {script}", "Edit with care: `hetero plan` reads it."))
+    ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        if ranks is not None:
+            options.check()
+            code = launch.profile_workers(script, list(args or []), options, output, ranks,
+                                           stdout_to_stderr=as_json)
+            if code or not output.is_file():  # a node other than rank 0's: the profile is on that node
+                raise typer.Exit(code)
+            result = files.load(output, expect=Profile)
+        else:
+            with _progress() as report:
+                result = profile_script(script, list(args or []), options, report)
+            save(result, output, script)
     if as_json:
         print(json.dumps(files.to_data(result), indent=2))
     else:

@@ -45,13 +45,19 @@ def fingerprint(model: nn.Module) -> str:
 
 
 class Capture:
-    """Watches the script until its first optimizer step, then calls `on_found(model, optimizer)` once."""
+    """Watches the script until its first optimizer step, then calls `on_found(model, optimizer)` once.
 
-    def __init__(self, on_found: Callable[[nn.Module, torch.optim.Optimizer], None], script: str,
-                 model_name: str | None = None):
+    With `fingerprint` (hetero run: the plan's model), a root module with that fingerprint is taken as soon as its
+    first forward starts, before anything runs on it, and `on_found(model, None)` is called then.
+    """
+
+    def __init__(self, on_found: Callable[[nn.Module, torch.optim.Optimizer | None], None], script: str,
+                 model_name: str | None = None, fingerprint: str | None = None):
         self.on_found = on_found
         self.script = os.path.abspath(script)
         self.model_name = model_name
+        self.fingerprint = fingerprint
+        self.checked: set[int] = set()  # roots whose fingerprint was compared already
         self.roots: list[nn.Module] = []  # modules called at depth 0, in order of first call
         self.depth = 0
         self.found = False
@@ -74,17 +80,28 @@ class Capture:
         if self.depth == 0 and not any(module is r for r in self.roots):
             self.roots.append(module)
         self.depth += 1
+        if self.fingerprint and self.depth == 1 and id(module) not in self.checked:
+            self.checked.add(id(module))
+            model = unwrap(module)
+            if fingerprint(model) == self.fingerprint:
+                self._found(model, None)
 
     def _post(self, module: nn.Module, args, output) -> None:
         self.depth = max(0, self.depth - 1)
 
     def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if self.found:
-            return
+        self.resolve(optimizer)
+
+    def resolve(self, optimizer: torch.optim.Optimizer) -> None:
+        """Decide now (the first step, or hetero needs the model earlier), among the roots seen so far."""
+        if not self.found:
+            self._found(None, optimizer)
+
+    def _found(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         self.found = True
         self.__exit__()  # global hooks cost every module call: drop them as soon as the model is known
         try:
-            self.on_found(self.choose(optimizer), optimizer)
+            self.on_found(model if model is not None else self.choose(optimizer), optimizer)
         except HeteroError as e:
             raise StopScript(e) from None  # an Exception here could be swallowed by the script
 

@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 
 from hetero.units import measured
-from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Machine, NumaNode, Pcie, Tier
+from hetero.profile import dha
+from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 GPU_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
-NO_DHA = "not measured: DHA execution on the GPU is not built yet"
 
 
-def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None) -> Machine:
-    """The machine as seen from `device` (the model's device)."""
+def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,
+            peers: list[Peer] | None = None) -> Machine:
+    """The machine as seen from `device` (the model's device); `peers`: the links between ranks, measured before."""
     report = progress or (lambda *a: None)
     phases = ["cpu", "gpu", "tiers", "axdimm"]
     report("machine", 0, len(phases))
@@ -40,17 +41,16 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     report("machine", 3, len(phases))
     axdimm = measure_axdimm()
     report("machine", 4, len(phases))
-    return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=[])
+    return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [])
 
 
-def unmeasured(device: torch.device) -> dict[str, str]:
-    """Why the profile's null fields are null on this machine."""
+def unmeasured(device: torch.device, layers: list[Layer] = ()) -> dict[str, str]:
+    """Why the profile's null fields are null on this machine (`layers`: as measured, to name those left null)."""
     if device.type != "cuda":
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
                 "layers.*.bp_grad_host": gone}
-    return {"machine.gpu.dha_read": NO_DHA, "machine.gpu.dha_write": NO_DHA, "layers.*.fp_dha": NO_DHA,
-            "layers.*.bp_dha": NO_DHA, "layers.*.bp_grad_host": NO_DHA}
+    return dha.unmeasured(list(layers))
 
 
 # -- host ----------------------------------------------------------------------------------------------------------
@@ -174,9 +174,10 @@ def emulated_channel_capacity(channels: int) -> int:
 def measure_gpu(device: torch.device) -> Gpu:
     props = torch.cuda.get_device_properties(device)
     uuid = str(props.uuid)
+    read, write = dha.bandwidth(device)
     return Gpu(name=props.name, uuid=uuid, memory_bytes=props.total_memory, pcie=_pcie(uuid),
                h2d=_gpu_curve(device, to_device=True), d2h=_gpu_curve(device, to_device=False),
-               dha_read_bytes_per_s=None, dha_write_bytes_per_s=None)
+               dha_read_bytes_per_s=measured(read), dha_write_bytes_per_s=measured(write))
 
 
 def _pcie(uuid: str) -> Pcie | None:

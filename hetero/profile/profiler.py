@@ -10,12 +10,14 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.profile import machine
+from hetero.profile import dha, machine, peers
 from hetero.profile.capture import Capture, fingerprint
 from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
@@ -44,12 +46,21 @@ class ProfileOptions:
 
 
 def profile_script(script: str, args: list[str], options: ProfileOptions,
-                   progress: Progress | None = None) -> Profile:
-    """Profile `script args`: its layers, then the machine. HeteroError if it crashes or ends too early."""
+                   progress: Progress | None = None) -> Profile | None:
+    """Profile `script args`: its layers, the links between its ranks, then the machine. HeteroError if it crashes
+    or ends too early. Under torchrun every rank calls this; rank 0 measures the machine and returns the profile,
+    the other ranks None."""
     run = measure_script(script, args, options, progress)
+    links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
+    if peers.rank() != 0:
+        return None
     return Profile(model=run.model, training=run.training, layers=run.layers,
-                   machine=machine.measure(run.device, options.nvme_dir, progress),
-                   unmeasured=machine.unmeasured(run.device))
+                   machine=machine.measure(run.device, options.nvme_dir, progress, links),
+                   unmeasured=machine.unmeasured(run.device, run.layers))
+
+
+def save(profile: Profile, output: Path, script: str) -> None:
+    files.save(profile, output, header=(f"hetero profile of {script}", "Edit with care: `hetero plan` reads it."))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +81,11 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     if not result.stopped:
         raise _ended_early(result.exit_code, session.steps_done, options)
     summary = summarize(session.profiler)
+    layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
+        if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
-                             layers=summary.layers, device=session.device)
+                             layers=layers, device=session.device)
 
 
 class _Session:
@@ -83,6 +96,7 @@ class _Session:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.profiler: LayerProfiler | None = None
+        self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
         self.device = torch.device("cpu")
         self.steps_done = 0
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
@@ -91,6 +105,7 @@ class _Session:
     def found(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self.device = next(model.parameters()).device
+        self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock)
         optimizer.register_step_pre_hook(self._step_start)

@@ -22,4 +22,6 @@ def test_gpu_profile_of_the_example(tmp_path):
     assert profile.machine.tiers[1].read == gpu.h2d
     for layer in profile.layers:
         assert layer.fp_s > 0 and layer.bp_s > 0 and layer.bp_start_s > layer.fp_end_s > 0, layer
-    assert "layers.*.fp_dha" in profile.unmeasured
+    assert gpu.dha_read_bytes_per_s > 0 and gpu.dha_write_bytes_per_s > 0
+    owners = [layer for layer in profile.layers if layer.params_bytes]
+    assert all(layer.fp_dha_s and layer.bp_dha_s and layer.bp_grad_host_s for layer in owners), profile.unmeasured

@@ -4,7 +4,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hetero.profile.layers import select_layers
 from hetero.profile.profiler import ProfileOptions, measure_script

@@ -1,0 +1,50 @@
+"""`hetero run [--plan plan.yaml] [--allow-stale] [--nproc-per-node N ...] SCRIPT [ARGS]...`: run a script under a
+plan, in this process or in one torchrun worker per rank."""
+
+from __future__ import annotations
+
+import typer
+
+from hetero.run import launch
+
+# torchrun's own options, shared with `hetero profile`
+NPROC = typer.Option(None, "--nproc-per-node", metavar="N", help="Workers on this node, started by torchrun "
+                     "(data parallel: wrap the model in DistributedDataParallel); default: run in this process.")
+NNODES = typer.Option("1", "--nnodes", metavar="N|MIN:MAX", help="Nodes taking part (with --nproc-per-node).")
+NODE_RANK = typer.Option(None, "--node-rank", metavar="I", help="This node's index, with --master-addr.")
+MASTER_ADDR = typer.Option(None, "--master-addr", metavar="HOST", help="Node 0's address (static rendezvous).")
+MASTER_PORT = typer.Option(None, "--master-port", metavar="PORT", help="Node 0's port (static rendezvous).")
+RDZV = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet (c10d rendezvous).")
+
+
+def torchrun(nproc: int | None, nnodes: str, node_rank: int | None, master_addr: str | None,
+             master_port: int | None, rdzv: str | None) -> launch.Torchrun | None:
+    if nproc is None:
+        return None
+    return launch.Torchrun(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                           master_port=master_port, rdzv_endpoint=rdzv)
+
+
+def run(
+    script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
+    args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
+    plan: str = typer.Option(None, "--plan", metavar="FILE", help="The plan to enforce [default: plan.yaml]."),
+    allow_stale: bool = typer.Option(False, "--allow-stale", help="Run a plan made for another profile or model."),
+    nproc: int = NPROC, nnodes: str = NNODES, node_rank: int = NODE_RANK, master_addr: str = MASTER_ADDR,
+    master_port: int = MASTER_PORT, rdzv: str = RDZV,
+) -> None:
+    """Run SCRIPT unmodified, with parameters, optimizer states and activations where the plan puts them, and
+    gradient synchronization routed as it says.
+
+    The script's exit code passes through; with several workers, that of the first one to fail."""
+    ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
+    code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks)
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    # Options for hetero come before SCRIPT; everything after it belongs to the script, `--plan` and `--help` too.
+    settings = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+    app.command(name="run", epilog="Example: hetero run --plan plan.yaml examples/train_gpt.py --steps 20   "
+                                   "(data parallel: hetero run --nproc-per-node 2 train_ddp.py)",
+                context_settings=settings)(run)

@@ -1,0 +1,268 @@
+"""`hetero run` and `hetero profile` launches: in this process, or through torchrun with one worker per rank.
+
+`build` is pure (argv and environment from the arguments) so it can be tested without running anything. One
+process: `run` reads the plan, refuses a stale one, and runs the script here as `python script.py args` would.
+Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile, the plan's ranks), then
+starts `python -m torch.distributed.run ... -m hetero.run.bootstrap script args`, torchrun's own engine, and every
+worker runs `worker_main`. The protocol between hetero and its workers is the environment:
+  HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.run.bootstrap` default to plan.yaml)
+  HETERO_ALLOW_STALE  1: run a plan made for another profile or model
+  HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
+  HETERO_EXIT_DIR     where each worker leaves its exit code and the time it ended, so that hetero exits with the
+                      code of the worker that failed first (torchrun itself exits 1 for any failure)
+Workers read LOCAL_RANK/RANK/WORLD_SIZE from torchrun's environment; the script's arguments are never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetero import files
+from hetero.errors import FAILURE, INTERRUPTED, STALE_PLAN, USAGE, FileProblems, HeteroError
+from hetero.plan.schema import Plan, RoutingPlan
+from hetero.profile.schema import Profile
+from hetero.run.bootstrap import check_script, run_script, script_argv
+
+PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
+ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
+PROFILE_ENV = "HETERO_PROFILE"
+EXIT_DIR_ENV = "HETERO_EXIT_DIR"
+WORKER = "hetero.run.bootstrap"
+
+
+@dataclass(frozen=True, slots=True)
+class Torchrun:
+    """How many workers, on how many nodes: torchrun's own options, passed through."""
+
+    nproc_per_node: int
+    nnodes: str = "1"  # N, or MIN:MAX for an elastic job
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous
+
+    def max_nodes(self) -> int:
+        try:
+            counts = [int(n) for n in self.nnodes.split(":")]
+        except ValueError:
+            raise HeteroError(f"--nnodes {self.nnodes}: expected N or MIN:MAX", exit_code=USAGE) from None
+        return counts[-1]
+
+    def check(self) -> None:
+        if self.nproc_per_node < 1:
+            raise HeteroError(f"--nproc-per-node {self.nproc_per_node}: need at least 1", exit_code=USAGE)
+        if self.max_nodes() > 1 and not (self.rdzv_endpoint or self.master_addr):
+            raise HeteroError(f"--nnodes {self.nnodes} needs a meeting point for the nodes",
+                              hint="add --rdzv-endpoint HOST:PORT (or --master-addr and --node-rank)",
+                              exit_code=USAGE)
+
+    def argv(self) -> list[str]:
+        out = ["--nproc-per-node", str(self.nproc_per_node), "--nnodes", self.nnodes,
+               "--max-restarts", "0", "--monitor-interval", "0.1"]  # one failing worker ends the run, at once
+        if self.rdzv_endpoint:
+            out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", "hetero"]
+        elif self.master_addr is None and self.max_nodes() == 1:
+            out.append("--standalone")  # a free local port: runs side by side never collide
+        for flag, value in (("--master-addr", self.master_addr), ("--master-port", self.master_port),
+                            ("--node-rank", self.node_rank)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    argv: list[str]  # the script's sys.argv
+    env: dict[str, str]  # set for the script (and any process it starts)
+    command: list[str] | None = None  # the process hetero starts; None: the script runs in this process
+
+
+def build(script: str, args: list[str], plan_path: Path, allow_stale: bool = False,
+          torchrun: Torchrun | None = None) -> Launch:
+    env = {PLAN_ENV: str(plan_path.resolve())} | ({ALLOW_STALE_ENV: "1"} if allow_stale else {})
+    return _launch(script, args, env, torchrun)
+
+
+def _launch(script: str, args: list[str], env: dict[str, str], torchrun: Torchrun | None) -> Launch:
+    argv = script_argv(script, args)
+    command = None if torchrun is None else [sys.executable, "-m", "torch.distributed.run", *torchrun.argv(),
+                                             "-m", WORKER, *argv]
+    return Launch(argv=argv, env=env, command=command)
+
+
+def find_plan(plan: str | None) -> Path:
+    path = Path(plan or "plan.yaml")
+    if not path.is_file():
+        hint = ("make one: hetero profile SCRIPT, then hetero plan" if plan is None
+                else "pass the path of a plan made by hetero plan")
+        raise HeteroError(f"no plan at {path}", hint=hint, exit_code=USAGE)
+    return path
+
+
+def find_profile(plan: Plan, plan_path: Path) -> Path | None:
+    """The plan's profile: its path as written, or relative to the plan."""
+    source = Path(plan.source.profile)
+    candidates = [source] if source.is_absolute() else [source, plan_path.parent / source]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def check_profile(plan: Plan, plan_path: Path, allow_stale: bool) -> str | None:
+    """Refuse a plan whose profile changed since it was solved; a warning when the profile cannot be found."""
+    path = find_profile(plan, plan_path)
+    if path is None:
+        return f"cannot check the plan against its profile: {plan.source.profile} not found"
+    try:
+        actual = files.content_sha256(files.load(path, expect=Profile))
+    except FileProblems:
+        return f"cannot check the plan against its profile: {path} is not a valid profile"
+    if actual != plan.source.profile_sha256:
+        if not allow_stale:
+            raise HeteroError(f"{plan_path} is stale: {path} changed since the plan was made",
+                              hint=f"plan again (hetero plan --profile {path}) or pass --allow-stale",
+                              exit_code=STALE_PLAN)
+        return f"running a stale plan: {path} changed since it was made"
+    return None
+
+
+def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool = False,
+        torchrun: Torchrun | None = None) -> int:
+    """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
+    exit code."""
+    check_script(script)
+    plan_path = find_plan(plan)
+    if torchrun is None:
+        return _run_here(script, args, plan_path, allow_stale, leader=True)
+    torchrun.check()
+    loaded = files.load(plan_path, expect=Plan)
+    check_profile(loaded, plan_path, allow_stale)  # refuses before any worker starts; rank 0 prints warnings
+    if loaded.routing is not None:
+        check_routing(loaded.routing, torchrun.nproc_per_node * torchrun.max_nodes())
+    return run_workers(build(script, args, plan_path, allow_stale, torchrun))
+
+
+def check_routing(routing: RoutingPlan, world: int) -> None:
+    """A plan made for more ranks than this run has, or with no shard size, cannot be carried out."""
+    for name in ("latency_peer", "bandwidth_peer"):
+        rank = getattr(routing, name)
+        if rank >= world:
+            raise HeteroError(f"the plan's routing.{name} is rank {rank}, but this run has {world} rank(s) "
+                              f"(0 to {world - 1})", hint="profile and plan again with the same --nproc-per-node and "
+                              "--nnodes, or edit routing in the plan", exit_code=STALE_PLAN)
+    if routing.shard_bytes < 1:
+        raise HeteroError("the plan's routing.shard is 0B", hint="give a shard size, e.g. shard: 4MiB",
+                          exit_code=STALE_PLAN)
+
+
+def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool) -> int:
+    from hetero.run.runtime import Runtime  # imports torch
+
+    loaded = files.load(plan_path, expect=Plan)
+    warning = check_profile(loaded, plan_path, allow_stale)
+    if warning and leader:
+        print(f"hetero: warning: {warning}", file=sys.stderr)
+    launch = build(script, args, plan_path, allow_stale)
+    with _environment(launch.env):
+        with Runtime(loaded, script=script, allow_stale=allow_stale) as runtime:
+            result = run_script(script, launch.argv[1:])
+        for line in runtime.summary() if leader else []:  # the summary may read the plan's path from the env
+            print(f"hetero: {line}", file=sys.stderr)
+    return result.exit_code
+
+
+def profile_workers(script: str, args: list[str], options: object, output: Path, torchrun: Torchrun,
+                    stdout_to_stderr: bool = False) -> int:
+    """`hetero profile --nproc-per-node N`: every worker profiles, rank 0 measures the machine and the links
+    between ranks and writes `output`; the exit code of the first failed worker, else 0."""
+    check_script(script)
+    torchrun.check()
+    request = {"output": str(output.resolve()), "options": dataclasses.asdict(options)}
+    return run_workers(_launch(script, args, {PROFILE_ENV: json.dumps(request)}, torchrun), stdout_to_stderr)
+
+
+def run_workers(launch: Launch, stdout_to_stderr: bool = False) -> int:
+    """Start torchrun and wait; Ctrl-C (which reaches torchrun too) waits for it to stop its workers."""
+    with tempfile.TemporaryDirectory(prefix="hetero-exit-") as exits:
+        proc = subprocess.Popen(launch.command, env=os.environ | launch.env | {EXIT_DIR_ENV: exits},
+                                stdout=2 if stdout_to_stderr else None)
+        try:
+            code = proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+        return code if code == 0 else first_failure(Path(exits)) or code
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, grace in ((None, 5), (signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        if sig is not None and proc.poll() is None:
+            proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+            return
+
+
+def first_failure(exits: Path) -> int | None:
+    """The exit code of the worker that ended first with one (a worker killed by torchrun leaves none)."""
+    ended = sorted(tuple(map(int, f.read_text().split())) for f in exits.iterdir())
+    return next((code for _, code in ended if code != 0), None)
+
+
+def worker_main(argv: list[str]) -> int:
+    """A torchrun worker (`python -m hetero.run.bootstrap SCRIPT ARGS`): profile or run, then leave the exit code."""
+    code = FAILURE
+    try:
+        if not argv:
+            raise HeteroError("no script given", hint=f"torchrun ... -m {WORKER} train.py [ARGS]", exit_code=USAGE)
+        script, args = argv[0], argv[1:]
+        if os.environ.get(PROFILE_ENV):
+            code = _profile_here(script, args, json.loads(os.environ[PROFILE_ENV]))
+        else:
+            plan_path, allow_stale = find_plan(os.environ.get(PLAN_ENV)), os.environ.get(ALLOW_STALE_ENV) == "1"
+            code = _run_here(script, args, plan_path, allow_stale, leader=_rank() == 0)
+    except HeteroError as e:
+        lines = [f"error: {e.message}"] + ([f"hint: {e.hint}"] if e.hint else [])
+        print("\n".join(f"[rank {_rank()}] {line}" for line in lines), file=sys.stderr)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        code = INTERRUPTED
+    finally:
+        if os.environ.get(EXIT_DIR_ENV):
+            Path(os.environ[EXIT_DIR_ENV], f"rank{_rank()}").write_text(f"{time.time_ns()} {code}\n")
+    return code
+
+
+def _profile_here(script: str, args: list[str], request: dict) -> int:
+    from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch
+
+    result = profile_script(script, args, ProfileOptions(**request["options"]))
+    if result is not None:  # rank 0
+        save(result, Path(request["output"]), script)
+    return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,313 @@
+"""The offloaded Adam(W): the script's own `torch.optim.Adam`/`AdamW`, with its fp32 master weights and states where
+the plan puts them (AXDIMM channels, host memory, NVMe) and its updates run there.
+
+The classes subclass torch's, so argument parsing, defaults, param groups, LR schedulers and `isinstance` checks
+are torch's own; only `step`, `state_dict` and `load_state_dict` differ, and `state_dict()` is torch's format.
+With `overlap_backward`, a post-accumulate-grad hook launches each parameter's update as soon as its gradient is
+final (on the last micro-batch of the step), so updates run while backward continues; the parameters themselves
+change only in `step()`, as with torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.kernels.adam import AdamKernel, Hyperparameters
+from hetero.plan.schema import OptimizerPlan
+from hetero.run.devices.axdimm import EmulatedAxdimm
+from hetero.run.bootstrap import StopScript
+from hetero.run.devices.nvme import NvmeStore
+from hetero.units import SIZE
+from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome, NvmeStaging
+
+ALIGN = 64  # the emulated device aligns every allocation to this
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """One parameter's place in the optimizer."""
+
+    name: str
+    home: AxdimmHome | HostHome | None  # None: the states live in NVMe files
+    step: int = 0  # updates done (torch's state["step"])
+    grads_seen: int = 0  # gradients accumulated since the last step
+    launched: bool = False  # this step's update is already running
+
+
+class Placement:
+    """Builds every parameter's home from the plan once the parameters have names; owns devices and drivers."""
+
+    def __init__(self, plan: OptimizerPlan):
+        self.plan = plan
+        self.where = {s.param: s for s in plan.states}
+        self.drivers: list[Driver] = []
+        self.device: EmulatedAxdimm | None = None
+        self.store: NvmeStore | None = None
+        self.staging: NvmeStaging | None = None
+
+    def build(self, named: list[tuple[str, torch.nn.Parameter]]) -> dict[torch.nn.Parameter, Slot]:
+        missing = [name for name, _ in named if name not in self.where]
+        if missing:
+            raise HeteroError(f"the plan places no optimizer state for {len(missing)} parameter(s), e.g. "
+                              f"{missing[0]}", hint="re-plan for this model: hetero profile, then hetero plan",
+                              exit_code=STALE_PLAN)
+        tiers = {name: self.where[name] for name, _ in named}
+        spilled = [(n, p) for n, p in named if tiers[n].tier == "nvme"]
+        make = self._axdimm(named, tiers, spilled) if self.plan.device == "axdimm" else self._host()
+        slots = {p: Slot(n, None if tiers[n].tier == "nvme" else make(tiers[n].channel, p)) for n, p in named}
+        if spilled:
+            self._nvme(spilled, make)
+        return slots
+
+    def _axdimm(self, named, tiers, spilled):
+        channels = self.plan.channels
+        need = [0] * channels
+        for name, p in named:
+            if tiers[name].channel is not None:
+                need[tiers[name].channel] += 4 * _aligned(p.numel() * FP32)
+        if spilled:  # two staging slots, on channels 0 and 1 (or both on 0)
+            largest = 4 * _aligned(max(p.numel() for _, p in spilled) * FP32)
+            for slot in range(2):
+                need[slot % channels] += largest
+        self.device = EmulatedAxdimm(channel_capacity_bytes=max(need) + ALIGN, channels=channels)
+        drivers = [ChannelDriver(self.device, c) for c in range(channels)]
+        self.drivers += drivers
+        return lambda channel, param: AxdimmHome(drivers[channel], param)
+
+    def _host(self):
+        driver, kernel = Driver("host-adam"), AdamKernel()
+        self.drivers.append(driver)
+        return lambda channel, param: HostHome(driver, kernel, param)
+
+    def _nvme(self, spilled, make) -> None:
+        self.store = NvmeStore(os.path.join(self.plan.nvme.path, f"hetero-states-{os.getpid()}"))
+        largest = max((p for _, p in spilled), key=lambda p: p.numel())
+        channels = self.plan.channels or 1
+        slots = [make(s % channels if self.device else None, largest) for s in range(2)]
+        self.staging = NvmeStaging(self.store, slots, largest.numel())
+        for name, p in spilled:
+            self.staging.add(name, p)
+
+    def drain(self) -> None:
+        for driver in self.drivers:
+            driver.drain()
+
+    def close(self) -> None:
+        for driver in self.drivers:
+            driver.close()
+        for closeable in (self.device, self.store):
+            if closeable is not None:
+                closeable.close()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class Offloaded:
+    """Mixed into torch's Adam/AdamW by `OptimizerOffload`, which sets the class attributes below for the run."""
+
+    placement_for = None  # callable: OptimizerPlan-bound factory of Placement, set per run
+    micro_batches = 1
+    overlap = False
+    on_first_use = None  # callable(optimizer): the runtime binds parameter names before the first update
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for group in self.param_groups:
+            Hyperparameters.from_param_group(group)  # amsgrad and bad constants fail here, not mid-training
+        self._slots: dict[torch.nn.Parameter, Slot] = {}
+        self._placement: Placement | None = None
+        self._pending_state: dict | None = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and self.overlap:
+                    p.register_post_accumulate_grad_hook(self._grad_final)
+
+    def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
+        """Give the states their homes; called by the runtime once it knows the model."""
+        if self._placement is not None:
+            return
+        self._placement = self.placement_for()
+        order = [p for group in self.param_groups for p in group["params"]]
+        self._slots = self._placement.build([(names[p], p) for p in order])
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+
+    def close(self) -> None:
+        if self._placement is not None:
+            self._placement.close()
+
+    def _group(self, p: torch.nn.Parameter) -> dict:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def _grad_final(self, p: torch.nn.Parameter) -> None:
+        if self._placement is None:
+            type(self).on_first_use(self)
+        slot = self._slots[p]
+        slot.grads_seen += 1
+        if slot.grads_seen == self.micro_batches and slot.home is not None:
+            self._launch(p, slot)
+
+    def _launch(self, p: torch.nn.Parameter, slot: Slot) -> None:
+        ready = None
+        if p.grad.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        slot.step += 1
+        slot.launched = True
+        slot.home.update(p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step, ready)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._placement is None:
+            type(self).on_first_use(self)
+        self._check_micro_batches()
+        spilled = []
+        for p, slot in self._slots.items():
+            if p.grad is None or slot.launched:
+                continue
+            if slot.home is None:
+                slot.step += 1
+                spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
+            else:
+                self._launch(p, slot)
+        if spilled:
+            self._placement.staging.update_all(spilled)
+        self._placement.drain()
+        for p, slot in self._slots.items():
+            if slot.launched:
+                slot.home.copy_back(p)
+            slot.launched, slot.grads_seen = False, 0
+        return loss
+
+    def _check_micro_batches(self) -> None:
+        if not self.overlap:
+            return
+        seen = {slot.grads_seen for p, slot in self._slots.items() if p.grad is not None}
+        if seen - {self.micro_batches}:
+            raise HeteroError(
+                f"the plan overlaps updates with the backward of micro-batch {self.micro_batches} of each step, but "
+                f"this step had {max(seen)} backward pass(es)",
+                hint="profile and plan again (the script's gradient accumulation changed), or pass --allow-stale "
+                     "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN)
+
+    def state_dict(self) -> dict:
+        """torch's Adam state_dict, read back from wherever the states live."""
+        if self._placement is not None:
+            self._placement.drain()
+        saved = self.state
+        self.state = defaultdict(dict, {p: self._export(p, slot) for p, slot in self._slots.items() if slot.step})
+        try:
+            return super().state_dict()
+        finally:
+            self.state = saved
+
+    def _export(self, p: torch.nn.Parameter, slot: Slot) -> dict:
+        n = p.numel()
+        if slot.home is None:
+            exp_avg, exp_avg_sq = self._placement.staging.states(slot.name, n)
+        else:
+            exp_avg, exp_avg_sq = torch.empty(n), torch.empty(n)
+            slot.home.store(torch.empty(n), exp_avg, exp_avg_sq)
+        return {"step": torch.tensor(float(slot.step)), "exp_avg": exp_avg.view_as(p).to(p.device),
+                "exp_avg_sq": exp_avg_sq.view_as(p).to(p.device)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # torch's checks and casting; then the states move to their homes
+        loaded, self.state = self.state, defaultdict(dict)
+        if self._placement is None:
+            self._pending_state = dict(loaded)
+        else:
+            self._apply_state(loaded)
+
+    def _apply_state(self, loaded: dict) -> None:
+        self._placement.drain()
+        for p, slot in self._slots.items():
+            if p not in loaded:
+                continue
+            s = loaded[p]
+            slot.step = int(s["step"])
+            master, m, v = (t.detach().reshape(-1).float().cpu() for t in (p.data, s["exp_avg"], s["exp_avg_sq"]))
+            if slot.home is None:
+                self._placement.staging.load(slot.name, master, m, v)
+            else:
+                slot.home.load(master, m, v)
+        self._pending_state = None
+
+
+_TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # before any run replaces them
+
+
+class OptimizerOffload:
+    """The plan's `optimizer` section: the script's Adam/AdamW become offloaded ones for the run."""
+
+    def __init__(self, plan: OptimizerPlan):
+        self.plan = plan
+        self.optimizers: list[Offloaded] = []
+        self.names: dict[torch.nn.Parameter, str] | None = None
+
+    def install(self, patches, need_model) -> None:
+        def first_use(opt: Offloaded) -> None:
+            need_model(opt)  # binds every optimizer through bind() below
+            opt.bind(self.names)
+
+        created = self.optimizers
+
+        def track(cls):
+            def __init__(opt, *args, **kwargs):
+                try:
+                    cls.__init__(opt, *args, **kwargs)
+                except HeteroError as e:
+                    raise StopScript(e) from None  # the script's own `except Exception` must not hide it
+                created.append(opt)
+                if self.names is not None:
+                    opt.bind(self.names)
+            return __init__
+
+        settings = {"placement_for": staticmethod(lambda: Placement(self.plan)), "overlap": self.plan.overlap_backward,
+                    "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use)}
+        for name, base in _TORCH.items():
+            cls = type(name, (Offloaded, base), dict(settings, __module__=__name__, __qualname__=name))
+            patches.set(torch.optim, name, type(name, (cls,), {"__init__": track(cls), "__module__": __name__}))
+        if self.plan.overlap_backward:
+            for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+                for name in ("clip_grad_norm_", "clip_grad_value_"):
+                    patches.set(owner, name, _refuse_clipping)
+
+    def bind(self, model: torch.nn.Module) -> None:
+        self.names = {p: name for name, p in model.named_parameters()}
+        for opt in self.optimizers:
+            opt.bind(self.names)
+
+    def close(self) -> None:
+        for opt in self.optimizers:
+            opt.close()
+
+    def summary(self) -> list[str]:
+        slots = [slot for opt in self.optimizers for slot in opt._slots.items()]
+        if not slots:
+            return []
+        where = f"emulated AXDIMM ({self.plan.channels} channels)" if self.plan.device == "axdimm" else self.plan.device
+        # 4 fp32 buffers per parameter live on the device (master, m, v, gradient); 3 in NVMe files (no gradient)
+        device = sum(4 * FP32 * p.numel() for p, slot in slots if slot.home is not None)
+        nvme = sum(3 * FP32 * p.numel() for p, slot in slots if slot.home is None)
+        return [f"optimizer states: {SIZE.format_short(device)} on {where}, {SIZE.format_short(nvme)} on NVMe; "
+                f"updates {'overlapped with' if self.plan.overlap_backward else 'after'} backward"]
+
+
+def _refuse_clipping(*args, **kwargs):
+    """Overlapped updates ran before a clip could scale their gradients: refuse rather than train differently."""
+    raise StopScript(HeteroError(
+        "the script clips gradients, but the plan updates parameters during backward (overlap_backward)",
+        hint="plan again from a profile of this script: hetero plan turns overlap off for scripts that clip",
+        exit_code=STALE_PLAN))

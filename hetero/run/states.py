@@ -1,0 +1,212 @@
+"""Where one parameter's fp32 master copy and Adam states live, and how its update runs there.
+
+A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in the middle
+of backward only enqueues work. On the AXDIMM each channel has a driver that alone switches the channel's arbiter
+(normal to copy the gradient in, acceleration to run Adam), so the paper's exclusivity holds by construction, and
+while one channel's kernel runs the other channel's driver copies (§5.2). The model's parameters change only in
+`finish`, called from `optimizer.step()`: updates that overlapped backward wait there in the master copies.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from hetero.errors import HeteroError
+from hetero.kernels.adam import AdamKernel, Hyperparameters
+from hetero.run.devices.axdimm import AxdimmDevice
+
+FP32 = 4
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's or gradient's data as a flat fp32 tensor, without a copy."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise HeteroError(f"hetero's offloaded Adam updates contiguous float32 parameters; got {t.dtype} "
+                          f"{'contiguous' if t.is_contiguous() else 'non-contiguous'} {tuple(t.shape)}",
+                          hint="train in float32, or set `optimizer: {device: gpu}` in the plan to keep the "
+                               "script's optimizer")
+    return t.detach().view(-1)
+
+
+class Driver:
+    """One thread that runs a place's update jobs in order."""
+
+    def __init__(self, name: str):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"hetero-{name}")
+        self.pending: list[Future] = []
+
+    def submit(self, job) -> None:
+        self.pending.append(self.pool.submit(job))
+
+    def drain(self) -> None:
+        """Wait for every job submitted; re-raise the first failure."""
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ChannelDriver(Driver):
+    """The host side of one AXDIMM channel."""
+
+    def __init__(self, device: AxdimmDevice, channel: int):
+        super().__init__(f"axdimm-ch{channel}")
+        self.device, self.channel = device, channel
+
+    def drain(self) -> None:
+        super().drain()
+        self.device.set_arbiter(self.channel, "normal")  # waits for the last kernel, like polling its status
+
+
+class AxdimmHome:
+    """Master copy, gradient and Adam states of one parameter on one AXDIMM channel. Every operation sizes itself
+    from the tensor it is given, so a home sized for the largest parameter stages any smaller one (NvmeStaging)."""
+
+    def __init__(self, driver: ChannelDriver, param: torch.Tensor):
+        self.driver, self.device, self.channel = driver, driver.device, driver.channel
+        self.numel = param.numel()
+        self.buffers = [self.device.malloc(self.numel * FP32, self.channel) for _ in range(4)]  # master, m, v, grad
+        self.load(flat(param), torch.zeros(self.numel), torch.zeros(self.numel))
+
+    def _regions(self, numel: int) -> list:
+        return [b.region(0, numel * FP32) if numel < self.numel else b for b in self.buffers]
+
+    def load(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Replace the states (host access: the channel is normal whenever its driver is drained)."""
+        for dst, src in zip(self._regions(master.numel()), (master, exp_avg, exp_avg_sq)):
+            self.device.memcpy(dst, src.reshape(-1).contiguous(), master.numel() * FP32)
+
+    def store(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Copy the states out into host tensors (whose size says how much)."""
+        for dst, src in zip((master, exp_avg, exp_avg_sq), self._regions(master.numel())):
+            self.device.memcpy(dst, src, master.numel() * FP32)
+
+    def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+        self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
+
+    def quiesce(self) -> None:
+        """Take the channel back for the host (on the driver thread: only it switches the arbiter)."""
+        self.device.set_arbiter(self.channel, "normal")
+
+    def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+        """Copy the gradient in and launch the kernel; on the driver thread."""
+        if ready is not None:
+            ready.synchronize()  # the gradient's producer (a CUDA stream) has finished writing it
+        master, exp_avg, exp_avg_sq, buffer = self._regions(grad.numel())
+        self.device.set_arbiter(self.channel, "normal")
+        self.device.memcpy(buffer, flat(grad), grad.numel() * FP32)
+        self.device.set_arbiter(self.channel, "acceleration")
+        self.device.run_adam_async(master, exp_avg, exp_avg_sq, buffer, hyperparameters=hp, step=step,
+                                   channel=self.channel)
+
+    def copy_back(self, param: torch.Tensor) -> None:
+        self.device.memcpy(flat(param.data), self._regions(param.numel())[0], param.numel() * FP32)
+
+
+class HostHome:
+    """Master copy and Adam states in host memory (pinned when a GPU computes), updated by the host's driver."""
+
+    def __init__(self, driver: Driver, kernel: AdamKernel, param: torch.Tensor):
+        self.driver, self.kernel = driver, kernel
+        pin = param.is_cuda
+        self.buffers = [torch.empty(param.numel(), pin_memory=pin) for _ in range(3)]  # master, m, v
+        self.grad = torch.empty(param.numel(), pin_memory=pin) if param.is_cuda else None
+        self.load(flat(param), torch.zeros(param.numel()), torch.zeros(param.numel()))
+
+    def load(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        for dst, src in zip(self.buffers, (master, exp_avg, exp_avg_sq)):
+            dst[:master.numel()].copy_(src.reshape(-1))
+
+    def store(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        for dst, src in zip((master, exp_avg, exp_avg_sq), self.buffers):
+            dst.copy_(src[:master.numel()])
+
+    def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+        self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
+
+    def quiesce(self) -> None:
+        """Nothing to wait for: the host kernel finishes before run_update returns."""
+
+    def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+        if ready is not None:
+            ready.synchronize()
+        n, g = grad.numel(), flat(grad)
+        if self.grad is not None:  # a GPU gradient comes down to pinned memory first
+            self.grad[:n].copy_(g)
+            g = self.grad[:n]
+        master, exp_avg, exp_avg_sq = (b[:n] for b in self.buffers)
+        self.kernel(master, g, exp_avg, exp_avg_sq, hyperparameters=hp, step=step)
+
+    def copy_back(self, param: torch.Tensor) -> None:
+        flat(param.data).copy_(self.buffers[0][:param.numel()])
+
+
+class NvmeStaging:
+    """States kept in NVMe files between steps (the AXDIMM paper's overflow, §5.3), updated at `step()` through two
+    staging slots on the update device: while one slot's tensor is updated the next one is read into the other, and
+    an updated tensor is written out (leaves) before its slot takes the next (updated tensors leave first)."""
+
+    def __init__(self, store, slots: list, largest: int):
+        self.store = store
+        self.slots = slots  # two staging homes sized for the largest parameter: AxdimmHome or HostHome
+        self.bounce = [tuple(torch.empty(largest) for _ in range(3)) for _ in slots]  # host side of each slot
+        self.writes: list[list] = [[] for _ in slots]
+
+    def add(self, key: str, param: torch.Tensor) -> None:
+        zeros = torch.zeros(param.numel())
+        for part, data in zip("pmv", (flat(param), zeros, zeros)):
+            self.store.write_async(f"{key}.{part}", data.clone()).wait()
+
+    def update_all(self, jobs: list[tuple[str, torch.Tensor, torch.Tensor, Hyperparameters, int]]) -> None:
+        """jobs: (key, param, grad, hyperparameters, step) in update order; params change here, as step() runs."""
+        reads = {0: self._read(0, jobs[0])} if jobs else {}
+        for j, (key, param, grad, hp, step) in enumerate(jobs):
+            if j + 1 < len(jobs):
+                reads[j + 1] = self._read((j + 1) % len(self.slots), jobs[j + 1])  # prefetch the next
+            for handle in reads.pop(j):
+                handle.wait()
+            self._update(j % len(self.slots), key, param, grad, hp, step)
+        for slot in range(len(self.slots)):
+            self._wait_writes(slot)
+
+    def _read(self, slot: int, job) -> list:
+        key, param = job[0], job[1]
+        self._wait_writes(slot)  # the slot's previous tensor has left
+        n = param.numel()
+        return [self.store.read_async(f"{key}.{part}", buf[:n]) for part, buf in zip("pmv", self.bounce[slot])]
+
+    def _update(self, slot: int, key: str, param, grad, hp: Hyperparameters, step: int) -> None:
+        home, n = self.slots[slot], param.numel()
+        master, exp_avg, exp_avg_sq = (b[:n] for b in self.bounce[slot])
+
+        def staged() -> None:  # one job on the slot's driver, the only thread switching its channel
+            home.quiesce()
+            home.load(master, exp_avg, exp_avg_sq)
+            home.run_update(grad, hp, step)
+            home.quiesce()
+            home.copy_back(param)
+            home.store(master, exp_avg, exp_avg_sq)
+
+        home.driver.submit(staged)
+        home.driver.drain()
+        self.writes[slot] = [self.store.write_async(f"{key}.{part}", b) for part, b in
+                             zip("pmv", (master, exp_avg, exp_avg_sq))]
+
+    def _wait_writes(self, slot: int) -> None:
+        for handle in self.writes[slot]:
+            handle.wait()
+        self.writes[slot] = []
+
+    def states(self, key: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(numel), torch.empty(numel)
+        for part, buf in zip("mv", out):
+            self.store.read_async(f"{key}.{part}", buf).wait()
+        return out
+
+    def load(self, key: str, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        for part, data in zip("pmv", (master, exp_avg, exp_avg_sq)):
+            self.store.write_async(f"{key}.{part}", data.reshape(-1).contiguous().clone()).wait()

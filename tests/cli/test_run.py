@@ -1,0 +1,104 @@
+"""`hetero run`: exit codes, tracebacks, Ctrl-C, stale plans, and arguments that belong to the script."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetero import files
+from hetero.cli.main import main
+from hetero.run.launch import PLAN_ENV, build
+from tests.profile import scripts
+from tests.run.plans import optimizer_plan
+
+TRAIN = """
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range(int(sys.argv[1]) if len(sys.argv) > 1 else 5):
+    F.cross_entropy(model(torch.randn(8, 16)), torch.randint(4, (8,))).backward()
+    opt.step(); opt.zero_grad()
+print("done", type(opt).__module__)
+"""
+
+
+def net():
+    namespace: dict = {}
+    exec(compile(scripts.HEADER, "net", "exec"), namespace)
+    return namespace["Net"]()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files.save(optimizer_plan(net(), nvme=("head.weight",), nvme_path=str(tmp_path / "nvme")), "plan.yaml")
+    return tmp_path
+
+
+def test_build_is_pure_and_passes_arguments_untouched(tmp_path):
+    launch = build("train.py", ["--", "--plan", "x.yaml", "--help"], tmp_path / "plan.yaml")
+    assert launch.argv == ["train.py", "--plan", "x.yaml", "--help"]
+    assert launch.env == {PLAN_ENV: str((tmp_path / "plan.yaml").resolve())}
+
+
+def test_runs_the_script_with_the_offloaded_optimizer(workdir, capfd):
+    script = scripts.write(workdir, TRAIN)
+    assert main(["run", script, "3"]) == 0
+    out, err = capfd.readouterr()
+    assert "done hetero.run.optimizer" in out
+    assert "optimizer states: 26.1KiB on emulated AXDIMM (2 channels), 1.5KiB on NVMe" in err
+    assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
+
+
+def test_arguments_after_the_script_reach_it(workdir, capfd):
+    script = scripts.write(workdir, "print('ARGV', sys.argv[1:])\n")
+    assert main(["run", script, "--plan", "other.yaml", "--help"]) == 0
+    assert "ARGV ['--plan', 'other.yaml', '--help']" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_code_passes_through(workdir, code):
+    assert main(["run", scripts.write(workdir, f"sys.exit({code})\n")]) == code
+
+
+def test_an_exception_exits_1_with_the_scripts_traceback(workdir, capfd):
+    script = scripts.write(workdir, "def step():\n    raise KeyError('labels')\nstep()\n")
+    assert main(["run", script]) == 1
+    err = capfd.readouterr().err
+    assert f'File "{script}"' in err and err.rstrip().endswith("KeyError: 'labels'")
+    assert "hetero/run" not in err
+
+
+def test_a_stale_profile_is_refused_with_exit_4(workdir, capfd, repo):
+    (workdir / "profile.yaml").write_text((repo / "plans/gpt-tiny-cpu.profile.yaml").read_text())
+    script = scripts.write(workdir, TRAIN)
+    assert main(["run", script]) == 4
+    err = capfd.readouterr().err
+    assert "error: plan.yaml is stale: profile.yaml changed since the plan was made" in err
+    assert "--allow-stale" in err
+    assert main(["run", "--allow-stale", script, "2"]) == 0
+
+
+def test_another_model_is_refused_with_exit_4(workdir, capfd):
+    script = scripts.write(workdir, TRAIN.replace("model = Net()", "model = Net(width=48)"))
+    assert main(["run", script]) == 4
+    assert "is not the one the plan was made for" in capfd.readouterr().err
+
+
+def test_without_a_plan_says_what_to_do(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", scripts.write(tmp_path, TRAIN)]) == 2
+    err = capfd.readouterr().err
+    assert "error: no plan at plan.yaml" in err and "hint: make one: hetero profile SCRIPT, then hetero plan" in err
+
+
+def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
+    script = scripts.write(workdir, "import os, signal, time\n" + TRAIN.replace(
+        "    opt.step(); opt.zero_grad()",
+        "    opt.step(); opt.zero_grad()\n    if step == 2: os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"))
+    result = subprocess.run([sys.executable, "-m", "hetero", "run", script, "50"], cwd=workdir, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.rstrip().endswith("error: interrupted")
+    assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []

@@ -1,0 +1,125 @@
+"""Equivalence: training under the offloaded optimizer equals plain torch.optim.AdamW from the same seed."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from hetero.run.bootstrap import StopScript
+from hetero.run.runtime import Runtime
+from tests.run.plans import optimizer_plan
+
+STEPS = 20
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 5))
+
+
+def batch(step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(8, 12, generator=g), torch.randint(5, (8,), generator=g)
+
+
+def train(model, steps=STEPS, *, accum=1, clip=None, schedule=False, kind="AdamW", start=0, opt_state=None):
+    """The script under test: a plain loop as users write it; returns losses and the optimizer."""
+    opt = getattr(torch.optim, kind)(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5)) if schedule else None
+    losses = []
+    for step in range(start, start + steps):
+        for micro in range(accum):
+            x, y = batch(step, micro)
+            loss = F.cross_entropy(model(x), y) / accum
+            loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched:
+            sched.step()
+        losses.append(loss.item())
+    return losses, opt
+
+
+def compare(reference, model_ref, result, model_run):
+    assert_close(torch.tensor(result), torch.tensor(reference))
+    for p, q in zip(model_run.parameters(), model_ref.parameters()):
+        assert_close(p, q)
+
+
+def run_both(plan_kwargs=None, **train_kwargs):
+    ref_model, model = make_model(), make_model()
+    ref, _ = train(ref_model, **train_kwargs)
+    with Runtime(optimizer_plan(model, **(plan_kwargs or {})), script=__file__):
+        out, opt = train(model, **train_kwargs)
+        assert type(opt).__module__ == "hetero.run.optimizer", "the script's AdamW was not replaced"
+    compare(ref, ref_model, out, model)
+
+
+@pytest.mark.parametrize("device", ["axdimm", "host"])
+def test_plain_training_is_equivalent(device):
+    run_both({"device": device})
+
+
+def test_adam_without_decoupled_weight_decay():
+    run_both({"kind": "adam"}, kind="Adam")
+
+
+def test_gradient_accumulation_launches_on_the_last_micro_batch():
+    run_both({"micro_batches": 4}, accum=4)
+
+
+def test_clipping_with_updates_after_backward():
+    run_both({"overlap": False}, clip=0.5)
+
+
+def test_clipping_is_refused_when_updates_overlap_backward():
+    model = make_model()
+    with pytest.raises(StopScript) as e, Runtime(optimizer_plan(model, overlap=True), script=__file__):
+        train(model, clip=0.5)
+    assert e.value.error.exit_code == 4 and "clips gradients" in e.value.error.message
+
+
+def test_lr_scheduler_drives_the_offloaded_lr():
+    run_both(schedule=True)
+
+
+def test_nvme_overflow_is_equivalent_and_leaves_no_files(tmp_path):
+    names = [n for n, _ in make_model().named_parameters()]
+    run_both({"nvme": tuple(names[:3]), "nvme_path": str(tmp_path)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_state_dict_continues_identically_in_torch_and_in_hetero(tmp_path):
+    ref_model = make_model()
+    ref, _ = train(ref_model, steps=STEPS)
+
+    model = make_model()
+    plan = optimizer_plan(model, nvme=("3.weight",), nvme_path=str(tmp_path))
+    with Runtime(plan, script=__file__):
+        first, opt = train(model, steps=10)
+        torch.save(opt.state_dict(), tmp_path / "opt.pt")  # a checkpoint, as scripts write one
+        params = [p.detach().clone() for p in model.parameters()]
+    state = torch.load(tmp_path / "opt.pt")
+    assert set(state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"} and state["state"][0]["step"] == 10
+
+    torch_model = make_model()  # continue in plain torch
+    with torch.no_grad():
+        for p, q in zip(torch_model.parameters(), params):
+            p.copy_(q)
+    rest, _ = train(torch_model, steps=10, start=10, opt_state=torch.load(tmp_path / "opt.pt"))
+    compare(ref, ref_model, first + rest, torch_model)
+
+    hetero_model = make_model()  # continue in hetero, loading before the model's first forward
+    with torch.no_grad():
+        for p, q in zip(hetero_model.parameters(), params):
+            p.copy_(q)
+    with Runtime(optimizer_plan(hetero_model, nvme=("3.weight",), nvme_path=str(tmp_path)), script=__file__):
+        rest, _ = train(hetero_model, steps=10, start=10, opt_state=torch.load(tmp_path / "opt.pt"))
+    compare(ref, ref_model, first + rest, hetero_model)
