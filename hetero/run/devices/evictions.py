@@ -1,0 +1,239 @@
+"""Saved storages on their way between the fast and the slow tier: one record per storage, and the single writer and
+single reader threads that move them (TierTrain's eviction and prefetch queues, §5.3).
+
+A record's state says where its bytes are; every transition happens under the ledger's lock, the I/O outside it:
+
+    RESIDENT -> QUEUED -> WRITING -> EVICTED -> FETCHING -> BACK
+                  |          |
+                  |          +-> KEPT (a prefetch came while writing: the write ends, the data never leaves)
+                  +-> RESIDENT (a prefetch came first: the eviction is cancelled)
+
+The fast-tier copy is dropped only once its write is complete, and a fetched buffer is handed out only once its read
+is complete (or, on a GPU, with the event its user's stream waits for); a failed read is raised to the unpack that
+needs it, never replaced by a half-written buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from hetero.errors import HeteroError
+from hetero.run.devices.residency import Ledger
+from hetero.run.devices.slow_tier import SlowTier
+
+RESIDENT, QUEUED, WRITING, KEPT, EVICTED, FETCHING, BACK = range(7)
+
+
+class Record:
+    """One saved storage. Autograd's saved variables hold it; when the last one goes, its bytes leave the ledger
+    and a copy still in the slow tier is deleted."""
+
+    __slots__ = ("mover", "key", "nbytes", "alias", "movable", "data", "rest", "state", "evict_bytes", "group",
+                 "ready", "marker", "back", "error", "late", "resident", "slow", "fetched", "__weakref__")
+
+    def __init__(self, mover: Mover, storage: torch.UntypedStorage, movable: bool):
+        self.mover, self.key, self.nbytes = mover, str(next(mover.keys)), storage.nbytes()
+        self.alias, self.movable = StorageWeakRef(storage), movable  # tells a live storage from a reused address
+        self.data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage) if movable else None
+        self.rest: torch.Tensor | None = None  # the part a partial eviction keeps in fast memory
+        self.state, self.evict_bytes = RESIDENT, 0
+        self.group: Any = None  # the owning layer's group (hetero.run.tiering), with its `layer` name
+        self.ready = self.marker = self.back = self.error = None
+        self.late, self.resident, self.slow = False, self.nbytes, 0
+        self.fetched = False  # `data` is a buffer the tier handed out, to give back when done
+        mover.ledger.change(fast=self.nbytes, saved=self.nbytes)
+
+    def __del__(self) -> None:
+        self.mover.ledger.change(fast=-self.resident, slow=-self.slow, saved=-self.nbytes)
+        if self.slow:
+            self.mover.writer.put(self.key)  # never brought back (a graph dropped without backward)
+        if self.fetched:
+            self.mover.tier.release(self.data)
+
+
+class Worker:
+    """One background thread serving jobs in the order they were queued. `put` may be called from any thread,
+    finalizers included."""
+
+    def __init__(self, name: str, serve: Callable[[Any], None], failed: Callable[[BaseException], None]):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # its put is reentrant: safe inside __del__
+        self._serve, self._failed = serve, failed
+        self._closed = False
+        self._lock = threading.RLock()  # re-entered when a finalizer puts a job while a put holds it
+        self._put, self._done = 0, 0  # jobs put, jobs finished
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job: Any) -> None:
+        if not self._closed:
+            with self._lock:
+                self._put += 1
+            self._jobs.put(job)
+
+    def idle(self) -> bool:
+        """Every job put so far is done."""
+        return self._done >= self._put
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if not self._closed:  # closing (an error, Ctrl-C): what is still queued is dropped, not done
+                try:
+                    self._serve(job)
+                except BaseException as e:
+                    self._failed(e)
+            del job
+            self._done += 1
+
+    def close(self) -> None:
+        """Finish the job running, drop the rest, stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class Mover:
+    """Moves records between the fast tier and `tier`, keeping `ledger` current."""
+
+    def __init__(self, tier: SlowTier, ledger: Ledger):
+        self.tier, self.ledger, self.lock = tier, ledger, ledger.lock
+        self.keys = itertools.count()
+        self.failure: BaseException | None = None
+        self.writer = Worker("hetero-evict", self._write, self._failed)
+        self.reader = Worker("hetero-prefetch", self._prefetch, self._failed)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+        self.tier.close()
+
+    def evict(self, chosen: list[tuple[Record, int]], layer: str) -> None:
+        """Queue `(record, bytes)` for the writer, the bytes final as of now on the compute stream."""
+        ready = self.tier.ready()
+        with self.lock:
+            for r, nbytes in chosen:
+                r.state, r.evict_bytes, r.ready = QUEUED, nbytes, ready
+                self.ledger.queued[layer] += nbytes
+        for r, _ in chosen:
+            self.writer.put(r)
+
+    def prefetch(self, records: Iterable[weakref.ref]) -> None:
+        """Queue the records (weakly held: one freed meanwhile needs nothing) for the reader, in this order."""
+        self.reader.put(list(records))
+
+    def recall(self, r: Record) -> None:
+        """Keep `r` in fast memory after all: cancel its eviction, or bring it back now."""
+        with self.lock:
+            if r.state == EVICTED:
+                self.reader.put([weakref.ref(r)])
+            else:
+                self._claim(r)
+
+    def _claim(self, r: Record) -> bool:
+        """Under the lock: whether the caller is to fetch `r`; an eviction not done yet is called off instead."""
+        if r.state == QUEUED:
+            r.state = RESIDENT
+        elif r.state == WRITING:
+            r.state = KEPT
+        elif r.state == EVICTED:
+            r.state = FETCHING
+            return True
+        return False
+
+    def data(self, r: Record) -> torch.Tensor:
+        """Unpack side: the storage's bytes in fast memory, waiting for (or doing) the fetch if they are not back."""
+        with self.lock:
+            data, marker = r.data, r.marker
+            inline = data is None and r.state == EVICTED
+            if inline:
+                r.state = FETCHING
+        if data is None:
+            self._late(r)
+            start = perf_counter()
+            if inline:
+                self._fetch(r)
+            else:
+                r.back.wait()
+            with self.lock:
+                self.ledger.waited_s += perf_counter() - start
+            if r.error is not None:
+                raise HeteroError(f"could not bring a saved activation back from {self.tier.name}: {r.error}",
+                                  hint="check the slow tier's directory") from r.error
+            data, marker = r.data, r.marker
+        if marker is not None and not self.tier.wait(marker, data):
+            self._late(r)
+        return data
+
+    def _late(self, r: Record) -> None:
+        with self.lock:
+            if not r.late:
+                r.late = True
+                self.ledger.late += 1
+
+    def _write(self, job: Record | str) -> None:
+        """Writer thread: evict a queued record, or delete a slow copy no longer needed (a key)."""
+        if isinstance(job, str):
+            self.tier.delete(job)
+            return
+        r = job
+        with self.lock:
+            if r.state != QUEUED:
+                return
+            r.state, data, nbytes = WRITING, r.data, r.evict_bytes
+        try:
+            rest = self.tier.evict(r.key, data, nbytes, r.ready)
+        except BaseException:
+            with self.lock:
+                r.state = RESIDENT  # the data never left
+            raise
+        with self.lock:
+            kept = r.state == KEPT
+            if kept:
+                r.state = RESIDENT
+            else:
+                r.data, r.rest, r.state, r.back = None, rest, EVICTED, threading.Event()
+                r.resident, r.slow = r.nbytes - nbytes, nbytes
+                self.ledger.change(fast=-nbytes, slow=nbytes)
+                self.ledger.evicted[r.group.layer if r.group is not None else ""] += nbytes
+                self.ledger.evictions += 1
+        if kept:
+            self.tier.delete(r.key)
+
+    def _prefetch(self, refs: list[weakref.ref]) -> None:
+        """Reader thread: bring the records back in order; cancel evictions that have not happened yet."""
+        for ref in refs:
+            r = ref()
+            if r is None:
+                continue
+            with self.lock:
+                fetch = self._claim(r)
+            if fetch:
+                self._fetch(r)
+
+    def _fetch(self, r: Record) -> None:
+        try:
+            data, marker = self.tier.fetch(r.key, r.nbytes, r.rest)
+        except BaseException as e:  # handed to the unpack waiting for it
+            r.error = e
+            r.back.set()
+            return
+        with self.lock:
+            r.data, r.rest, r.marker, r.state, r.fetched = data, None, marker, BACK, True
+            self.ledger.change(fast=r.slow, slow=-r.slow)
+            r.resident, r.slow = r.nbytes, 0
+        r.back.set()
+        self.writer.put(r.key)  # the slow copy goes, off the reader's path
+
+    def _failed(self, error: BaseException) -> None:
+        with self.lock:
+            self.failure = self.failure or error

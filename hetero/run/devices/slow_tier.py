@@ -1,0 +1,120 @@
+"""The slow tier evicted activations wait in, behind one small interface the tiering workers drive.
+
+Bytes are moved as flat uint8 tensors (a saved tensor's whole storage, or its first part for a partial eviction), so
+dtypes, views and strides never reach a tier. One writer thread and one reader thread call a tier; `ready` and `wait`
+are called from the threads that run the model (the forward hooks, and autograd's threads in backward).
+
+- CPU-only (`fast` is host memory): the slow tier is files in a directory, written and read by the NVMe store's
+  workers (O_DIRECT where the file system allows, files 0600, removed on close, at exit and on Ctrl-C).
+- GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on side streams (hetero.run.devices.host_pool),
+  with the NVMe store below it when the plan names a directory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Protocol
+
+import torch
+
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.plan.schema import ActivationPlan
+from hetero.run.devices.host_pool import CudaHostTier, HostPool
+from hetero.run.devices.nvme import NvmeStore
+
+GPU = "gpu"  # the plan's name for GPU memory as the fast tier
+
+
+class SlowTier(Protocol):
+    """Where evicted bytes wait. `evict`, `fetch` and `delete` block their worker until the tier is done with the
+    buffers given; the GPU tier's copies may still be in flight on its streams, ordered by the markers."""
+
+    name: str
+    device: torch.device  # where the fast-tier copies live
+    directory: str | None  # the files' directory; None for a memory tier
+
+    def ready(self) -> Any:
+        """Hook thread: a marker that the bytes to evict are final (the compute stream's work so far)."""
+
+    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> torch.Tensor | None:
+        """Writer: store `data[:evict_bytes]` under `key`; return a fast-tier copy of the rest (None: no rest).
+        Once it returns, the caller may drop `data`."""
+
+    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """Reader: a new fast-tier buffer of `nbytes` holding the stored bytes followed by `rest`, and the marker
+        the user of the buffer waits for."""
+
+    def wait(self, marker: Any, data: torch.Tensor) -> bool:
+        """User thread: order the work to come after the fetch marked; False when the fetch was not complete."""
+
+    def release(self, data: torch.Tensor) -> None:
+        """A buffer `fetch` returned is no longer needed by its record (views of it may still be alive)."""
+
+    def delete(self, key: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class NvmeTier:
+    """Host memory over files: the NVMe store does the I/O; every call here is complete when it returns."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, name: str, directory: str):
+        self.name = name
+        # Two store workers: one serves the single writer, the other the single reader, so a prefetch never queues
+        # behind the evictions (TierTrain keeps the two queues apart).
+        self.store = NvmeStore(directory, workers=2)
+        self.directory: str | None = str(self.store.directory)
+        self.pool = HostPool()  # fetched buffers, reused from step to step
+
+    def ready(self) -> None:
+        return None
+
+    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: None) -> torch.Tensor | None:
+        rest = data[evict_bytes:].clone() if evict_bytes < data.numel() else None
+        self.store.write_async(key, data[:evict_bytes]).wait()
+        return rest
+
+    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        out = self.pool.take(nbytes)
+        stored = nbytes - (0 if rest is None else rest.numel())
+        done = self.store.read_async(key, out[:stored])
+        if rest is not None:
+            out[stored:].copy_(rest)  # overlaps the read
+        done.wait()
+        return out, None
+
+    def wait(self, marker: None, data: torch.Tensor) -> bool:
+        return True
+
+    def release(self, data: torch.Tensor) -> None:
+        self.pool.recycle(data)
+
+    def delete(self, key: str) -> None:
+        self.store.delete(key)
+
+    def close(self) -> None:
+        self.store.close()
+        self.pool.close()
+
+
+def open_tier(plan: ActivationPlan) -> tuple[SlowTier, str | None]:
+    """The plan's slow tier, and a note for the run summary when the plan left its place to us."""
+    note = None
+    path = plan.slow_path
+    if plan.fast == GPU:
+        if not torch.cuda.is_available():
+            raise HeteroError("the plan tiers activations in GPU memory, and this machine has no CUDA device",
+                              hint="profile and plan again on this machine", exit_code=STALE_PLAN)
+        store = NvmeStore(_directory(path), workers=2) if path else None
+        return CudaHostTier(plan.slow, torch.device("cuda", torch.cuda.current_device()), store), note
+    if path is None:
+        path = tempfile.gettempdir()
+        note = f"the plan gives no directory for {plan.slow}: evicted activations go to {path}"
+    return NvmeTier(plan.slow, _directory(path)), note
+
+
+def _directory(path: str) -> str:
+    # Per process, as the optimizer's state files: two runs sharing a path never see each other's files.
+    return os.path.join(path, f"hetero-activations-{os.getpid()}")

@@ -1,0 +1,367 @@
+"""Activation tiering: the plan's `activations` schedule carried out with saved-tensor hooks (TierTrain §5-6).
+
+Attribution is the profiler's (hetero.profile.layers), so a planned byte means the same thing here: every tensor
+autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to the
+layer running, or between layers to the last one that ended; a storage saved by several layers belongs to the last
+of them, whose backward needs it first.
+
+Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to
+the planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast
+memory and reassembles it on the way back); storages saved after their layer ended are queued at once. Tensors
+under `min_tensor` and storages of parameters never move. One writer thread writes them, and once a write is
+complete the fast-tier copy is dropped, so the memory is really returned.
+
+Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
+tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
+without a trigger are due at their planned time from the forward start, and all of them at the latest when the
+backward starts. One reader thread serves requests in order (TierTrain's busy rule; the plan already cut requests
+to fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and
+counts one late prefetch; a buffer is handed out only once its read is complete, and a failed read raises.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+from torch import nn
+
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.plan.schema import ActivationPlan
+from hetero.profile.layers import LayerSpec, _tensors, select_layers
+from hetero.run.bootstrap import StopScript
+from hetero.run.devices.evictions import RESIDENT, Mover, Record
+from hetero.run.devices.residency import Ledger
+from hetero.run.devices.slow_tier import open_tier
+from hetero.units import SIZE, TIME
+
+
+@dataclass(eq=False, slots=True)
+class Saved:
+    """What the pack hook hands autograd instead of a tensor: the storage's record and how to view it again."""
+
+    record: Record
+    tensor: torch.Tensor | None  # kept as is: not movable
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(eq=False)
+class Group:
+    """A layer's saved storages in one micro-batch."""
+
+    layer: str
+    mb: MicroBatch
+    budget: int  # bytes the plan evicts
+    committed: int = 0  # bytes queued for eviction so far
+    ended: bool = False  # the layer's forward has ended (at least once)
+    requested: bool = False  # its prefetch was queued: nothing more leaves
+    records: dict[int, weakref.ref] = field(default_factory=dict)
+
+    def live(self) -> list[Record]:
+        return [r for r in (ref() for ref in list(self.records.values())) if r is not None]
+
+
+@dataclass(eq=False)
+class MicroBatch:
+    start: float
+    timed: list[tuple[float, str]]  # prefetches due by time (from the forward start), earliest first
+    groups: dict[str, Group] = field(default_factory=dict)
+    storages: dict[int, weakref.ref] = field(default_factory=dict)  # data_ptr -> record
+    pending: list[Record] = field(default_factory=list)  # saved before the first layer started
+    started: set[str] = field(default_factory=set)  # layers whose backward started
+    backward: bool = False
+
+
+class ActivationTiering:
+    """The plan's `activations` section, as a runtime mechanism."""
+
+    def __init__(self, plan: ActivationPlan):
+        self.plan = plan
+        self.budget = {e.layer: e.evict_bytes for e in plan.schedule if e.evict_bytes > 0}
+        self.after: dict[str, list[str]] = defaultdict(list)  # trigger layer -> layers to prefetch
+        for e in plan.schedule:
+            if e.evict_bytes > 0 and e.prefetch_after is not None:
+                self.after[e.prefetch_after].append(e.layer)
+        self.timed = sorted((e.prefetch_at_s, e.layer) for e in plan.schedule
+                            if e.evict_bytes > 0 and e.prefetch_after is None)
+        self.ledger = Ledger(plan.fast, plan.slow)
+        self.lock = self.ledger.lock
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.model: nn.Module | None = None
+        self.mover: Mover | None = None
+        self.device: torch.device | None = None  # the fast tier's: tensors elsewhere stay where they are
+        self.note: str | None = None
+        self.handles: list = []
+        self.names: dict[int, str] = {}
+        self.current: MicroBatch | None = None  # the micro-batch whose forward is running
+        self.last: MicroBatch | None = None  # the last one whose forward ended
+        self.stack: list[str] = []
+        self.last_ended: str | None = None
+        self.param_storages: set[int] = set()
+
+    # -- phases ------------------------------------------------------------------------------------------------
+
+    def install(self, patches, need_model) -> None:
+        """Nothing of torch is replaced: tiering works through hooks on the model, registered by `bind`."""
+
+    def bind(self, model: nn.Module) -> None:
+        layers = self._layers(model)
+        self.model = model
+        tier, self.note = open_tier(self.plan)
+        self.mover, self.device = Mover(tier, self.ledger), tier.device
+        for spec in layers:
+            self.names[id(spec.module)] = spec.name
+            self.handles += [spec.module.register_forward_pre_hook(self._layer_start),
+                             spec.module.register_forward_hook(self._layer_end, always_call=True)]
+        # The model's hooks go around the layers' (the root may be a layer itself): its pre-hook first, its
+        # post-hook last.
+        self.handles += [model.register_forward_pre_hook(self._forward_start, prepend=True),
+                         model.register_forward_hook(self._forward_end, always_call=True)]
+        if _inside_call(model):  # bound at the model's first forward, whose pre-hooks have already run
+            self._forward_start(model, ())
+            if id(model) in self.names:
+                self._layer_start(model, ())
+
+    def close(self) -> None:
+        if self.current is not None:  # the script ended inside the model's forward
+            self.current = None
+            self.hooks.__exit__(None, None, None)
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.mover is not None:
+            self.mover.close()
+
+    def summary(self) -> list[str]:
+        r = self.ledger.report()
+        if r.span_s <= 0:
+            return []
+        where = f"{self.plan.fast} saved activations"
+        lines = [f"{where}: average {_b(r.avg_saved)} -> {_b(r.avg_fast)} ({_pct(r.avg_fast, r.avg_saved)}), "
+                 f"peak {_b(r.peak_saved)} -> {_b(r.peak_fast)} ({_pct(r.peak_fast, r.peak_saved)}) with tiering",
+                 f"{r.evictions} evictions to {self.plan.slow} ({_b(sum(r.evicted.values()))}), "
+                 f"{r.late} late prefetch{'' if r.late == 1 else 'es'} (waited {_t(r.waited_s)})"]
+        return lines + ([self.note] if self.note else [])
+
+    def _layers(self, model: nn.Module) -> list[LayerSpec]:
+        """The profile's layers: the granularity under which every layer the schedule names exists."""
+        wanted = {e.layer for e in self.plan.schedule} | {e.prefetch_after for e in self.plan.schedule
+                                                          if e.prefetch_after is not None}
+        missing: list[str] = []
+        for granularity in ("module", "block"):
+            layers = select_layers(model, granularity)
+            names = {spec.name for spec in layers}
+            if wanted <= names:
+                return layers
+            missing = missing or sorted(wanted - names)
+        raise HeteroError(f"the plan's activation schedule names {len(missing)} layer(s) the model does not have, "
+                          f"e.g. {missing[0]}", hint="profile and plan again for this model", exit_code=STALE_PLAN)
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    def _forward_start(self, module, args) -> None:
+        if self.current is not None or not torch.is_grad_enabled():
+            return  # evaluation forwards save nothing
+        self.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.current = MicroBatch(start=perf_counter(), timed=list(self.timed))
+        self.stack, self.last_ended = [], None
+        self.hooks.__enter__()
+
+    def _forward_end(self, module, args, output) -> None:
+        mb = self.current
+        if mb is None:
+            return
+        self.hooks.__exit__(None, None, None)
+        self.current, self.last = None, mb
+        self._due(mb)
+        self._raise_failure()
+
+    def _layer_start(self, module, args) -> None:
+        mb = self.current
+        if mb is None:
+            return
+        name = self.names[id(module)]
+        self.stack.append(name)
+        for record in mb.pending:
+            self._own(mb, record, name)
+        mb.pending.clear()
+        self._due(mb)
+
+    def _layer_end(self, module, args, output) -> None:
+        mb = self.current
+        if mb is None or not self.stack:
+            return
+        name = self.stack.pop()
+        self.last_ended = name
+        group = mb.groups.get(name)
+        if group is not None:
+            group.ended = True
+            self._evict(group, group.live())
+        if name in self.after and output is not None:
+            for grad_fn in {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}:
+                grad_fn.register_prehook(lambda grads, mb=mb, name=name: self._started(mb, name))
+        self._due(mb)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self.mover.failure is not None:
+            e, self.mover.failure = self.mover.failure, None
+            if not isinstance(e, HeteroError):
+                e = HeteroError(f"moving activations to {self.plan.slow} failed: {e}",
+                                hint="check the slow tier's directory and free space")
+            raise StopScript(e)
+
+    # -- saved tensors -----------------------------------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor):
+        mb = self.current
+        if mb is None or isinstance(tensor, nn.Parameter) or type(tensor) not in (torch.Tensor,) or \
+                tensor.layout != torch.strided:
+            return tensor
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.param_storages:
+            return tensor
+        layer = self.stack[-1] if self.stack else self.last_ended
+        record = self._record(mb, storage, ptr, layer)
+        keep = None if record.movable else tensor
+        return Saved(record, keep, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def _record(self, mb: MicroBatch, storage: torch.UntypedStorage, ptr: int, layer: str | None) -> Record:
+        ref = mb.storages.get(ptr)
+        record = ref() if ref is not None else None
+        if record is not None and record.alias.expired():
+            record = None  # that storage died and its address was reused
+        if record is None:
+            movable = storage.nbytes() >= self.plan.min_tensor_bytes and storage.device == self.device
+            record = Record(self.mover, storage, movable)
+            mb.storages[ptr] = weakref.ref(record)
+        elif record.group is not None and record.group.layer == layer:
+            return record
+        if layer is None:
+            mb.pending.append(record)
+        else:
+            self._own(mb, record, layer)
+        return record
+
+    def _own(self, mb: MicroBatch, record: Record, layer: str) -> None:
+        """`layer` saved the record last: it owns it now, and its schedule decides whether the bytes move."""
+        old = record.group
+        if old is not None:
+            del old.records[id(record)]
+            old.committed -= record.evict_bytes if record.state != RESIDENT else 0
+        group = mb.groups.get(layer)
+        if group is None:
+            group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
+        group.records[id(record)] = weakref.ref(record)
+        record.group = group
+        if record.state == RESIDENT:
+            if group.ended and layer not in self.stack:
+                self._evict(group, [record])  # saved after its layer ended: leaves now
+        elif group.committed + record.evict_bytes <= group.budget and not group.requested:
+            group.committed += record.evict_bytes
+        else:
+            self.mover.recall(record)  # evicted for a layer that no longer owns it, and its new owner keeps it
+
+    def _evict(self, group: Group, records: list[Record]) -> None:
+        """Queue the planned bytes: whole storages, largest first, then part of the smallest one left over."""
+        left = group.budget - group.committed
+        if group.requested or left <= 0:
+            return
+        chosen, larger = [], []
+        for r in sorted((r for r in records if r.movable and r.state == RESIDENT), key=lambda r: -r.nbytes):
+            if r.nbytes <= left:
+                chosen.append((r, r.nbytes))
+                left -= r.nbytes
+            else:
+                larger.append(r)
+        if left > 0 and larger:
+            chosen.append((larger[-1], left))
+        if chosen:
+            group.committed += sum(nbytes for _, nbytes in chosen)
+            self.mover.evict(chosen, group.layer)
+
+    def _unpack(self, saved) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        record = saved.record
+        if record.group is not None:
+            self._started(record.group.mb, record.group.layer)
+        if saved.tensor is not None:
+            return saved.tensor
+        data = self.mover.data(record)
+        out = torch.empty(0, dtype=saved.dtype, device=data.device)
+        return out.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+
+    # -- backward progress and prefetch ---------------------------------------------------------------------
+
+    def _started(self, mb: MicroBatch, layer: str) -> None:
+        """`layer`'s backward has started: queue the prefetches the plan keyed to it (and, at the first one of
+        the micro-batch, every prefetch still waiting for its time)."""
+        if mb.backward and layer in mb.started:
+            return
+        with self.lock:
+            if not mb.backward:
+                mb.backward = True
+                for _, target in mb.timed:
+                    self._request(mb, target)
+                mb.timed.clear()
+            if layer in mb.started:
+                return
+            mb.started.add(layer)
+            for target in self.after.get(layer, ()):
+                self._request(mb, target)
+
+    def _due(self, mb: MicroBatch) -> None:
+        """Time-keyed prefetches whose time has come, for layers whose forward has ended."""
+        now = perf_counter() - mb.start
+        if not mb.timed or mb.timed[0][0] > now:
+            return
+        with self.lock:
+            waiting = []
+            for at, target in mb.timed:
+                group = mb.groups.get(target)
+                if at <= now and group is not None and group.ended and target not in self.stack:
+                    self._request(mb, target)
+                else:
+                    waiting.append((at, target))
+            mb.timed = waiting
+
+    def _request(self, mb: MicroBatch, layer: str) -> None:
+        group = mb.groups.get(layer)
+        if group is None:
+            group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
+        if not group.requested:
+            group.requested = True
+            if group.committed:
+                self.mover.prefetch(reversed(group.records.values()))  # backward's order: the last saved first
+
+
+def _inside_call(model: nn.Module) -> bool:
+    """Whether `model`'s own call is on the stack (its forward pre-hooks running now)."""
+    frame = sys._getframe(1)
+    call = nn.Module._call_impl.__code__
+    while frame is not None:
+        if frame.f_code is call and frame.f_locals.get("self") is model:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _b(nbytes: float) -> str:
+    return SIZE.format_short(int(nbytes))
+
+
+def _t(seconds: float) -> str:
+    return TIME.format_short(round(seconds, 6))
+
+
+def _pct(new: float, old: float) -> str:
+    return f"{(new - old) / old:+.0%}" if old else "n/a"

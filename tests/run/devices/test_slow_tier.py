@@ -1,0 +1,149 @@
+"""The slow tiers behind activation tiering, the workers that drive them, and the ledger that counts their bytes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+from hetero.errors import HeteroError
+from hetero.plan.schema import ActivationPlan
+from hetero.run.devices.evictions import Worker
+from hetero.run.devices.host_pool import CudaHostTier, HostPool, size_class
+from hetero.run.devices.residency import Ledger
+from hetero.run.devices.slow_tier import NvmeTier, open_tier
+
+
+def plan(**kw) -> ActivationPlan:
+    return ActivationPlan(**{"fast": "dram", "slow": "nvme0", "stay_time_s": 1e-3, "min_tensor_bytes": 1,
+                             "schedule": [], **kw})
+
+
+def test_the_plans_directory_holds_the_files_of_this_process_only(tmp_path):
+    tier, note = open_tier(plan(slow_path=str(tmp_path)))
+    try:
+        assert note is None and tier.directory == str(tmp_path / f"hetero-activations-{os.getpid()}")
+        rest = tier.evict("k", torch.arange(100, dtype=torch.uint8), 60, tier.ready())
+        (name,) = os.listdir(tier.directory)
+        assert os.stat(os.path.join(tier.directory, name)).st_mode & 0o777 == 0o600
+        out, marker = tier.fetch("k", 100, rest)
+        assert torch.equal(out, torch.arange(100, dtype=torch.uint8)) and tier.wait(marker, out)
+    finally:
+        tier.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_a_directory_the_temp_dir_is_used_and_said():
+    tier, note = open_tier(plan())
+    try:
+        assert tier.directory.startswith(tempfile.gettempdir()) and isinstance(tier, NvmeTier)
+        assert "the plan gives no directory for nvme0" in note
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
+def test_a_gpu_plan_on_a_machine_without_cuda_is_stale():
+    with pytest.raises(HeteroError) as e:
+        open_tier(plan(fast="gpu", slow="dram"))
+    assert e.value.exit_code == 4 and "no CUDA device" in e.value.message
+
+
+def test_a_worker_serves_in_order_and_drops_what_is_queued_when_closed():
+    served, gate = [], threading.Event()
+
+    def serve(job):
+        gate.wait()
+        served.append(job)
+
+    worker = Worker("test", serve, lambda e: None)
+    for job in range(5):
+        worker.put(job)
+    assert not worker.idle()
+    gate.set()
+    while not worker.idle():
+        time.sleep(0.001)
+    assert served == [0, 1, 2, 3, 4]
+    gate.clear()
+    worker.put(5)
+    worker.put(6)
+    threading.Timer(0.05, gate.set).start()
+    worker.close()  # 5 is being served and finishes; 6 is dropped
+    assert served == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_failing_job_is_reported_and_the_worker_goes_on():
+    errors, served = [], []
+    worker = Worker("test", lambda job: served.append(1 / job), errors.append)
+    for job in (0, 2):
+        worker.put(job)
+    while not worker.idle():
+        time.sleep(0.001)
+    worker.close()
+    assert len(errors) == 1 and isinstance(errors[0], ZeroDivisionError) and served == [0.5]
+
+
+def test_the_ledger_integrates_bytes_over_time():
+    ledger = Ledger("dram", "nvme0")
+    ledger.change(fast=100, saved=100)
+    time.sleep(0.05)
+    ledger.change(fast=-60, slow=60)
+    time.sleep(0.05)
+    ledger.change(fast=-40, slow=-60, saved=-100)
+    r = ledger.report()
+    assert r.peak_fast == r.peak_saved == 100 and r.peak_slow == 60
+    assert r.avg_saved == pytest.approx(100, rel=0.05) and r.avg_fast == pytest.approx(70, rel=0.2)
+    assert [tier for _, tier, _ in ledger.events] == ["dram", "saved", "dram", "nvme0", "dram", "nvme0", "saved"]
+
+
+def test_buffers_round_up_to_64kib():
+    assert [size_class(n) for n in (1, 64 << 10, (64 << 10) + 1, 5 << 20)] == [64 << 10, 64 << 10, 128 << 10, 5 << 20]
+
+
+def test_a_buffer_is_reused_only_once_nothing_views_it():
+    pool = HostPool()
+    a = pool.take(100_000)
+    assert a.numel() == 100_000 and a.untyped_storage().nbytes() == 128 << 10
+    view = torch.empty(0, dtype=torch.float32).set_(a.untyped_storage(), 4, (10,), (1,))  # what autograd got
+    assert not pool.recycle(a)  # the view is alive: handing the memory out again would change its values
+    del view
+    assert pool.recycle(a) and pool.idle_bytes == 128 << 10
+    b = pool.take(120_000)
+    assert b.data_ptr() == a.data_ptr() and pool.allocated_bytes == 128 << 10 and pool.idle_bytes == 0
+
+
+@pytest.mark.gpu
+def test_pinned_pool_reuses_a_buffer_once_its_copy_is_done():
+    pool = HostPool(pinned=True)
+    a = pool.take(1000)
+    assert a.is_pinned() and a.numel() == 1000
+    event = torch.cuda.Event()
+    event.record()
+    pool.give(a, event)
+    b = pool.take(2000)
+    assert b.data_ptr() == a.data_ptr() and pool.allocated_bytes == 64 << 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
+def test_cuda_host_tier_round_trip(below, tmp_path):
+    from hetero.run.devices.nvme import NvmeStore
+
+    store = NvmeStore(tmp_path / "nvme") if below else None
+    tier = CudaHostTier("dram", torch.device("cuda", 0), store)
+    try:
+        data = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
+        expect = data.clone()
+        rest = tier.evict("k", data, 600_000, tier.ready())
+        del data
+        out, arrived = tier.fetch("k", 1 << 20, rest)
+        tier.wait(arrived, out)
+        tier.delete("k")
+        assert torch.equal(out, expect)
+    finally:
+        tier.close()
+    assert not (tmp_path / "nvme").exists()

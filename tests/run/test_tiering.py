@@ -1,0 +1,289 @@
+"""Activation tiering: training under the plan's schedule equals plain PyTorch from the same seed, evicts exactly the
+planned bytes, keeps parameters and small tensors in place, and leaves no file behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from hetero.plan.schema import ActivationPlan, Budget, Eviction, Plan, Predicted, Source
+from hetero.profile.capture import fingerprint
+from hetero.profile.layers import select_layers
+from hetero.run.bootstrap import StopScript
+from hetero.run.runtime import Runtime
+from hetero.run.tiering import ActivationTiering
+
+STEPS = 10
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: a second OpenMP thread only adds spinning (and the suite may share the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_gpt() -> nn.Module:
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.GPT(vocab=64, block_size=16, n_layer=2, n_embd=32, n_head=2)
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+class Views(nn.Module):
+    """One layer saving four storages of known size inside its own forward: `a` (8 KiB) three times, twice as
+    strided views; `cat`, `c` and `t` (16 KiB each) once or twice; and a parameter that must stay put."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(width))
+        self.head = nn.Linear(2 * width, 4)
+
+    def forward(self, x):
+        a = (x + self.shift).exp()
+        b = a.sin()[:, ::2] + a[:, ::2] * a[:, 1::2]
+        c = torch.cat([b, b, b, b], 1).cos()
+        t = c.tanh()
+        return self.head(c * t)
+
+
+def views() -> nn.Module:
+    torch.manual_seed(0)
+    return Views()
+
+
+MODELS = {"gpt": tiny_gpt, "cnn": small_cnn}
+
+
+def batch(name: str, step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    if name == "gpt":
+        x = torch.randint(64, (4, 16), generator=g)
+        return x, (x + 1) % 64
+    if name == "cnn":
+        return torch.randn(4, 3, 16, 16, generator=g), torch.randint(10, (4,), generator=g)
+    return torch.randn(8, 256, generator=g) * 0.1, torch.randint(4, (8,), generator=g)
+
+
+def train(model: nn.Module, name: str, steps: int = STEPS, accum: int = 1, between=None) -> list[float]:
+    """The script under test: a plain loop as users write it. `between(step)` runs between forward and backward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = batch(name, step, micro)
+            out = model(x)
+            loss = F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten()) / accum
+            if between is not None:
+                between(step)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def layer_names(model: nn.Module) -> list[str]:
+    return [spec.name for spec in select_layers(model, "module")]
+
+
+def tiering_plan(model: nn.Module, nvme: str, evict: int | dict[str, int], trigger: str = "next",
+                 min_tensor: int = 1024) -> Plan:
+    """`evict` bytes for every layer (or by layer); the prefetch keyed to the next layer's backward start (`next`),
+    to the layer's own (`self`: always late), or to time alone (`time`)."""
+    names = layer_names(model)
+    schedule = []
+    for i, name in enumerate(names):
+        nbytes = evict.get(name, 0) if isinstance(evict, dict) else evict
+        after = {"next": names[min(i + 1, len(names) - 1)], "self": name, "time": None}[trigger]
+        at = 1e9 if trigger == "time" else 0.0  # by time: never due in forward, so due when backward starts
+        schedule.append(Eviction(layer=name, evict_bytes=nbytes, prefetch_at_s=at, prefetch_after=after))
+    acts = ActivationPlan(fast="dram", slow="nvme0", slow_path=nvme, stay_time_s=1e-3, min_tensor_bytes=min_tensor,
+                          schedule=schedule)
+    return Plan(source=Source(profile="profile.yaml", profile_sha256="0" * 64, model_fingerprint=fingerprint(model)),
+                budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None, reserve=1.0), layers=[],
+                optimizer=None, activations=acts, routing=None, predicted=Predicted(iteration_s=0.0, peak_bytes={}),
+                omitted={"layers": "test", "optimizer": "test", "routing": "test"})
+
+
+def run_both(name: str, make, nvme, evict, trigger="next", min_tensor=1024, accum=1, drain=False):
+    """Train plain and under the plan; with `drain`, each backward starts once every eviction is written (so the
+    outcome does not depend on how fast the disk is)."""
+    ref_model, model = make(), make()
+    ref = train(ref_model, name, accum=accum)
+    runtime = Runtime(tiering_plan(model, str(nvme), evict, trigger, min_tensor), script=__file__)
+    between = (lambda step: _until(runtime.mechanisms[0].mover.writer.idle)) if drain else None
+    with runtime:
+        out = train(model, name, accum=accum, between=between)
+    assert_close(torch.tensor(out), torch.tensor(ref))
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert_close(p, q)
+    assert not nvme.exists() or os.listdir(nvme) == []
+    return runtime.mechanisms[0]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mode", ["full", "partial", "none", "by-time", "late"])
+def test_training_equals_plain_pytorch(name, mode, tmp_path):
+    evict = {"partial": 3000, "none": 0}.get(mode, GiB)
+    trigger = {"by-time": "time", "late": "self"}.get(mode, "next")
+    tiering = run_both(name, MODELS[name], tmp_path / "nvme", evict, trigger, drain=mode != "partial")
+    r = tiering.ledger.report()
+    if mode == "none":
+        assert r.evictions == 0 and r.avg_fast == pytest.approx(r.avg_saved)
+    elif mode == "partial":
+        assert set(r.queued.values()) == {3000 * STEPS}  # every layer chose exactly the planned bytes
+    else:
+        assert r.evictions > 0 and r.avg_fast < 0.8 * r.avg_saved
+    if mode == "late":
+        assert r.late > 0
+
+
+def test_gradient_accumulation(tmp_path):
+    tiering = run_both("gpt", tiny_gpt, tmp_path / "nvme", GiB, accum=2, drain=True)
+    assert tiering.ledger.report().evictions > 0
+
+
+def test_evicted_memory_is_released_until_backward(tmp_path):
+    model = tiny_gpt()
+    with Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB), script=__file__) as runtime:
+        train(model, "gpt", steps=1)
+        tiering = runtime.mechanisms[0]
+        out = model(batch("gpt", 1)[0])
+        _until(tiering.mover.writer.idle)
+        fast, slow, saved = tiering.ledger.now
+        assert slow > 0.5 * saved and fast == saved - slow
+        evicted = [r for r in (ref() for ref in tiering.last.storages.values()) if r is not None and r.slow]
+        assert evicted and all(r.alias.expired() for r in evicted)  # no copy of the bytes is left in memory
+        del evicted
+        out.sum().backward()
+        assert tiering.ledger.now == [0, 0, 0]
+
+
+def test_whole_storages_then_part_of_one_exactly_as_planned(tmp_path):
+    # Views saves 16 KiB three times and 8 KiB once: 25,000 bytes are one 16 KiB, the 8 KiB and 424 bytes of another.
+    tiering = run_both("views", views, tmp_path / "nvme", {"(model)": 25_000}, min_tensor=1024, drain=True)
+    r = tiering.ledger.report()
+    assert r.queued == r.evicted == {"(model)": 25_000 * STEPS} and r.evictions == 3 * STEPS
+
+
+def test_parameters_and_their_views_never_move(tmp_path):
+    class ViewOfWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 512) * 0.01)
+
+        def forward(self, x):
+            return F.linear(x, self.weight[:, :256])  # saves x and a view of the weight
+
+    def make():
+        torch.manual_seed(0)
+        return ViewOfWeight()
+
+    tiering = run_both("views", make, tmp_path / "nvme", GiB, min_tensor=1, drain=True)
+    assert tiering.ledger.report().evicted == {"(model)": 8 * 256 * 4 * STEPS}  # x only
+
+
+def test_tensors_under_the_threshold_stay(tmp_path):
+    tiering = run_both("cnn", small_cnn, tmp_path / "nvme", GiB, min_tensor=1 << 20)
+    assert tiering.ledger.report().evictions == 0
+
+
+def test_a_layer_the_model_lacks_is_a_stale_plan(tmp_path):
+    model = tiny_gpt()
+    plan = tiering_plan(model, str(tmp_path), GiB)
+    plan.activations.schedule[0].layer = "transformer.h.9"
+    with pytest.raises(StopScript) as e, Runtime(plan, script=__file__):
+        train(model, "gpt", steps=1)
+    assert e.value.error.exit_code == 4 and "transformer.h.9" in e.value.error.message
+
+
+def test_evaluation_forwards_are_left_alone(tmp_path):
+    model = small_cnn()
+    with Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB), script=__file__) as runtime:
+        train(model, "cnn", steps=1)
+        before = runtime.mechanisms[0].ledger.report().evictions
+        with torch.no_grad():
+            model(batch("cnn", 0)[0])
+        assert runtime.mechanisms[0].ledger.report().evictions == before
+
+
+def test_a_graph_dropped_without_backward_leaves_no_file(tmp_path):
+    model = tiny_gpt()
+    with Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB), script=__file__) as runtime:
+        train(model, "gpt", steps=1)
+        tiering = runtime.mechanisms[0]
+        loss = model(batch("gpt", 1)[0]).sum()
+        _until(lambda: len(tiering.mover.tier.store) > 0)
+        del loss
+        _until(lambda: len(tiering.mover.tier.store) == 0)
+        assert tiering.ledger.now[0] == tiering.ledger.now[2] == 0
+
+
+def test_an_exception_in_the_script_leaves_no_file(tmp_path):
+    model = tiny_gpt()
+    nvme = tmp_path / "nvme"
+    with pytest.raises(KeyError), Runtime(tiering_plan(model, str(nvme), GiB), script=__file__) as runtime:
+        train(model, "gpt", steps=2)
+        loss = model(batch("gpt", 2)[0]).sum()  # evicted activations in flight
+        _until(lambda: len(runtime.mechanisms[0].mover.tier.store) > 0)
+        raise KeyError(loss.item())
+    assert not nvme.exists()
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
+def test_gpu_training_equals_plain_pytorch(below, tmp_path):
+    def make():
+        return tiny_gpt().cuda()
+
+    def train_cuda(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            x, y = (t.cuda() for t in batch("gpt", step))
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    ref_model, model = make(), make()
+    ref = train_cuda(ref_model)
+    plan = tiering_plan(model, str(tmp_path / "nvme"), GiB)
+    plan.activations.fast, plan.activations.slow = "gpu", "dram"
+    plan.activations.slow_path = str(tmp_path / "nvme") if below else None
+    with Runtime(plan, script=__file__) as runtime:
+        out = train_cuda(model)
+    assert_close(torch.tensor(out), torch.tensor(ref))
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert_close(p, q)
+    assert runtime.mechanisms[0].ledger.report().evictions > 0
+    assert not (tmp_path / "nvme").exists()
