@@ -1,0 +1,294 @@
+"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the two devices
+the shadow model drives (the CUDA GPU, and a CPU stand-in that the tests run everywhere). Memory is handled as flat
+bytes; `carve` views a parameter in them.
+
+The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
+`torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` costs a
+first build of ~80 s and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to
+the interface object, which owns the host tensor: the host memory lives exactly as long as the last view, autograd's
+saved views included. The device pointer comes from `cudaHostGetDevicePointer`, called through ctypes on the CUDA
+runtime torch already loaded. Where that library cannot be found (a statically linked torch), the host pointer
+itself is used: with unified addressing (every 64-bit process on a device of compute capability >= 2.0) CUDA
+guarantees that the pointer of `cudaHostAlloc` memory, which is what `pin_memory()` returns, is valid on the device.
+A device without unified addressing would need memory allocated with `cudaHostAllocMapped` after
+`cudaSetDeviceFlags(cudaDeviceMapHost)`, before torch creates its context; hetero refuses that case with a clear
+error instead (plan without DHA there). Copies to and from a view are correct too: under unified addressing CUDA
+infers from the pointers where both ends live.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hetero.errors import STALE_PLAN, HeteroError
+
+_UNIFIED_ADDRESSING = 41  # cudaDevAttrUnifiedAddressing
+NO_DHA_HINT = "plan without DHA on this machine: edit plan.yaml so every layer is `mode: gfgb, grad: gpu`"
+PAGE = 4096
+_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class HostMapping:
+    """The device side of pinned host bytes, as `torch.as_tensor` reads it (raw bytes, so every dtype maps)."""
+
+    __slots__ = ("host", "pointer")
+
+    def __init__(self, host: torch.Tensor, pointer: int):
+        self.host, self.pointer = host, pointer
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.host.numel(),), "typestr": "|u1", "data": (self.pointer, False), "version": 3,
+                "strides": None}
+
+
+class _Locked(np.ndarray):
+    """Host memory page-locked with cudaHostRegister; unregistered when the last tensor over it is gone (torch's
+    storage made by `from_numpy` holds this array)."""
+
+    def __del__(self) -> None:
+        pointer = getattr(self, "_registered", None)
+        if pointer is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(pointer)
+            except Exception:  # interpreter shutdown: the process frees everything anyway
+                pass
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process loaded with torch (found in /proc/self/maps), or None."""
+    torch.cuda.init()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def pinned_host(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory (uint8). Registered with CUDA directly where hetero can ask CUDA for its
+    device address: torch's pinned allocator rounds every block up to a power of two, up to twice a large model's
+    host footprint. Otherwise torch's (cudaHostAlloc memory, whose device address is its host address)."""
+    if _cudart() is None or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    size = -(-nbytes // PAGE) * PAGE
+    raw = np.empty(size + PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    locked = raw[start:start + size].view(_Locked)
+    if int(torch.cuda.cudart().cudaHostRegister(locked.ctypes.data, size, _REGISTER_PORTABLE_MAPPED)) != 0:
+        _cudart().cudaGetLastError()  # clear it: torch checks the last error after its own kernel launches
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    locked._registered = locked.ctypes.data
+    return torch.from_numpy(locked)[:nbytes]
+
+
+def device_pointer(host: torch.Tensor, device: torch.device) -> int:
+    """The device address of pinned `host` memory (asked for the allocation's start, then offset)."""
+    lib = _cudart()
+    if lib is None:
+        return host.data_ptr()  # unified addressing: the host pointer of cudaHostAlloc memory is the device pointer
+    unified = ctypes.c_int(0)
+    lib.cudaDeviceGetAttribute(ctypes.byref(unified), _UNIFIED_ADDRESSING, device.index or 0)
+    if not unified.value:
+        raise HeteroError(f"{torch.cuda.get_device_name(device)} has no unified addressing: hetero cannot map "
+                          "pinned host memory into the GPU", hint=NO_DHA_HINT, exit_code=STALE_PLAN)
+    base = host.untyped_storage().data_ptr()
+    pointer = ctypes.c_void_p()
+    err = lib.cudaHostGetDevicePointer(ctypes.byref(pointer), ctypes.c_void_p(base), 0)
+    if err != 0:
+        lib.cudaGetLastError()  # not left for torch's next launch check to trip over
+        raise HeteroError(f"cudaHostGetDevicePointer failed (CUDA error {err}) for pinned memory at {base:#x}",
+                          hint=NO_DHA_HINT, exit_code=STALE_PLAN)
+    return pointer.value + (host.data_ptr() - base)
+
+
+def map_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A uint8 CUDA tensor on `device` over the bytes of `host` (pinned uint8, contiguous): kernels reading or
+    writing it go over the link to host memory. The view has its own storage, which keeps `host` alive."""
+    if host.dtype != torch.uint8 or host.dim() != 1 or not host.is_contiguous() or not host.is_pinned():
+        raise ValueError("map_host needs a flat, contiguous uint8 tensor in pinned host memory")
+    pointer = device_pointer(host, device)
+    view = torch.as_tensor(HostMapping(host, pointer), device=device)
+    if view.data_ptr() != pointer or view.device != device:
+        raise HeteroError(f"torch copied pinned host memory to {view.device} instead of mapping it on {device}",
+                          hint=NO_DHA_HINT, exit_code=STALE_PLAN)
+    return view
+
+
+ALIGN = 256  # bytes: each tensor in a flat buffer starts where vector loads and copies like it
+
+
+def offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of several tensors of these byte sizes starts in one flat buffer, and the buffer's size."""
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    return out, total
+
+
+def carve(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of `flat` from `offset`, viewed with `like`'s dtype and shape."""
+    return flat[offset:offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+# -- the devices the shadow model drives ---------------------------------------------------------------------------
+
+
+class Device(Protocol):
+    """Memory and ordering for the shadow model. `compute` is the stream the model runs on (where a call happens);
+    `copy` is one dedicated stream serving copies in the order they are issued."""
+
+    kind: str
+
+    def pinned(self, nbytes: int) -> torch.Tensor: ...
+    def alias(self, host: torch.Tensor) -> torch.Tensor: ...
+    def buffer(self, nbytes: int) -> torch.Tensor: ...
+    def event(self, name: str) -> Any: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def record_copy(self, event: Any) -> None: ...
+    def record_compute(self, event: Any) -> None: ...
+    def copy_waits(self, event: Any) -> None: ...
+    def compute_waits(self, event: Any) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+
+class CudaDevice:
+    """The GPU: DHA views of pinned memory, GPU buffers, and one copy stream for the whole run."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int | None = None):
+        if not torch.cuda.is_available():
+            raise HeteroError("the plan places layers on a GPU (its `layers` section), but this machine has no "
+                              "CUDA device", hint="run it on the GPU machine it was planned for, or plan again "
+                              "here: hetero profile, then hetero plan", exit_code=STALE_PLAN)
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return pinned_host(nbytes)
+
+    def alias(self, host: torch.Tensor) -> torch.Tensor:
+        if host.numel() == 0:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return map_host(host, self.device)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        out.record_stream(self.stream)  # written on the copy stream: its block is reused only after that work
+        return out
+
+    def event(self, name: str) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record_copy(self, event: torch.cuda.Event) -> None:
+        event.record(self.stream)
+
+    def record_compute(self, event: torch.cuda.Event) -> None:
+        event.record(torch.cuda.current_stream(self.device))
+
+    def copy_waits(self, event: torch.cuda.Event) -> None:
+        self.stream.wait_event(event)
+
+    def compute_waits(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)  # on the compute stream, after the kernel that produced src
+
+
+@dataclass(eq=False, slots=True)
+class Mark:
+    """A stand-in event: how many copies must have run when it completes."""
+
+    name: str
+    at: int = 0
+
+
+class StandInDevice:
+    """The CPU standing in for the GPU, with the same ordering rules made strict: the copy stream is a queue that
+    runs only when something waits for it, and each copy poisons its destination (NaN) when issued, so a layer that
+    computes before waiting for its copy computes garbage. Views alias host memory through their own storage, as
+    CUDA views do. `log` records every ordering operation, `allocations` every buffer."""
+
+    kind = "stand-in"
+
+    def __init__(self):
+        self.queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.issued = self.done = 0
+        self.allocations: list[int] = []
+        self.log: list[tuple[str, str]] = []
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alias(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(host.numpy())  # a second storage over the same bytes, holding `host`
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        self.allocations.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def event(self, name: str) -> Mark:
+        return Mark(name)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.fill_(255)  # all-ones bytes read as NaN in every float format
+        self.queue.append((dst, src))
+        self.issued += 1
+
+    def record_copy(self, event: Mark) -> None:
+        event.at = self.issued
+        self.log.append(("record_copy", event.name))
+
+    def record_compute(self, event: Mark) -> None:
+        event.at = 0  # compute work runs when issued: nothing is pending behind it
+        self.log.append(("record_compute", event.name))
+
+    def copy_waits(self, event: Mark) -> None:
+        self.log.append(("copy_waits", event.name))
+
+    def compute_waits(self, event: Mark) -> None:
+        self.log.append(("compute_waits", event.name))
+        self._run(event.at)
+
+    def synchronize(self, event: Mark) -> None:
+        self.log.append(("synchronize", event.name))
+        self._run(event.at)
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def _run(self, until: int) -> None:
+        while self.done < until:
+            dst, src = self.queue.popleft()
+            dst.copy_(src)
+            self.done += 1
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same address (a view of host memory and the host tensor itself included)."""
+    return a.data_ptr() == b.data_ptr()

@@ -1,0 +1,163 @@
+"""Gradients written straight to pinned host memory (GO-MemFerry §IV-D) for the parameters of `grad: host` layers.
+
+Each such parameter gets a pinned host buffer and a device view of it (hetero.kernels.dha); its `.grad` is that
+view, so no device gradient buffer exists between micro-batches or steps. Three ways in, cheapest first:
+- Linear layers whose weight and bias are theirs alone run through `LinearToHost`, whose backward has the
+  weight-gradient GEMM (and the bias reduction) write into the host view itself: the kernel's output is host memory.
+- Any other op: a hook on the parameter receives the gradient the backward kernel produced (a transient device
+  tensor, freed as soon as the hook returns) and writes it into the host view once; autograd's AccumulateGrad then
+  adopts the view as `.grad` rather than allocating one.
+- Later micro-batches of a step find `.grad` defined, and AccumulateGrad adds into the host view in place.
+A post-accumulate hook checks that `.grad` really is the host view (autograd clones where it cannot adopt, and a
+script may have set `.grad` itself) and moves it there if not, so the invariant holds whatever the op. Gradients
+in host memory carry no graph: double backward (`create_graph=True`) through them is not supported.
+
+For `optimizer.step()` the shadow model points the parameters at their host copies, and `to_host` then makes
+`.grad` the host buffer itself (a CPU tensor): the offloaded optimizer reads it with a host memcpy. `to_device`
+undoes that after the step.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from hetero.kernels.dha import Device, carve, offsets, same_memory
+from hetero.units import SIZE
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    param: nn.Parameter
+    host: torch.Tensor  # pinned
+    alias: torch.Tensor  # the device view of `host`
+
+    def view(self) -> torch.Tensor:
+        """A new tensor over the host bytes: autograd adopts a tensor nobody else holds as `.grad`."""
+        return self.alias.view(self.param.shape)
+
+
+class HostGrads:
+    def __init__(self, device: Device, params: list[tuple[str, nn.Parameter]], model: nn.Module):
+        self.device = device
+        self.slots: dict[int, Slot] = {}
+        self.handles: list = []
+        self.counts: Counter = Counter()  # direct (written by the kernel), copied (by the hook), fallback
+        live = [p for _, p in params if p.requires_grad]
+        where, total = offsets([p.numel() * p.element_size() for p in live])
+        self.host = device.pinned(total)  # one flat buffer for every host gradient, one mapping of it
+        self.alias = device.alias(self.host)
+        for p, offset in zip(live, where):
+            slot = self.slots[id(p)] = Slot(p, carve(self.host, offset, p), carve(self.alias, offset, p))
+            self.handles += [p.register_hook(partial(self._arrive, slot)),
+                             p.register_post_accumulate_grad_hook(partial(self._landed, slot))]
+        users = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+        self.patched = [m for m in model.modules() if self._direct(m, users)]
+        for m in self.patched:
+            m.forward = types.MethodType(partial(_linear_to_host, sink=self), m)
+
+    def _direct(self, m: nn.Module, users: Counter) -> bool:
+        """A Linear whose parameters all go to host memory and belong to it alone (a tied weight sums the gradients
+        of several modules first, which the generic hook handles)."""
+        if type(m) is not nn.Linear or "forward" in m.__dict__:
+            return False
+        own = [p for p in (m.weight, m.bias) if p is not None]
+        return all(id(p) in self.slots and users[id(p)] == 1 for p in own)
+
+    def target(self, p: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a backward kernel may write `p`'s gradient directly: its host view on the first micro-batch of a
+        step (`.grad` unset), else None (AccumulateGrad adds later micro-batches in place)."""
+        slot = self.slots.get(id(p)) if p is not None else None
+        return slot.view() if slot is not None and p.grad is None else None
+
+    def host_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor holding `p`'s gradient (what an optimizer on the host can read without a copy)."""
+        slot = self.slots.get(id(p))
+        return slot.host if slot is not None else None
+
+    def _arrive(self, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
+        if slot.param.grad is not None:
+            return grad
+        if same_memory(grad, slot.alias):
+            self.counts["direct"] += 1
+            return grad
+        out = slot.view()
+        self.device.write(out, grad)
+        self.counts["copied"] += 1
+        return out
+
+    def _landed(self, slot: Slot, p: nn.Parameter) -> None:
+        if p.grad is not None and not same_memory(p.grad, slot.alias):
+            self.device.write(slot.alias, p.grad.detach())
+            p.grad = slot.view()
+            self.counts["fallback"] += 1
+
+    def to_host(self) -> None:
+        """For the step (parameters already on their host copies): `.grad` is the host buffer itself."""
+        for slot in self.slots.values():
+            if slot.param.grad is not None and same_memory(slot.param.grad, slot.alias):
+                slot.param.grad = slot.host
+
+    def to_device(self) -> None:
+        for slot in self.slots.values():
+            if slot.param.grad is slot.host:
+                slot.param.grad = slot.view()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for m in self.patched:
+            del m.forward
+        self.patched = []
+
+    def summary(self) -> list[str]:
+        size = sum(s.param.numel() * s.param.element_size() for s in self.slots.values())
+        c = self.counts
+        return [f"gradients of {len(self.slots)} parameters ({SIZE.format_short(size)}) in pinned host memory: "
+                f"{c['direct']} written by the backward GEMM, {c['copied']} by a hook, {c['fallback']} moved after"]
+
+
+def _linear_to_host(module: nn.Linear, input: torch.Tensor, *, sink: HostGrads) -> torch.Tensor:  # noqa: A002
+    """nn.Linear.forward (same signature) through LinearToHost."""
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+        return F.linear(input, module.weight, module.bias)  # autocast changes the dtypes the backward below assumes
+    return LinearToHost.apply(input, module.weight, module.bias, sink)
+
+
+class LinearToHost(torch.autograd.Function):
+    """F.linear whose backward writes the weight and bias gradients where `sink.target` says (host memory)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: HostGrads):
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.sink = bias, sink
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        gw = _into(ctx.sink.target(weight), lambda out: torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out=out)) \
+            if ctx.needs_input_grad[1] else None
+        gb = _into(ctx.sink.target(ctx.bias), lambda out: torch.sum(g, 0, out=out)) \
+            if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def _into(out: torch.Tensor | None, compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """Run `compute` writing into `out` (host memory) when given, else into a fresh tensor."""
+    if out is None:
+        return compute(None)
+    compute(out)
+    return out

@@ -1,0 +1,312 @@
+"""The shadow model (MemFerry §IV-C): every parameter's storage where its layer's plan `mode` says, switched at the
+right moments so that the model's own code computes on it unchanged.
+
+Storage per mode. Every placed parameter has a pinned host copy, the CPU model the optimizer's `copy_back` writes.
+`dha`: the parameter's data is a zero-copy device view of that host copy (hetero.kernels.dha), so kernels read it
+over the link and nothing is copied. `gfgb`: the data is a device buffer, refilled from the host copy every step on
+the copy stream. `dfgb`: the data is the host view for the forward, and a device buffer is filled after the
+layer's forward; before the layer's backward the two storages swap their memory (`_swap_data_ptr_`), so the
+parameter and every view of it autograd saved in the forward (a Linear saves `weight.t()`) now read the device
+copy, without a copy of anything on the compute side.
+
+Copy stream and events (§IV-B, Fig. 6). After `optimizer.step()` the copy stream first waits for the compute stream
+(the last step's kernels may still read the device buffers), then copies the GFGB layers in forward order, each
+followed by its own event; a GFGB layer's forward waits for its event only, so DHA layers compute while later
+layers are still in flight. At the end of the model's forward the DFGB layers are copied in backward order, each
+after an event marking its own forward's end (the link is idle once the GFGB copies are done), and the first
+backward node of the layer (a pre-hook on its outputs' grad_fn) waits for that copy and switches the storage.
+Micro-batches after the first keep the device copy: the weights do not change within a step.
+
+The step boundary. Before the step, the host waits for the compute stream (kernels reading host views, gradients
+written into host memory) and for the copy stream (copies reading the host copies), switches DFGB storage back, and
+points every placed parameter at its host copy (gradients kept in host memory too, hetero.run.grad_offload): the
+optimizer's `copy_back` then updates the CPU model with a host memcpy, DHA layers in place. After the step the
+parameters point at their device storage again and the copies above are issued. Nothing synchronizes the device
+inside a step. Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them;
+other code reading weights outside the model's forward must synchronize first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
+from hetero.kernels.dha import CudaDevice, Device, carve, offsets
+from hetero.plan.schema import LayerPlan, Plan
+from hetero.profile.layers import _tensors
+from hetero.profile.schema import ROOT_LAYER
+from hetero.run.grad_offload import HostGrads
+from hetero.units import SIZE
+
+open_device = CudaDevice  # the tests run the same code on hetero.kernels.dha.StandInDevice
+
+
+# -- the pure part: plan -> storage per parameter and the stream plan ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStorage:
+    name: str
+    mode: str  # gfgb | dha | dfgb
+    grad: str  # gpu | host
+    params: tuple[str, ...]  # qualified names of the parameters this layer places
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """What the shadow model does and when, for the layers (in forward order) that own parameters."""
+
+    layers: tuple[LayerStorage, ...]
+
+    def storage(self) -> dict[str, str]:
+        """Each placed parameter's mode."""
+        return {p: x.mode for x in self.layers for p in x.params}
+
+    def copies_after_step(self) -> list[str]:
+        """GFGB layers, in forward order: copied on the copy stream after the step, one event each."""
+        return [x.name for x in self.layers if x.mode == "gfgb"]
+
+    def waits_before_forward(self) -> list[str]:
+        """Layers whose forward waits for their own copy event."""
+        return self.copies_after_step()
+
+    def copies_after_forward(self) -> list[str]:
+        """DFGB layers, in backward order: copied at the model's forward end, each after its own forward ended."""
+        return [x.name for x in reversed(self.layers) if x.mode == "dfgb"]
+
+    def switches_before_backward(self) -> list[str]:
+        """Layers whose storage switches from the host view to the device copy when their backward starts."""
+        return [x.name for x in self.layers if x.mode == "dfgb"]
+
+    def host_grads(self) -> list[str]:
+        return [p for x in self.layers if x.grad == "host" for p in x.params]
+
+
+def schedule(entries: list[LayerPlan], modules: list[str], params: list[str]) -> Schedule:
+    """Each parameter (by qualified name) belongs to the deepest plan layer whose module contains it: the module
+    owning it directly (module granularity) or its repeated block (block granularity); none leaves it as it is."""
+    known = {name or ROOT_LAYER for name in modules}
+    unknown = [e.name for e in entries if e.name not in known]
+    if unknown:
+        raise HeteroError(f"the plan's layers section names {len(unknown)} layer(s) the model does not have: "
+                          f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}",
+                          hint="profile and plan again for this model", exit_code=STALE_PLAN)
+    by_module = {"" if e.name == ROOT_LAYER else e.name: e for e in entries}
+    owned: dict[str, list[str]] = {e.name: [] for e in entries}
+    for param in params:
+        path = param.split(".")[:-1]
+        owner = next((by_module[".".join(path[:k])] for k in range(len(path), -1, -1)
+                      if ".".join(path[:k]) in by_module), None)
+        if owner is not None:
+            owned[owner.name].append(param)
+    return Schedule(tuple(LayerStorage(e.name, e.mode, e.grad, tuple(owned[e.name])) for e in entries
+                          if owned[e.name]))
+
+
+def shadow_model(plan: Plan) -> list[ShadowModel]:
+    """The mechanism for the plan's `layers` section: none without layers, and none when every layer stays on the
+    GPU (gfgb, grad gpu) under an optimizer that updates there."""
+    if not plan.layers:
+        return []
+    device = open_device()  # a plan with layers needs the GPU it was made for
+    if plan.optimizer is None or plan.optimizer.device == "gpu":
+        moved = [e for e in plan.layers if e.mode != "gfgb" or e.grad != "gpu"]
+        if not moved:
+            return []
+        raise HeteroError(f"layer {moved[0].name} is `mode: {moved[0].mode}, grad: {moved[0].grad}`, but the optimizer "
+                          "updates on the GPU: DHA and host gradients need the master weights in host memory",
+                          hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
+                          exit_code=INVALID_FILE)
+    return [ShadowModel(plan, device)]
+
+
+# -- the mechanism ------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class LayerState:
+    """One layer's storages: flat bytes, each parameter a view at its offset (the paper's long parameter vector,
+    per layer: one copy per layer, and one storage per layer to switch)."""
+
+    spec: LayerStorage
+    params: list[nn.Parameter]
+    offsets: list[int]
+    host: torch.Tensor  # pinned: the CPU model the optimizer writes
+    alias: torch.Tensor | None  # device view of `host` (dha, dfgb)
+    gpu: torch.Tensor | None  # device buffer (gfgb, dfgb)
+    ready: Any  # event: the layer's latest copy is done
+    forward_end: Any  # event: its forward ended (dfgb)
+    copied: bool = False  # dfgb: copied this step
+    on_gpu: bool = False  # dfgb: storage switched to the device copy
+
+    def compute(self) -> torch.Tensor:
+        return self.gpu if self.alias is None else self.alias
+
+    def point(self, flat: torch.Tensor) -> None:
+        for p, offset in zip(self.params, self.offsets):
+            p.data = carve(flat, offset, p)
+
+    def swap(self) -> None:
+        """DFGB: exchange the memory behind the host view's storage and the device buffer's, saved views included."""
+        self.alias.untyped_storage()._swap_data_ptr_(self.gpu.untyped_storage())
+        self.on_gpu = not self.on_gpu
+
+
+def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> LayerState:
+    """Move a layer's parameters to their storages (once, at bind: synchronous)."""
+    where, total = offsets([p.numel() * p.element_size() for p in params])
+    host = device.pinned(total)
+    with torch.no_grad():
+        for p, offset in zip(params, where):
+            carve(host, offset, p).copy_(p.detach())
+        gpu = device.buffer(total) if spec.mode != "dha" else None
+        if gpu is not None:
+            gpu.copy_(host)
+    st = LayerState(spec, params, where, host, device.alias(host) if spec.mode != "gfgb" else None, gpu,
+                    device.event(f"ready {spec.name}"), device.event(f"forward {spec.name}"))
+    st.point(st.compute())
+    return st
+
+
+class ShadowModel:
+    """The plan's `layers` section, carried out on a device (the GPU, or the CPU stand-in in tests)."""
+
+    def __init__(self, plan: Plan, device: Device):
+        self.plan, self.device = plan, device
+        self.layers: list[LayerState] = []
+        self.grads: HostGrads | None = None
+        self.pending: list[LayerState] = []  # DFGB layers whose forward ran and whose copy is not issued yet
+        self.copied = device.event("copies")  # after the last copy issued
+        self.boundary = device.event("step")
+        self.ids: set[int] = set()
+        self.handles: list = []
+
+    def install(self, patches, need_model) -> None:
+        self.handles += [register_optimizer_step_pre_hook(self._before_step),
+                         register_optimizer_step_post_hook(self._after_step)]
+
+    def bind(self, model: nn.Module) -> None:
+        if self.layers:
+            return
+        if self.plan.layers and any(x.mode == "dfgb" for x in self.plan.layers) and \
+                not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+            raise HeteroError(f"this torch ({torch.__version__}) cannot switch storages in place, which DFGB needs",
+                              hint="use a newer torch, or change the plan's dfgb layers to dha", exit_code=STALE_PLAN)
+        modules, params = dict(model.named_modules()), dict(model.named_parameters())
+        sched = schedule(self.plan.layers, list(modules), list(params))
+        for spec in sched.layers:
+            st = place(self.device, spec, [params[n] for n in spec.params])
+            self.layers.append(st)
+            self._hook(modules["" if spec.name == ROOT_LAYER else spec.name], st)
+        self.ids = {id(p) for st in self.layers for p in st.params}
+        if sched.host_grads():
+            self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
+        self.handles += [model.register_forward_hook(self._forward_done),
+                         model.register_state_dict_pre_hook(self._settle)]
+
+    def _hook(self, module: nn.Module, st: LayerState) -> None:
+        if st.spec.mode == "gfgb":
+            self.handles.append(module.register_forward_pre_hook(partial(self._await_copy, st)))
+        elif st.spec.mode == "dfgb":
+            self.handles.append(module.register_forward_hook(partial(self._layer_done, st)))
+
+    # -- inside a step ------------------------------------------------------------------------------------------
+
+    def _await_copy(self, st: LayerState, module, args) -> None:
+        self.device.compute_waits(st.ready)  # evaluation forwards too: the buffer may be in flight
+
+    def _layer_done(self, st: LayerState, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if not st.copied and st not in self.pending:
+            self.device.record_compute(st.forward_end)
+            self.pending.append(st)
+        for grad_fn in {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}:
+            grad_fn.register_prehook(partial(self._before_backward, st))
+
+    def _forward_done(self, model, args, output) -> None:
+        """The model's forward ended: copy the DFGB layers for their backward, latest forward first."""
+        for st in reversed(self.pending):
+            self.device.copy_waits(st.forward_end)
+            self.device.copy(st.gpu, st.host)
+            self.device.record_copy(st.ready)
+            st.copied = True
+        if self.pending:
+            self.device.record_copy(self.copied)
+        self.pending.clear()
+
+    def _before_backward(self, st: LayerState, grad_outputs) -> None:
+        """The layer's backward starts (on the stream its nodes run on): wait for its copy, then switch storage."""
+        if st.on_gpu or not st.copied:
+            return
+        self.device.compute_waits(st.ready)
+        st.swap()
+
+    # -- the step boundary ----------------------------------------------------------------------------------------
+
+    def _ours(self, optimizer) -> bool:
+        return bool(self.layers) and any(id(p) in self.ids for g in optimizer.param_groups for p in g["params"])
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not self._ours(optimizer):
+            return
+        self._quiesce()
+        for st in self.layers:
+            if st.on_gpu:
+                st.swap()
+            st.copied = False
+            st.point(st.host)
+        if self.grads is not None:
+            self.grads.to_host()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if not self._ours(optimizer):
+            return
+        for st in self.layers:
+            st.point(st.compute())
+        if self.grads is not None:
+            self.grads.to_device()
+        self.device.record_compute(self.boundary)
+        self.device.copy_waits(self.boundary)  # the last step's kernels are done with the device buffers
+        for st in self.layers:
+            if st.spec.mode == "gfgb":
+                self.device.copy(st.gpu, st.host)
+                self.device.record_copy(st.ready)
+        self.device.record_copy(self.copied)
+
+    def _quiesce(self) -> None:
+        """The host may write host memory now: no kernel reads or writes it, no copy reads it."""
+        self.device.record_compute(self.boundary)
+        self.device.synchronize(self.boundary)
+        self.device.synchronize(self.copied)
+
+    def _settle(self, *args) -> None:
+        self.device.synchronize(self.copied)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.layers:
+            self._quiesce()
+            for st in self.layers:
+                if st.on_gpu:
+                    st.swap()
+        if self.grads is not None:
+            self.grads.close()
+
+    def summary(self) -> list[str]:
+        if not self.layers:
+            return []
+        by_mode = {m: [st for st in self.layers if st.spec.mode == m] for m in ("dha", "gfgb", "dfgb")}
+        size = lambda states: SIZE.format_short(sum(p.numel() * p.element_size()  # noqa: E731
+                                                    for st in states for p in st.params))
+        lines = [f"shadow model on {self.device.kind}: " + ", ".join(
+            f"{len(v)} {m.upper()} layer{'s' * (len(v) != 1)} ({size(v)})" for m, v in by_mode.items() if v)]
+        return lines + (self.grads.summary() if self.grads is not None else [])
