@@ -1,0 +1,324 @@
+"""The plan's `routing` section: COARSE's tensor routing, partitioning and dual synchronization (§III-E/F) as a DDP
+communication hook, registered on the script's own `DistributedDataParallel` model without touching the script.
+
+Paths. COARSE clients push small tensors to a latency-friendly proxy and large ones to a bandwidth-friendly one.
+With DDP every rank holds and averages every gradient, so here a path is a process group over all ranks, with its
+own communicator (its own connections and worker threads with gloo, its own stream with NCCL), created with the
+default group's backend when the DDP model is built:
+  - priority: the first layers' gradients (dual synchronization, below), ranks in natural order;
+  - latency: tensors up to `threshold_bytes`, packed into messages of at most that size, ring 0 -> latency_peer -> ...;
+  - bandwidth: the other tensors, cut into `shard_bytes` shards that are all in flight at once (pipelined),
+    ring 0 -> bandwidth_peer -> ....
+The peers are the plan's concrete handle on the links: each path's group lists rank 0 then its peer
+(`new_group(sort_ranks=False)`), and a ring all-reduce sends from each group rank to the next, so rank 0's traffic
+on that path crosses its link to that peer, the link the profile measured best for that size class. NCCL builds
+its rings from the topology instead, so with NCCL the peers only name the links the plan was made for. A separate
+communicator per path means a small tensor never waits behind megabytes of shards, which is the point of
+COARSE's two proxies; on a machine whose links are all alike the paths differ in nothing else.
+
+Dual synchronization. Backward finishes with the first layers, and the next forward needs them first. The
+parameters the first forward uses first, up to `dual_sync_bytes` (the tensor that crosses the limit included),
+go on the priority path, issued before anything else in their bucket, on a queue no other path fills.
+
+Averaging. Every message is an in-place sum of a slice of DDP's bucket (or a packed copy of small slices, copied
+back); the bucket is divided by the world size first, as torch's reference `allreduce_hook` does, so gradients
+are DDP's own average. A ring all-reduce leaves every rank with the same bits.
+
+No deadlock. DDP hands buckets to the hook in bucket order on every rank (the reducer launches bucket i only
+after bucket i-1), bucket contents are the same on every rank (DDP checks shapes and rebuilds buckets from rank
+0's order), and `messages` is a pure function of a bucket's layout, so every rank issues the same collectives in
+the same order on each path's group; groups are created in the same order on every rank, right after DDP's
+constructor (itself a collective point). Each group is a FIFO queue matched by issue order, so the k-th
+collective on a path waits only for the k-th on the other ranks, and nothing in the hook waits for another path
+(the one wait, DDP's at the end of backward, comes after everything was issued). This is COARSE's per-client
+queue: its deadlock came from proxies serving tensors in arrival order, which differed between clients.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hetero.errors import HeteroError
+from hetero.plan.schema import Plan, RoutingPlan
+from hetero.profile.capture import fingerprint, unwrap
+from hetero.profile.layers import CpuClock, CudaClock
+from hetero.run.bootstrap import StopScript
+from hetero.run.launch import check_routing
+from hetero.units import SIZE, TIME
+
+PRIORITY, LATENCY, BANDWIDTH = "priority", "latency", "bandwidth"
+DRIFT = 2.0  # warn when measured sync time is this factor above or below the prediction
+
+Range = tuple[int, int]  # [start, end) in elements of a bucket's flat buffer
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One collective: a path and the slices of the bucket it sums (several: packed into one tensor)."""
+
+    path: str
+    pieces: tuple[Range, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(e - s for s, e in self.pieces)
+
+
+def messages(tensors: list[tuple[int, int, bool]], element_size: int, threshold_bytes: int,
+             shard_bytes: int) -> list[Message]:
+    """The collectives for one bucket, in issue order. `tensors`: (start, numel, first-layer) per gradient."""
+    shard = max(1, shard_bytes // element_size)
+    first = _merge([(s, s + n) for s, n, prio in tensors if prio])
+    rest = [(s, n) for s, n, prio in tensors if not prio]
+    small = _merge([(s, s + n) for s, n in rest if n * element_size <= threshold_bytes])
+    large = _merge([(s, s + n) for s, n in rest if n * element_size > threshold_bytes])
+    return ([Message(PRIORITY, (r,)) for r in _shards(first, shard)]
+            + [Message(LATENCY, pack) for pack in _packs(small, max(1, threshold_bytes // element_size))]
+            + [Message(BANDWIDTH, (r,)) for r in _shards(large, shard)])
+
+
+def _merge(ranges: list[Range]) -> list[Range]:
+    out: list[Range] = []
+    for s, e in sorted(r for r in ranges if r[1] > r[0]):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _shards(ranges: list[Range], size: int) -> list[Range]:
+    return [(i, min(i + size, e)) for s, e in ranges for i in range(s, e, size)]
+
+
+def _packs(ranges: list[Range], cap: int) -> list[tuple[Range, ...]]:
+    """Small ranges gathered greedily into messages of at most `cap` elements (a longer run is cut first)."""
+    packs: list[list[Range]] = []
+    for piece in _shards(ranges, cap):
+        if packs and sum(e - s for s, e in packs[-1]) + piece[1] - piece[0] <= cap:
+            packs[-1].append(piece)
+        else:
+            packs.append([piece])
+    return [tuple(p) for p in packs]
+
+
+def first_layers(params: list[nn.Parameter], budget_bytes: int) -> set[int]:
+    """ids of the parameters, in first-use order, that start within the first `budget_bytes`."""
+    chosen, seen = set(), 0
+    for p in params:
+        if seen >= budget_bytes:
+            break
+        chosen.add(id(p))
+        seen += p.numel() * p.element_size()
+    return chosen
+
+
+def ring_through(peer: int, world: int) -> list[int]:
+    """Group ranks for a path: rank 0, then its peer, then the rest in order."""
+    return list(range(world)) if peer == 0 else [0, peer] + [r for r in range(1, world) if r != peer]
+
+
+def union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one span is running."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def make_paths(routing: RoutingPlan, world: int) -> dict[str, dist.ProcessGroup]:
+    """One group per path, created in this order on every rank (`new_group` is collective). torch before
+    `sort_ranks` sorts every group: the rings then ignore the peers."""
+    rings = {PRIORITY: list(range(world)), LATENCY: ring_through(routing.latency_peer, world),
+             BANDWIDTH: ring_through(routing.bandwidth_peer, world)}
+    keep = {"sort_ranks": False} if "sort_ranks" in inspect.signature(dist.new_group).parameters else {}
+    return {path: dist.new_group(ring, **keep) for path, ring in rings.items()}
+
+
+class ForwardOrder:
+    """Parameters in the order the model's first forward uses them (registration order can differ)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.seen: dict[int, nn.Parameter] = {}
+        self.handles = [m.register_forward_pre_hook(self._used) for m in model.modules()
+                        if next(m.parameters(recurse=False), None) is not None]
+
+    def _used(self, module: nn.Module, args) -> None:
+        for p in module.parameters(recurse=False):
+            self.seen.setdefault(id(p), p)
+
+    def freeze(self) -> list[nn.Parameter]:
+        """The order so far, then parameters no forward used, in registration order."""
+        self.close()
+        unused = [p for p in self.model.parameters() if id(p) not in self.seen]
+        return [p for p in [*self.seen.values(), *unused] if p.requires_grad]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+@dataclass(eq=False)
+class Sync:
+    """The hook's state for one DDP model: its paths, the first layers, and what each step moved and took."""
+
+    routing: RoutingPlan
+    groups: dict[str, dist.ProcessGroup]
+    order: ForwardOrder
+    world: int
+    first: set[int] | None = None  # ids of the first layers' parameters, fixed at the first backward
+    clock: object = None  # CpuClock or CudaClock, by where the gradients are
+    pending: list = field(default_factory=list)  # this step's message futures
+    spans: list = field(default_factory=list)  # this step's (issued, done) marks
+    steps: list = field(default_factory=list)  # every finished step's spans
+    moved: dict = field(default_factory=dict)  # path -> [bytes, messages] in the last step
+
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if self.first is None:
+            self.first = first_layers(self.order.freeze(), self.routing.dual_sync_bytes)
+        buffer = bucket.buffer()
+        self.clock = self.clock or (CudaClock() if buffer.is_cuda else CpuClock())
+        if bucket.index() == 0:
+            self.moved = {path: [0, 0] for path in self.groups}
+        buffer.div_(self.world)
+        base = buffer.storage_offset()
+        layout = [(g.storage_offset() - base, g.numel(), id(p) in self.first)
+                  for p, g in zip(bucket.parameters(), bucket.gradients())]
+        r = self.routing
+        futures = [self._issue(m, buffer) for m in messages(layout, buffer.element_size(), r.threshold_bytes,
+                                                             r.shard_bytes)]
+        self.pending += futures
+        if not bucket.is_last():
+            return torch.futures.collect_all(futures).then(lambda f: _checked(f, buffer))
+        step, self.pending = self.pending, []
+        return torch.futures.collect_all(step).then(lambda f: self._end_step(f, buffer))
+
+    def _issue(self, m: Message, buffer: torch.Tensor) -> torch.futures.Future:
+        views = [buffer[s:e] for s, e in m.pieces]
+        tensor = views[0] if len(views) == 1 else torch.cat(views)
+        self.moved[m.path][0] += tensor.numel() * tensor.element_size()
+        self.moved[m.path][1] += 1
+        issued = self.clock.mark()
+        work = dist.all_reduce(tensor, group=self.groups[m.path], async_op=True)
+
+        def done(fut: torch.futures.Future) -> None:
+            fut.value()  # a failed collective fails the step here
+            if len(views) > 1:
+                for view, part in zip(views, tensor.split([v.numel() for v in views])):
+                    view.copy_(part)
+            self.spans.append((issued, self.clock.mark()))
+
+        return work.get_future().then(done)
+
+    def _end_step(self, fut: torch.futures.Future, buffer: torch.Tensor) -> torch.Tensor:
+        _checked(fut, buffer)
+        self.steps.append(self.spans)
+        self.spans = []
+        return buffer
+
+    def step_seconds(self) -> list[float]:
+        """Per finished step: the time at least one of its collectives was in flight."""
+        if not self.steps:
+            return []
+        self.clock.finish()
+        out = []
+        for spans in filter(None, self.steps):
+            ref = spans[0][0]
+            out.append(union_s([(self.clock.seconds(ref, s), self.clock.seconds(ref, e)) for s, e in spans]))
+        return out
+
+
+def _checked(fut: torch.futures.Future, buffer: torch.Tensor) -> torch.Tensor:
+    for f in fut.value():
+        f.value()  # re-raises the first failed collective
+    return buffer
+
+
+def _hook(state, bucket):  # unannotated: DDP rejects the string annotations `from __future__` would make
+    return state(bucket)
+
+
+class GradientRouting:
+    """Registers the routed hook on every DDP model of the planned model, right after DDP builds it (the hook must
+    be in place before the first backward; the runtime's capture only sees the inner model, at its first forward)."""
+
+    def __init__(self, plan: Plan):
+        assert plan.routing is not None
+        self.plan, self.routing = plan, plan.routing
+        self.syncs: list[Sync] = []
+        self.skipped: list[str] = []
+
+    def install(self, patches, need_model: Callable[[object], None]) -> None:
+        original = DistributedDataParallel.__init__
+
+        def __init__(ddp: DistributedDataParallel, *args, **kwargs) -> None:
+            original(ddp, *args, **kwargs)
+            self._attach(ddp)
+
+        patches.set(DistributedDataParallel, "__init__", __init__)
+
+    def _attach(self, ddp: DistributedDataParallel) -> None:
+        if fingerprint(unwrap(ddp)) != self.plan.source.model_fingerprint:
+            self.skipped.append(f"a DDP model of {type(unwrap(ddp)).__name__} that is not the planned model")
+            return
+        world = dist.get_world_size()
+        if dist.get_world_size(ddp.process_group) != world:
+            self.skipped.append("a DDP model over a subgroup of the ranks")
+            return
+        try:
+            check_routing(self.routing, world)
+        except HeteroError as e:
+            raise StopScript(e) from None  # raised inside the script: its `except Exception` must not hide it
+        sync = Sync(self.routing, make_paths(self.routing, world), ForwardOrder(ddp.module), world)
+        ddp.register_comm_hook(sync, _hook)
+        self.syncs.append(sync)
+
+    def bind(self, model: nn.Module) -> None:
+        pass  # everything happens at DDP construction, before the capture sees the model
+
+    def close(self) -> None:
+        for sync in self.syncs:
+            sync.order.close()
+
+    def summary(self) -> list[str]:
+        lines = [f"routing: left {what} alone" for what in self.skipped]
+        if not self.syncs:
+            return lines + ["routing: no DDP model of the planned model was built: gradient sync not routed"]
+        sync = self.syncs[0]
+        seconds = sync.step_seconds()
+        if not seconds:
+            return lines + ["routing: hook registered, but no step synchronized"]
+        moved = ", ".join(f"{path} {SIZE.format_short(b)} in {n}" for path, (b, n) in sync.moved.items())
+        lines.append(f"routing: {len(seconds)} step(s) over {sync.world} ranks; per step {moved} message(s)")
+        steady = seconds[1:] or seconds  # the first step also connects the groups and rebuilds DDP's buckets
+        return lines + drift(statistics.median(steady), len(steady), predicted_sync_s(self.plan))
+
+
+def drift(measured_s: float, steps: int, predicted: float | None) -> list[str]:
+    """The sync-time line, and a warning when it is far from the plan's prediction."""
+    line = f"routing: sync {TIME.format_short(measured_s)} per step (median of {steps})"
+    if predicted is None:
+        return [f"{line}; the plan predicts no sync time (no profile with peers found) to compare with"]
+    ratio = measured_s / predicted if predicted > 0 else float("inf")
+    out = [f"{line}, {ratio:.2f}x the {TIME.format_short(predicted)} the plan predicts"]
+    if not 1 / DRIFT <= ratio <= DRIFT:
+        out.append(f"warning: gradient sync drifted {ratio:.2f}x from the plan: the links are not what the profile "
+                   "measured (COARSE re-profiles periodically): hetero profile --nproc-per-node N, then hetero plan")
+    return out
+
+
+def predicted_sync_s(plan: Plan) -> float | None:
+    """What the plan predicts for one step's gradient synchronization (null when it predicts none)."""
+    return plan.predicted.sync_s

@@ -1,0 +1,113 @@
+"""Data parallel through torchrun: the launch command, routed training, failing workers, bad plans, and profiling
+the links between ranks. Each spawning test starts torchrun with 2 gloo workers on loopback (~10 s here)."""
+
+import sys
+import time
+
+import pytest
+
+from hetero import files
+from hetero.cli.main import main
+from hetero.errors import HeteroError
+from hetero.profile.schema import Profile
+from hetero.run.launch import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build, first_failure
+from tests.cli.test_run import net
+from tests.profile import scripts
+from tests.run.test_routing import routed_plan
+
+DDP_TRAIN = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(Net())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5):
+    F.cross_entropy(model(torch.randn(8, 16)), torch.randint(4, (8,))).backward()
+    opt.step(); opt.zero_grad()
+    if rank == 1 and len(sys.argv) > 1:
+        FAIL
+sys.stdout.write(f"rank {rank} argv {sys.argv[1:]}\\n")  # one write: the ranks share the terminal
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files.save(routed_plan(net(), threshold=512, shard=1024, dual_sync=600), "plan.yaml")
+    return tmp_path
+
+
+def test_build_starts_torchrun_with_the_worker_entry_and_the_scripts_own_arguments(tmp_path):
+    launch = build("train.py", ["--", "--lr", "3"], tmp_path / "plan.yaml", allow_stale=True, torchrun=Torchrun(2))
+    assert launch.command == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+                              "--max-restarts", "0", "--monitor-interval", "0.1", "--standalone",
+                              "-m", "hetero.run.bootstrap", "train.py", "--lr", "3"]
+    assert launch.argv == ["train.py", "--lr", "3"]  # no --local_rank: workers read LOCAL_RANK from the environment
+    assert launch.env == {PLAN_ENV: str((tmp_path / "plan.yaml").resolve()), ALLOW_STALE_ENV: "1"}
+    assert build("train.py", [], tmp_path / "plan.yaml").command is None  # one process: the script runs in hetero
+
+
+def test_several_nodes_meet_at_a_rendezvous():
+    nodes = Torchrun(4, nnodes="2", rdzv_endpoint="head:29400")
+    assert nodes.argv() == ["--nproc-per-node", "4", "--nnodes", "2", "--max-restarts", "0", "--monitor-interval",
+                            "0.1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "hetero"]
+    static = Torchrun(1, nnodes="2", master_addr="10.0.0.1", master_port=29500, node_rank=1).argv()
+    assert static[-6:] == ["--master-addr", "10.0.0.1", "--master-port", "29500", "--node-rank", "1"]
+    with pytest.raises(HeteroError, match="--nnodes 2 needs a meeting point"):
+        Torchrun(2, nnodes="2").check()
+
+
+def test_the_first_worker_to_fail_gives_the_exit_code(tmp_path):
+    (tmp_path / "rank1").write_text("200 3\n")  # failed first
+    (tmp_path / "rank0").write_text("300 1\n")  # then its peer lost the connection
+    (tmp_path / "rank2").write_text("100 0\n")  # ended well before both
+    assert first_failure(tmp_path) == 3
+
+
+@pytest.mark.timeout(90)
+def test_ddp_training_runs_with_routed_sync(workdir, capfd):
+    script = scripts.write(workdir, DDP_TRAIN)
+    assert main(["run", "--nproc-per-node", "2", script]) == 0
+    out, err = capfd.readouterr()
+    assert "rank 0 argv []" in out and "rank 1 argv []" in out
+    assert "routing: 5 step(s) over 2 ranks; per step priority 2KiB in 2, latency 1.02KiB in 3, bandwidth 4KiB in 4 " \
+           "message(s)" in err
+    assert "routing: sync " in err and "per step (median of 4); the plan predicts no sync time" in err
+    assert err.count("routing: sync") == 1  # rank 0 reports for all
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("failure, code", [("sys.exit(3)", 3), ("raise ValueError('bad batch')", 1)])
+def test_a_failing_worker_stops_every_worker_with_its_exit_code(workdir, capfd, failure, code):
+    script = scripts.write(workdir, DDP_TRAIN.replace("FAIL", failure))
+    start = time.monotonic()
+    assert main(["run", "--nproc-per-node", "2", script, "fail"]) == code
+    assert time.monotonic() - start < 30  # rank 0, blocked in the next all-reduce, is stopped at once
+    err = capfd.readouterr().err
+    assert "rank 0 argv" not in err
+    if code == 1:
+        assert "ValueError: bad batch" in err
+
+
+def test_a_plan_naming_a_rank_that_does_not_exist_is_refused_before_any_worker_starts(workdir, capfd):
+    files.save(routed_plan(net(), bandwidth_peer=2), "plan.yaml")
+    assert main(["run", "--nproc-per-node", "2", scripts.write(workdir, DDP_TRAIN)]) == 4
+    err = capfd.readouterr().err
+    assert "error: the plan's routing.bandwidth_peer is rank 2, but this run has 2 rank(s) (0 to 1)" in err
+    assert "--nproc-per-node" in err
+
+
+@pytest.mark.timeout(120)
+def test_profile_with_two_workers_measures_the_link_between_them(workdir):
+    script = scripts.write(workdir, scripts.LOOP.replace("model = Net()", "import torch.distributed as dist\n"
+                                                         "dist.init_process_group('gloo')\n"
+                                                         "model = torch.nn.parallel.DistributedDataParallel(Net())"))
+    assert main(["profile", "--nproc-per-node", "2", "--steps", "1", "--warmup", "1", script]) == 0
+    profile = files.load(workdir / "profile.yaml", expect=Profile)
+    [peer] = profile.machine.peers
+    assert (peer.src, peer.dst, peer.backend) == (0, 1, "gloo")
+    assert [p.size_bytes for p in peer.transfer] == [4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20, 64 * 2**20]
+    assert peer.transfer[-1].time_s > peer.transfer[0].time_s > 0
+    assert profile.training.steps_measured == 1
