@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--nvme", default=None, help="directory of the disk tier [default: a temp dir]")
     p.add_argument("--min-tensor", default=None, help="re-solve the schedule with this threshold, e.g. 1MiB")
+    p.add_argument("--stay-time", default="1ms", help="TierTrain's stay time for hetero plan: larger keeps short-idle "
+                   "tensors in fast memory (they cost I/O for little average saving)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--plan", default=None, help=argparse.SUPPRESS)
     p.add_argument("script", nargs="*", help="script and its arguments [default: a 4-layer GPT of width 768, "
@@ -73,13 +75,11 @@ def _plan(work: Path, script: list[str], args) -> Path:
     _call(hetero + ["profile", "--steps", "3", "--warmup", "1", "--nvme", nvme, "-o", str(work / "profile.yaml"),
                     *script[:1], "--", *script[1:], *longer])
     _call(hetero + ["plan", "--profile", str(work / "profile.yaml"), "-o", str(work / "plan.yaml"),
-                    "--optimizer-device", "host"])
+                    "--optimizer-device", "host", "--stay-time", args.stay_time])
     profile = files.load(work / "profile.yaml", expect=Profile)
     plan = files.load(work / "plan.yaml", expect=Plan)
     acts = plan.activations
     assert acts is not None, f"the planner scheduled no activations: {plan.omitted.get('activations')}"
-    if acts.slow_path is None:
-        acts.slow_path = next(t.path for t in profile.machine.tiers if t.name == acts.slow)
     if args.min_tensor:
         _resolve(profile, acts, SIZE.parse(args.min_tensor))
     plan.optimizer, plan.omitted["optimizer"] = None, "bench: activations only"

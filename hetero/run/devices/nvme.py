@@ -9,8 +9,11 @@ Rules the store keeps:
   submitted after a write returns exactly the written data, never a half-written buffer.
 - Like an asynchronous CUDA copy, a write's tensor must stay alive and unchanged, and a read's `out` must not be
   used, until the handle is done. The caller keeps the tensor, so a failed write leaves it where it was.
-- I/O bypasses the page cache (O_DIRECT, through a 4 KiB-aligned bounce buffer per worker) where the file system
-  allows: cached writes look fast but free no memory, which defeats the point of offloading. `direct` says which.
+- I/O bypasses the page cache (O_DIRECT) where the file system allows: cached writes look fast but free no memory,
+  which defeats the point of offloading. `direct` says which. A key's data starts in its file at the source's offset
+  within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
+  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer:
+  measured on bench/tiering.py, this took the CPU cost of moving ~1 GiB out and back per step from 0.25 s to 0.05 s.
 - Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
   and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
 
@@ -61,6 +64,7 @@ class Handle:
 class _File:
     path: Path
     nbytes: int
+    shift: int = 0  # file offset of byte 0: the source's offset within a block, so its aligned middle moves direct
 
 
 class NvmeStore:
@@ -173,7 +177,7 @@ class NvmeStore:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._direct_flag(), 0o600)
             try:
                 os.fchmod(fd, 0o600)  # the umask may only clear bits; make the mode exact
-                self._write_chunks(fd, src)
+                shift = self._write_chunks(fd, src)
             finally:
                 os.close(fd)
         except BaseException as e:
@@ -183,25 +187,40 @@ class NvmeStore:
             raise
         with self._lock:
             old = self._files.get(key)
-            self._files[key] = _File(path, src.nbytes)
+            self._files[key] = _File(path, src.nbytes, shift)
         if old is not None:
             self._remove(old.path)
 
-    def _write_chunks(self, fd: int, src: np.ndarray) -> None:
+    def _write_chunks(self, fd: int, src: np.ndarray) -> int:
+        """Write `src`; the file offset its byte 0 went to. With O_DIRECT the data lands at its address's offset
+        within a block, so the block-aligned middle of the buffer goes to disk straight from it and only the first
+        and last blocks pass through the bounce buffer (saving a full copy of every large tensor)."""
         if not self.direct:
             for offset in range(0, src.nbytes, self._chunk):
                 _pwrite_all(fd, src[offset:offset + self._chunk], offset)
-            return
+            return 0
+        shift = src.ctypes.data % _BLOCK
+        head = min(src.nbytes, -shift % _BLOCK)
+        middle = (src.nbytes - head) // _BLOCK * _BLOCK
+        for offset in range(head, head + middle, self._chunk):
+            _pwrite_all(fd, src[offset:min(offset + self._chunk, head + middle)], shift + offset)
         bounce = self._bounce.get()
         try:
-            for offset in range(0, src.nbytes, self._chunk):
-                n = min(self._chunk, src.nbytes - offset)
-                padded = -(-n // _BLOCK) * _BLOCK
-                bounce[:n] = src[offset:offset + n]
-                bounce[n:padded] = 0  # only the last chunk is short; its padding is never read back
-                _pwrite_all(fd, bounce[:padded], offset)
+            if head:
+                bounce[:shift] = 0
+                self._bounced_write(fd, bounce, src[:head], shift, shift)
+            for offset in range(head + middle, src.nbytes, self._chunk):
+                self._bounced_write(fd, bounce, src[offset:offset + self._chunk], 0, shift + offset)
         finally:
             self._bounce.put(bounce)
+        return shift
+
+    def _bounced_write(self, fd: int, bounce: np.ndarray, data: np.ndarray, at: int, file_offset: int) -> None:
+        end = at + data.nbytes
+        padded = -(-end // _BLOCK) * _BLOCK
+        bounce[at:end] = data
+        bounce[end:padded] = 0  # padding past the data is never read back
+        _pwrite_all(fd, bounce[:padded], file_offset - at)
 
     def _read(self, key: str, dst: np.ndarray) -> None:
         with self._lock:
@@ -212,23 +231,32 @@ class NvmeStore:
             raise ValueError(f"{key!r} holds {stored.nbytes} bytes; the output buffer has {dst.nbytes}")
         fd = os.open(stored.path, os.O_RDONLY | self._direct_flag())
         try:
-            self._read_chunks(fd, dst)
+            self._read_chunks(fd, dst, stored.shift)
         finally:
             os.close(fd)
 
-    def _read_chunks(self, fd: int, dst: np.ndarray) -> None:
-        bounce = self._bounce.get() if self.direct else None
-        try:
+    def _read_chunks(self, fd: int, dst: np.ndarray, shift: int) -> None:
+        """Read into `dst`: its block-aligned middle straight from the file when `dst` sits at the same offset
+        within a block as the written buffer did (large torch tensors all do), the rest through the bounce."""
+        if not self.direct:
             for offset in range(0, dst.nbytes, self._chunk):
-                n = min(self._chunk, dst.nbytes - offset)
-                if bounce is None:
-                    _pread_exact(fd, dst[offset:offset + n], offset)
-                else:
-                    _pread_exact(fd, bounce[:-(-n // _BLOCK) * _BLOCK], offset)
-                    dst[offset:offset + n] = bounce[:n]
+                _pread_exact(fd, dst[offset:offset + self._chunk], offset)
+            return
+        head = min(dst.nbytes, -shift % _BLOCK)
+        middle = (dst.nbytes - head) // _BLOCK * _BLOCK if dst.ctypes.data % _BLOCK == shift else 0
+        for offset in range(head, head + middle, self._chunk):
+            _pread_exact(fd, dst[offset:min(offset + self._chunk, head + middle)], shift + offset)
+        bounce = self._bounce.get()
+        try:
+            for start, end in ((0, head), (head + middle, dst.nbytes)) if middle else ((0, dst.nbytes),):
+                for offset in range(start, end, self._chunk - _BLOCK):
+                    n = min(self._chunk - _BLOCK, end - offset)
+                    first = (shift + offset) // _BLOCK * _BLOCK  # the block the data starts in
+                    skip = shift + offset - first
+                    _pread_exact(fd, bounce[:-(-(skip + n) // _BLOCK) * _BLOCK], first)
+                    dst[offset:offset + n] = bounce[skip:skip + n]
         finally:
-            if bounce is not None:
-                self._bounce.put(bounce)
+            self._bounce.put(bounce)
 
     def _delete(self, key: str) -> None:
         with self._lock:

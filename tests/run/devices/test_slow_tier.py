@@ -54,9 +54,10 @@ def test_a_gpu_plan_on_a_machine_without_cuda_is_stale():
 
 
 def test_a_worker_serves_in_order_and_drops_what_is_queued_when_closed():
-    served, gate = [], threading.Event()
+    served, gate, serving = [], threading.Event(), threading.Event()
 
     def serve(job):
+        serving.set()
         gate.wait()
         served.append(job)
 
@@ -69,10 +70,12 @@ def test_a_worker_serves_in_order_and_drops_what_is_queued_when_closed():
         time.sleep(0.001)
     assert served == [0, 1, 2, 3, 4]
     gate.clear()
+    serving.clear()
     worker.put(5)
+    assert serving.wait(10)  # 5 is being served before close: it finishes; 6, still queued, is dropped
     worker.put(6)
     threading.Timer(0.05, gate.set).start()
-    worker.close()  # 5 is being served and finishes; 6 is dropped
+    worker.close()
     assert served == [0, 1, 2, 3, 4, 5]
 
 
