@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from decimal import Decimal, localcontext
+from decimal import Context, Decimal
 
 _NUMBER = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(.*?)\s*$")
 
@@ -77,9 +77,9 @@ class Unit:
         if value == 0:  # "0s", not "0ns"
             return next(r for r in self.ladder if r[0] == 1)
         best = self.ladder[0]
-        for scale, word in self.ladder:
-            if abs(Decimal(value)) >= scale:
-                best = (scale, word)
+        for rung in self.ladder:
+            if abs(value) >= rung[0]:  # exact: Python compares a float with a Decimal by value
+                best = rung
         return best
 
     def example(self) -> str:
@@ -89,15 +89,16 @@ class Unit:
         return ", ".join(w for w in self.words if w) or "a plain number"
 
 
+_EXACT = Context(prec=80)  # wide enough that dividing any float by a unit's scale is exact
+
+
 def _significant(value: int | float, scale: Decimal, digits: int) -> str:
     """`value / scale` rounded to `digits` significant digits, in plain notation without trailing zeros."""
-    with localcontext() as ctx:
-        ctx.prec = 80
-        q = Decimal(value) / scale
-        if q == 0:
-            return "0"
-        q = q.quantize(Decimal(1).scaleb(q.adjusted() - digits + 1))
-        text = f"{q:f}"
+    q = _EXACT.divide(Decimal(value), scale)
+    if q == 0:
+        return "0"
+    q = q.quantize(Decimal(1).scaleb(q.adjusted() - digits + 1), context=_EXACT)
+    text = f"{q:f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
