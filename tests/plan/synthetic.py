@@ -45,7 +45,7 @@ def layers(n: int, rng: random.Random) -> list[Layer]:
     """Layers whose parameters range from small to embedding-sized, so DHA, GFGB and DFGB each win somewhere."""
     out, t = [], 0.2e-3
     specs = []
-    for i in range(n):
+    for _ in range(n):
         size = int(2 ** rng.uniform(16, 27)) // 4 * 4
         fp = rng.uniform(0.05e-3, 2e-3)
         read = size / 10e9

@@ -18,7 +18,6 @@ from hetero.profile.capture import fingerprint
 from hetero.profile.layers import select_layers
 from hetero.run.bootstrap import StopScript
 from hetero.run.runtime import Runtime
-from hetero.run.tiering import ActivationTiering
 
 STEPS = 10
 GiB = 1 << 30

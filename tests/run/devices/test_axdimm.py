@@ -99,7 +99,7 @@ def test_async_adam_on_two_channels_equals_the_reference(serialize):
             bufs.append((p, m, v, g))
         for step in range(1, 6):
             grads = [torch.randn(n, generator=gen) for n in sizes]
-            for c, (grad, (p, m, v, g)) in enumerate(zip(grads, bufs)):
+            for c, (grad, (_, _, _, g)) in enumerate(zip(grads, bufs)):
                 dev.memcpy(g, grad, grad.nbytes)
                 dev.set_arbiter(c, "acceleration")
             handles = [dev.run_adam_async(p, m, v, g, hyperparameters=HP, step=step, channel=c)
