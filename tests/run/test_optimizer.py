@@ -123,3 +123,31 @@ def test_state_dict_continues_identically_in_torch_and_in_hetero(tmp_path):
     with Runtime(optimizer_plan(hetero_model, nvme=("3.weight",), nvme_path=str(tmp_path)), script=__file__):
         rest, _ = train(hetero_model, steps=10, start=10, opt_state=torch.load(tmp_path / "opt.pt"))
     compare(ref, ref_model, first + rest, hetero_model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["axdimm", "host"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_cuda_model_trains_identically_with_states_off_the_gpu(device, overlap):
+    """Gradients come down from the GPU (an event marks when each is final) and updated weights go back up in
+    step(); the model never leaves the GPU."""
+    ref_model, model = make_model().cuda(), make_model().cuda()
+    ref, _ = train_on(ref_model, "cuda")
+    with Runtime(optimizer_plan(model, device=device, overlap=overlap), script=__file__):
+        out, opt = train_on(model, "cuda")
+        assert type(opt).__module__ == "hetero.run.optimizer"
+    assert all(p.is_cuda for p in model.parameters())
+    compare(ref, ref_model, out, model)
+
+
+def train_on(model, device: str, steps: int = 10):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt
