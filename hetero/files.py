@@ -25,9 +25,10 @@ from hetero.errors import FileProblems, Problem
 from hetero.fields import FieldSpec, choices, is_optional, is_schema, specs, strip_optional
 from hetero.plan.schema import Plan
 from hetero.profile.schema import Profile
+from hetero.report.schema import Run
 
 API_VERSION = "hetero/v1"
-KINDS: dict[str, type] = {"Profile": Profile, "Plan": Plan}
+KINDS: dict[str, type] = {"Profile": Profile, "Plan": Plan, "Run": Run}
 _STR, _INT, _FLOAT, _BOOL, _NULL, _SEQ, _MAP = (
     f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map"))
 _BAD = object()  # a value that failed validation; its problem is already recorded
@@ -279,7 +280,11 @@ def dumps(obj: Any, header: tuple[str, ...] = ()) -> str:
 
 def save(obj: Any, path: str | os.PathLike, header: tuple[str, ...] = ()) -> None:
     """Write atomically: a crash or a full disk leaves the old file, never half a file."""
-    text = dumps(obj, header)
+    write_text(path, dumps(obj, header))
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """`text` into `path` atomically (a temporary file beside it, then renamed)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

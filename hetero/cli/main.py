@@ -10,7 +10,7 @@ import traceback
 import typer
 
 from hetero import __version__
-from hetero.cli import check, plan, profile, run, show
+from hetero.cli import check, plan, profile, report, run, show
 from hetero.errors import INTERRUPTED, FileProblems, HeteroError, Interrupted
 
 app = typer.Typer(
@@ -44,6 +44,7 @@ check.register(app)
 profile.register(app)
 plan.register(app)
 run.register(app)
+report.register(app)
 show.register(app)
 
 

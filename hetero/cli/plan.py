@@ -12,15 +12,19 @@ from rich.table import Table
 
 from hetero import __version__, files
 from hetero.errors import USAGE, HeteroError
+from hetero.cli.sources import profile_of
+from hetero.plan.from_run import measured_profile
 from hetero.plan.schema import ActivationPrediction, Plan
 from hetero.plan.solve import PlanOptions
 from hetero.plan.solve import plan as solve
 from hetero.profile.schema import Profile
+from hetero.report.schema import Run
 from hetero.units import SIZE, TIME, Unit
 
 
 def plan(
-    profile: Path = typer.Option(Path("profile.yaml"), "--profile", help="The profile to plan from."),
+    profile: Path | None = typer.Option(None, "--profile", help="The profile to plan from [default: profile.yaml; "
+                                        "with --from-run, the profile of the run's plan]."),
     output: Path = typer.Option(Path("plan.yaml"), "-o", "--output", help="Where to write the plan."),
     reserve: float = typer.Option(0.5, "--reserve", help="Fraction of gradient bytes allowed to stay on the GPU."),
     gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="GPU memory the plan may use, e.g. 20GiB "
@@ -35,17 +39,24 @@ def plan(
     stay_time: str = typer.Option("1ms", "--stay-time", help="Least time an evicted tensor stays in the slow tier."),
     previous: Path | None = typer.Option(None, "--from", metavar="OLD_PLAN",
                                          help="Re-plan, keeping the entries marked `pinned: true` in OLD_PLAN."),
+    from_run: Path | None = typer.Option(None, "--from-run", metavar="RUN.yaml",
+                                         help="Re-plan with the timings a traced run measured (hetero run --trace), "
+                                              "keeping the pinned entries of the plan it ran."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (base units) instead of a summary."),
 ) -> None:
     """Solve a profile into a plan: per-layer GPU modes, gradient offload, optimizer placement, activation
     tiering and routing, with the simulator's predicted iteration. Every decision carries a `# why:` comment."""
-    prof = files.load(profile, expect=Profile)
+    old = files.load(previous, expect=Plan) if previous else None
+    if from_run is not None:
+        profile, prof, old = _measured(from_run, profile, old, output)
+    else:
+        profile = profile or Path("profile.yaml")
+        prof = files.load(profile, expect=Profile)
     options = PlanOptions(profile_path=str(profile), reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory,
                                                                                                   "--gpu-memory"),
                           dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
-                          stay_time_s=_quantity(TIME, stay_time, "--stay-time"),
-                          previous=files.load(previous, expect=Plan) if previous else None)
+                          stay_time_s=_quantity(TIME, stay_time, "--stay-time"), previous=old)
     result = solve(prof, options)
     header = (f"hetero plan of {profile} ({prof.model.script}), hetero {__version__}.",
               "Edit freely: `hetero check` validates it; entries marked `pinned: true` survive `hetero plan --from`.")
@@ -57,6 +68,26 @@ def plan(
         print(json.dumps(files.to_data(result), indent=2))
         return
     _summary(prof, result, output)
+
+
+def _measured(run_path: Path, profile_path: Path | None, old: Plan | None,
+              output: Path) -> tuple[Path, Profile, Plan]:
+    """The profile with the run's timings, written beside the new plan (which names it, so `hetero run` can check
+    the plan against it), and the plan whose pinned entries survive: --from, else the one the run carried out."""
+    run = files.load(run_path, expect=Run)
+    ran_path = Path(run.source.plan)
+    ran_path = ran_path if ran_path.is_absolute() or ran_path.is_file() else run_path.parent / ran_path
+    if not ran_path.is_file():
+        raise HeteroError(f"{run_path} ran {run.source.plan}, which is not here", exit_code=USAGE,
+                          hint="run this where the run was made, or pass the plan with --from")
+    ran = files.load(ran_path, expect=Plan)
+    base = files.load(profile_path, expect=Profile) if profile_path else profile_of(ran, ran_path, "it is re-timed")
+    merged = measured_profile(base, ran, run)
+    target = output.with_name(f"{output.stem}.profile.yaml")
+    files.save(merged, target, header=(f"the profile of {ran.source.profile} with the timings measured in {run_path}",
+                                       "Written by hetero plan --from-run."))
+    print(f"wrote {target}: {ran.source.profile} with the layer timings measured in {run_path}")
+    return target, merged, old or ran
 
 
 def _quantity(unit: Unit, text: str | None, flag: str):
@@ -103,4 +134,5 @@ def _reduction(a: ActivationPrediction | None) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command(name="plan", epilog="Example: hetero plan --profile profile.yaml -o plan.yaml --gpu-memory 20GiB")(plan)
+    app.command(name="plan", epilog="Example: hetero plan --profile profile.yaml -o plan.yaml --gpu-memory 20GiB   "
+                                    "|   hetero plan --from-run run.yaml -o plan2.yaml")(plan)

@@ -3,6 +3,8 @@ plan, in this process or in one torchrun worker per rank."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from hetero.run import launch
@@ -30,6 +32,9 @@ def run(
     args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
     plan: str = typer.Option(None, "--plan", metavar="FILE", help="The plan to enforce [default: plan.yaml]."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run a plan made for another profile or model."),
+    trace: Path = typer.Option(None, "--trace", metavar="FILE.json", help="Record steps into a Chrome/Perfetto "
+                               "trace, with a summary (FILE.yaml) for `hetero report`; rank 0 only."),
+    trace_steps: int = typer.Option(10, "--trace-steps", metavar="N", help="Steps to record, after the first."),
     nproc: int = NPROC, nnodes: str = NNODES, node_rank: int = NODE_RANK, master_addr: str = MASTER_ADDR,
     master_port: int = MASTER_PORT, rdzv: str = RDZV,
 ) -> None:
@@ -38,7 +43,8 @@ def run(
 
     The script's exit code passes through; with several workers, that of the first one to fail."""
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
-    code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks)
+    traced = launch.Trace(trace, trace_steps) if trace is not None else None
+    code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks, trace=traced)
     raise typer.Exit(code)
 
 

@@ -115,25 +115,17 @@ def _cell(value: Any, spec: FieldSpec) -> str:
 
 
 def _timeline(path: Path, output: Path | None, timeline: bool) -> None:
-    from hetero.errors import STALE_PLAN, USAGE, HeteroError
+    from hetero.cli.sources import profile_of
+    from hetero.errors import USAGE, HeteroError
     from hetero.plan.schema import Plan
     from hetero.plan.simulate import chrome_trace
     from hetero.plan.solve import predict
-    from hetero.profile.schema import Profile
 
     if not timeline:
         raise HeteroError("-o is only used with --timeline", hint=f"hetero show --timeline {path} -o {output}",
                           exit_code=USAGE)
     plan = files.load(path, expect=Plan)
-    source = Path(plan.source.profile)
-    if not source.exists():
-        raise HeteroError(f"{path} was planned from {source}, which does not exist here; the timeline is simulated "
-                          f"from it", hint=f"run this where `hetero plan` ran, or re-plan: "
-                                           f"hetero plan --profile PROFILE -o {path}")
-    profile = files.load(source, expect=Profile)
-    if files.content_sha256(profile) != plan.source.profile_sha256:
-        raise HeteroError(f"{source} changed since {path} was planned from it", exit_code=STALE_PLAN,
-                          hint=f"re-plan: hetero plan --profile {source} -o {path}")
+    profile = profile_of(plan, path, "the timeline is simulated from it")
     result = predict(profile, plan, record=True)
     target = output or Path("predicted.json")
     try:

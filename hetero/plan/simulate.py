@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from hetero.plan.model import GPU, Choices, Costs, Update, timed
+from hetero.report import trace
+from hetero.report.trace import memory_track
 
 
 @dataclass(kw_only=True, slots=True)
@@ -306,13 +308,6 @@ def _sweep(events: list[tuple[float, int]], horizon: float) -> tuple[int, int, l
 
 def chrome_trace(result: Result) -> dict:
     """The timeline as Chrome/Perfetto trace JSON: one thread per lane, memory per tier as counters."""
-    lanes = list(dict.fromkeys(s.lane for s in result.spans))
-    events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": k, "args": {"name": lane}}
-              for k, lane in enumerate(lanes)]
-    tid = {lane: k for k, lane in enumerate(lanes)}
-    events += [{"name": s.name, "cat": s.lane, "ph": "X", "pid": 1, "tid": tid[s.lane], "ts": s.start_s * 1e6,
-                "dur": (s.end_s - s.start_s) * 1e6} for s in result.spans]
-    events += [{"name": f"memory {tier}", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"bytes": used}}
-               for t, tier, used in result.counters]
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes}}
+    spans = [(s.lane, s.name, s.start_s, s.end_s, {}) for s in result.spans]
+    counters = [(t, memory_track(tier), {"predicted": used}) for t, tier, used in result.counters]
+    return trace.chrome(spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes})

@@ -11,6 +11,7 @@ to seconds once all steps are done.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,6 +52,19 @@ def select_layers(model: nn.Module, granularity: str) -> list[LayerSpec]:
         seen.update(id(p) for p in local.values())
         layers.append(LayerSpec(name or ROOT_LAYER, module, mine))
     return layers
+
+
+def layers_named(model: nn.Module, wanted: set[str]) -> tuple[list[LayerSpec], list[str]]:
+    """The layers of the first granularity (module, then block) that has every name in `wanted`, and the names
+    neither has (then the module layers are returned)."""
+    first, missing = None, []
+    for granularity in ("module", "block"):
+        layers = select_layers(model, granularity)
+        names = {spec.name for spec in layers}
+        if wanted <= names:
+            return layers, []
+        first, missing = first or layers, missing or sorted(wanted - names)
+    return first, missing
 
 
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -110,7 +124,8 @@ class MicroBatch:
 class LayerProfiler:
     """Hooks on one model; every forward with grad enabled while attached is recorded as a MicroBatch."""
 
-    def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock):
+    def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock,
+                 saved_tensors: bool = True):
         self.model, self.layers, self.clock = model, layers, clock
         self.index = {id(layer.module): i for i, layer in enumerate(layers)}
         self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -119,7 +134,10 @@ class LayerProfiler:
         self.last_forward: MicroBatch | None = None  # the one whose backward runs next
         self.stack: list[list] = []  # [layer, start token, child count] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
-        self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
+        # innermost pair of hooks runs. Backward starts then come from the outputs' gradients alone.
+        self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if saved_tensors \
+            else contextlib.nullcontext()
         self.hook_s = 0.0  # time spent inside these hooks: the profiler's own cost
         self.handles: list = []
 
@@ -250,7 +268,7 @@ class Summary:
 def summarize(profiler: LayerProfiler) -> Summary:
     """Layers in forward order, each quantity the mean over the recorded micro-batches."""
     profiler.clock.finish()
-    per_mb = [_resolve(mb, profiler.clock, len(profiler.layers)) for mb in profiler.micro_batches if mb.backward_end]
+    per_mb = [resolve(mb, profiler.clock, len(profiler.layers)) for mb in profiler.micro_batches if mb.backward_end]
     assert per_mb, "no complete micro-batch was recorded"
     mean = lambda key, i=None: sum(r[key] if i is None else r[key][i] for r in per_mb) / len(per_mb)  # noqa: E731
     layers = []
@@ -267,7 +285,7 @@ def summarize(profiler: LayerProfiler) -> Summary:
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
 
 
-def _resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:
+def resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:
     """One micro-batch in seconds from its forward start."""
     sec = lambda token: clock.seconds(mb.start, token)  # noqa: E731
     fp = dict.fromkeys(range(n), 0.0)

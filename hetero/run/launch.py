@@ -8,6 +8,7 @@ worker runs `worker_main`. The protocol between hetero and its workers is the en
   HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.run.bootstrap` default to plan.yaml)
   HETERO_ALLOW_STALE  1: run a plan made for another profile or model
   HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
+  HETERO_TRACE        JSON {trace, steps}: rank 0 records that many steps into the trace and run.yaml beside it
   HETERO_EXIT_DIR     where each worker leaves its exit code and the time it ended, so that hetero exits with the
                       code of the worker that failed first (torchrun itself exits 1 for any failure)
 Workers read LOCAL_RANK/RANK/WORLD_SIZE from torchrun's environment; the script's arguments are never changed.
@@ -37,6 +38,7 @@ PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
 PROFILE_ENV = "HETERO_PROFILE"
 EXIT_DIR_ENV = "HETERO_EXIT_DIR"
+TRACE_ENV = "HETERO_TRACE"
 WORKER = "hetero.run.bootstrap"
 
 
@@ -87,9 +89,29 @@ class Launch:
     command: list[str] | None = None  # the process hetero starts; None: the script runs in this process
 
 
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """`--trace`: where the Chrome trace goes (run.yaml beside it) and how many steps it records."""
+
+    path: Path
+    steps: int = 10
+
+    def check(self) -> None:
+        if self.path.suffix != ".json":
+            raise HeteroError(f"--trace {self.path}: the trace is JSON; its summary goes beside it as .yaml",
+                              hint=f"--trace {self.path.with_suffix('.json')}", exit_code=USAGE)
+        if self.steps < 1:
+            raise HeteroError(f"--trace-steps {self.steps}: need at least 1", exit_code=USAGE)
+        if not self.path.resolve().parent.is_dir():
+            raise HeteroError(f"--trace {self.path}: no directory {self.path.parent}", hint="create it first",
+                              exit_code=USAGE)
+
+
 def build(script: str, args: list[str], plan_path: Path, allow_stale: bool = False,
-          torchrun: Torchrun | None = None) -> Launch:
+          torchrun: Torchrun | None = None, trace: Trace | None = None) -> Launch:
     env = {PLAN_ENV: str(plan_path.resolve())} | ({ALLOW_STALE_ENV: "1"} if allow_stale else {})
+    if trace is not None:
+        env[TRACE_ENV] = json.dumps({"trace": str(trace.path.resolve()), "steps": trace.steps})
     return _launch(script, args, env, torchrun)
 
 
@@ -135,19 +157,21 @@ def check_profile(plan: Plan, plan_path: Path, allow_stale: bool) -> str | None:
 
 
 def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool = False,
-        torchrun: Torchrun | None = None) -> int:
+        torchrun: Torchrun | None = None, trace: Trace | None = None) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
     exit code."""
     check_script(script)
     plan_path = find_plan(plan)
+    if trace is not None:
+        trace.check()
     if torchrun is None:
-        return _run_here(script, args, plan_path, allow_stale, leader=True)
+        return _run_here(script, args, plan_path, allow_stale, leader=True, trace=trace)
     torchrun.check()
     loaded = files.load(plan_path, expect=Plan)
     check_profile(loaded, plan_path, allow_stale)  # refuses before any worker starts; rank 0 prints warnings
     if loaded.routing is not None:
         check_routing(loaded.routing, torchrun.nproc_per_node * torchrun.max_nodes())
-    return run_workers(build(script, args, plan_path, allow_stale, torchrun))
+    return run_workers(build(script, args, plan_path, allow_stale, torchrun, trace))
 
 
 def check_routing(routing: RoutingPlan, world: int) -> None:
@@ -163,16 +187,20 @@ def check_routing(routing: RoutingPlan, world: int) -> None:
                           exit_code=STALE_PLAN)
 
 
-def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool) -> int:
-    from hetero.run.runtime import Runtime  # imports torch
+def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool,
+              trace: Trace | None = None) -> int:
+    from hetero.run.recorder import Outputs  # imports torch
+    from hetero.run.runtime import Runtime
 
     loaded = files.load(plan_path, expect=Plan)
     warning = check_profile(loaded, plan_path, allow_stale)
     if warning and leader:
         print(f"hetero: warning: {warning}", file=sys.stderr)
     launch = build(script, args, plan_path, allow_stale)
+    record = Outputs(trace=trace.path, steps=trace.steps, plan_path=str(plan_path), script=script) \
+        if trace is not None and leader else None
     with _environment(launch.env):
-        with Runtime(loaded, script=script, allow_stale=allow_stale) as runtime:
+        with Runtime(loaded, script=script, allow_stale=allow_stale, record=record) as runtime:
             result = run_script(script, launch.argv[1:])
         for line in runtime.summary() if leader else []:  # the summary may read the plan's path from the env
             print(f"hetero: {line}", file=sys.stderr)
@@ -228,7 +256,9 @@ def worker_main(argv: list[str]) -> int:
             code = _profile_here(script, args, json.loads(os.environ[PROFILE_ENV]))
         else:
             plan_path, allow_stale = find_plan(os.environ.get(PLAN_ENV)), os.environ.get(ALLOW_STALE_ENV) == "1"
-            code = _run_here(script, args, plan_path, allow_stale, leader=_rank() == 0)
+            traced = json.loads(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
+            trace = Trace(Path(traced["trace"]), traced["steps"]) if traced else None
+            code = _run_here(script, args, plan_path, allow_stale, leader=_rank() == 0, trace=trace)
     except HeteroError as e:
         lines = [f"error: {e.message}"] + ([f"hint: {e.hint}"] if e.hint else [])
         print("\n".join(f"[rank {_rank()}] {line}" for line in lines), file=sys.stderr)

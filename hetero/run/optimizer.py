@@ -305,6 +305,16 @@ class OptimizerOffload:
                 f"updates {'overlapped with' if self.plan.overlap_backward else 'after'} backward"]
 
 
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        slots = [slot for opt in self.optimizers for slot in opt._slots.items()]
+        device = sum(4 * FP32 * p.numel() for p, slot in slots if slot.home is not None)
+        nvme = sum(3 * FP32 * p.numel() for p, slot in slots if slot.home is None)
+        # An emulated AXDIMM's channels are host memory (the plan counts them there too).
+        on = "gpu" if self.plan.device == "gpu" else "host"
+        what = "optimizer states (emulated AXDIMM)" if self.plan.device == "axdimm" else "optimizer states"
+        return {on: {what: device}, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
+
+
 def _refuse_clipping(*args, **kwargs):
     """Overlapped updates ran before a clip could scale their gradients: refuse rather than train differently."""
     raise StopScript(HeteroError(

@@ -52,6 +52,7 @@ from hetero.profile.capture import fingerprint, unwrap
 from hetero.profile.layers import CpuClock, CudaClock
 from hetero.run.bootstrap import StopScript
 from hetero.run.launch import check_routing
+from hetero.run.spans import span as record_span
 from hetero.units import SIZE, TIME
 
 PRIORITY, LATENCY, BANDWIDTH = "priority", "latency", "bandwidth"
@@ -184,6 +185,7 @@ class Sync:
     spans: list = field(default_factory=list)  # this step's (issued, done) marks
     steps: list = field(default_factory=list)  # every finished step's spans
     moved: dict = field(default_factory=dict)  # path -> [bytes, messages] in the last step
+    busy_until: dict = field(default_factory=dict)  # path -> when its last collective ended (trace lanes)
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
         if self.first is None:
@@ -208,7 +210,8 @@ class Sync:
     def _issue(self, m: Message, buffer: torch.Tensor) -> torch.futures.Future:
         views = [buffer[s:e] for s, e in m.pieces]
         tensor = views[0] if len(views) == 1 else torch.cat(views)
-        self.moved[m.path][0] += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.moved[m.path][0] += nbytes
         self.moved[m.path][1] += 1
         issued = self.clock.mark()
         work = dist.all_reduce(tensor, group=self.groups[m.path], async_op=True)
@@ -218,7 +221,11 @@ class Sync:
             if len(views) > 1:
                 for view, part in zip(views, tensor.split([v.numel() for v in views])):
                     view.copy_(part)
-            self.spans.append((issued, self.clock.mark()))
+            end = self.clock.mark()
+            self.spans.append((issued, end))
+            if isinstance(self.clock, CpuClock):  # a path runs its collectives one after another: a lane each
+                start, self.busy_until[m.path] = max(issued, self.busy_until.get(m.path, issued)), end
+                record_span(f"sync {m.path}", f"all_reduce {m.path}", start, end, nbytes)
 
         return work.get_future().then(done)
 
@@ -291,6 +298,9 @@ class GradientRouting:
     def close(self) -> None:
         for sync in self.syncs:
             sync.order.close()
+
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        return {}  # DDP's buckets belong to the script's model, not to the routing
 
     def summary(self) -> list[str]:
         lines = [f"routing: left {what} alone" for what in self.skipped]

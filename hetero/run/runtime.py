@@ -17,6 +17,7 @@ from torch import nn
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.plan.schema import Plan
 from hetero.profile.capture import Capture, fingerprint
+from hetero.run.recorder import Outputs, Recorder
 
 
 class Patches:
@@ -42,6 +43,8 @@ class Mechanism(Protocol):
     def bind(self, model: nn.Module) -> None: ...
     def close(self) -> None: ...
     def summary(self) -> list[str]: ...
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes it holds now, by tier (a tier name, or the role `host`, `nvme`, `gpu`) and by what they are."""
 
 
 def mechanisms(plan: Plan) -> list[Mechanism]:
@@ -60,10 +63,12 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
 
 
 class Runtime:
-    def __init__(self, plan: Plan, *, script: str, allow_stale: bool = False):
+    def __init__(self, plan: Plan, *, script: str, allow_stale: bool = False, record: Outputs | None = None):
         self.plan, self.allow_stale = plan, allow_stale
         self.capture = Capture(self._found, script, fingerprint=plan.source.model_fingerprint)
         self.mechanisms = mechanisms(plan)
+        if record is not None:  # last: it reads the others' bytes
+            self.mechanisms.append(Recorder(plan, record, list(self.mechanisms)))
         self.patches = Patches()
         self.model: nn.Module | None = None
 

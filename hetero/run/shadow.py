@@ -301,6 +301,11 @@ class ShadowModel:
         if self.grads is not None:
             self.grads.close()
 
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        host = sum(st.host.nbytes for st in self.layers) + (self.grads.host.nbytes if self.grads else 0)
+        gpu = sum(st.gpu.nbytes for st in self.layers if st.gpu is not None)
+        return {"host": {"parameters (pinned)": host}, "gpu": {"parameters": gpu}} if self.layers else {}
+
     def summary(self) -> list[str]:
         if not self.layers:
             return []

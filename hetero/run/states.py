@@ -15,6 +15,7 @@ import torch
 
 from hetero.errors import HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters
+from hetero.run import spans
 from hetero.run.devices.axdimm import AxdimmDevice
 
 FP32 = 4
@@ -98,7 +99,8 @@ class AxdimmHome:
             ready.synchronize()  # the gradient's producer (a CUDA stream) has finished writing it
         master, exp_avg, exp_avg_sq, buffer = self._regions(grad.numel())
         self.device.set_arbiter(self.channel, "normal")
-        self.device.memcpy(buffer, flat(grad), grad.numel() * FP32)
+        with spans.timed(f"axdimm ch{self.channel} host", "gradient in", grad.numel() * FP32):
+            self.device.memcpy(buffer, flat(grad), grad.numel() * FP32)
         self.device.set_arbiter(self.channel, "acceleration")
         self.device.run_adam_async(master, exp_avg, exp_avg_sq, buffer, hyperparameters=hp, step=step,
                                    channel=self.channel)
@@ -139,7 +141,8 @@ class HostHome:
             self.grad[:n].copy_(g)
             g = self.grad[:n]
         master, exp_avg, exp_avg_sq = (b[:n] for b in self.buffers)
-        self.kernel(master, g, exp_avg, exp_avg_sq, hyperparameters=hp, step=step)
+        with spans.timed("host adam", "adam", 4 * n * FP32):
+            self.kernel(master, g, exp_avg, exp_avg_sq, hyperparameters=hp, step=step)
 
     def copy_back(self, param: torch.Tensor) -> None:
         flat(param.data).copy_(self.buffers[0][:param.numel()])

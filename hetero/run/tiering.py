@@ -32,12 +32,14 @@ from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.plan.schema import ActivationPlan
-from hetero.profile.layers import LayerSpec, _tensors, select_layers
+from hetero.profile.layers import LayerSpec, _tensors, layers_named
 from hetero.run.bootstrap import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import open_tier
 from hetero.units import SIZE, TIME
+
+ACTIVATIONS = "saved activations"  # what the tiers' bytes are, in the run's memory counters
 
 
 @dataclass(eq=False, slots=True)
@@ -150,19 +152,21 @@ class ActivationTiering:
                  f"{r.late} late prefetch{'' if r.late == 1 else 'es'} (waited {_t(r.waited_s)})"]
         return lines + ([self.note] if self.note else [])
 
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        with self.lock:
+            fast, slow, _ = self.ledger.now
+        return {self.plan.fast: {ACTIVATIONS: fast}, self.plan.slow: {ACTIVATIONS: slow}}
+
     def _layers(self, model: nn.Module) -> list[LayerSpec]:
         """The profile's layers: the granularity under which every layer the schedule names exists."""
         wanted = {e.layer for e in self.plan.schedule} | {e.prefetch_after for e in self.plan.schedule
                                                           if e.prefetch_after is not None}
-        missing: list[str] = []
-        for granularity in ("module", "block"):
-            layers = select_layers(model, granularity)
-            names = {spec.name for spec in layers}
-            if wanted <= names:
-                return layers
-            missing = missing or sorted(wanted - names)
-        raise HeteroError(f"the plan's activation schedule names {len(missing)} layer(s) the model does not have, "
-                          f"e.g. {missing[0]}", hint="profile and plan again for this model", exit_code=STALE_PLAN)
+        layers, missing = layers_named(model, wanted)
+        if missing:
+            raise HeteroError(f"the plan's activation schedule names {len(missing)} layer(s) the model does not "
+                              f"have, e.g. {missing[0]}", hint="profile and plan again for this model",
+                              exit_code=STALE_PLAN)
+        return layers
 
     # -- forward -----------------------------------------------------------------------------------------------
 

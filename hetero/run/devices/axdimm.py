@@ -31,6 +31,7 @@ import torch
 
 from hetero.errors import HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters
+from hetero.run import spans
 from hetero.run.devices.nvme import Handle
 
 _ALIGN = 64  # a cache line, one AVX-512 vector: every allocation starts where the vectorized kernel loads fastest
@@ -212,7 +213,7 @@ class EmulatedAxdimm:
         return Handle(future)
 
     def _adam(self, ch: _Channel, views: list[torch.Tensor], hp: Hyperparameters, step: int) -> None:
-        with self._compute:
+        with self._compute, spans.timed(f"axdimm ch{ch.index} (emulated)", "adam", 4 * views[0].nbytes):
             ch.kernel(*views, hyperparameters=hp, step=step)
 
     def _finished(self, ch: _Channel) -> None:

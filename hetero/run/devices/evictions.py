@@ -27,6 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hetero.errors import HeteroError
+from hetero.run import spans
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import SlowTier
 
@@ -161,7 +162,8 @@ class Mover:
             self._late(r)
             start = perf_counter()
             if inline:
-                self._fetch(r)
+                with spans.timed("late fetch", f"fetch {_layer(r)}", r.slow):
+                    self._fetch(r)
             else:
                 r.back.wait()
             with self.lock:
@@ -191,7 +193,8 @@ class Mover:
                 return
             r.state, data, nbytes = WRITING, r.data, r.evict_bytes
         try:
-            rest = self.tier.evict(r.key, data, nbytes, r.ready)
+            with spans.timed("evict", f"evict {_layer(r)}", nbytes):
+                rest = self.tier.evict(r.key, data, nbytes, r.ready)
         except BaseException:
             with self.lock:
                 r.state = RESIDENT  # the data never left
@@ -218,7 +221,8 @@ class Mover:
             with self.lock:
                 fetch = self._claim(r)
             if fetch:
-                self._fetch(r)
+                with spans.timed("prefetch", f"prefetch {_layer(r)}", r.slow):
+                    self._fetch(r)
 
     def _fetch(self, r: Record) -> None:
         try:
@@ -237,3 +241,7 @@ class Mover:
     def _failed(self, error: BaseException) -> None:
         with self.lock:
             self.failure = self.failure or error
+
+
+def _layer(r: Record) -> str:
+    return r.group.layer if r.group is not None else "(before the first layer)"

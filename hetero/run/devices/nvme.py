@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.run import spans
 
 _BLOCK = 4096  # O_DIRECT alignment of buffer, offset and length; a multiple of every common logical block size
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
@@ -171,6 +172,10 @@ class NvmeStore:
                 del self._tail[key]
 
     def _write(self, key: str, src: np.ndarray, path: Path) -> None:
+        with spans.timed(_lane(), f"write {key}", src.nbytes):
+            self._write_file(key, src, path)
+
+    def _write_file(self, key: str, src: np.ndarray, path: Path) -> None:
         with self._lock:
             self._created.add(path)
         try:
@@ -223,6 +228,10 @@ class NvmeStore:
         _pwrite_all(fd, bounce[:padded], file_offset - at)
 
     def _read(self, key: str, dst: np.ndarray) -> None:
+        with spans.timed(_lane(), f"read {key}", dst.nbytes):
+            self._read_file(key, dst)
+
+    def _read_file(self, key: str, dst: np.ndarray) -> None:
         with self._lock:
             stored = self._files.get(key)
         if stored is None:
@@ -272,6 +281,11 @@ class NvmeStore:
 
     def _direct_flag(self) -> int:
         return os.O_DIRECT if self.direct else 0
+
+
+def _lane() -> str:
+    """The trace lane of this pool thread: `nvme 0`, `nvme 1`, ..."""
+    return "nvme " + threading.current_thread().name.rpartition("_")[2]
 
 
 def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:

@@ -1,0 +1,102 @@
+"""`hetero report RUN.yaml [--plan PLAN] [--png FILE]`: what a traced run measured against what its plan predicted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from hetero import files
+from hetero.cli.sources import profile_of
+from hetero.errors import USAGE, HeteroError
+from hetero.plan.schema import Plan
+from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, warnings
+from hetero.report.schema import Run
+
+
+def report(
+    run_path: Path = typer.Argument(..., metavar="RUN.yaml", help="The summary `hetero run --trace` wrote."),
+    plan_path: Path | None = typer.Option(None, "--plan", metavar="FILE", help="The plan to compare with "
+                                          "[default: the one the run carried out]."),
+    png: Path | None = typer.Option(None, "--png", metavar="FILE", help="Also draw memory per tier over one step "
+                                    "(needs matplotlib: pip install 'hetero[viz]')."),
+) -> None:
+    """Predicted against measured, per layer and for the iteration, with a warning for each entry off by more than
+    15%. Layers need the plan's profile; without it only the iteration and memory are compared."""
+    run = files.load(run_path, expect=Run)
+    plan_path = plan_path or _relative(Path(run.source.plan), run_path)
+    if not plan_path.is_file():
+        raise HeteroError(f"no plan at {plan_path} to compare {run_path} with", hint="pass --plan PLAN", exit_code=USAGE)
+    plan = files.load(plan_path, expect=Plan)
+    if plan.source.model_fingerprint != run.source.model_fingerprint:
+        raise HeteroError(f"{plan_path} was made for another model than the one {run_path} ran",
+                          hint="pass the plan the run carried out with --plan", exit_code=USAGE)
+    profile, note = _profile(plan, plan_path)
+    rows = compare(run, plan, profile)
+    _print(run_path, plan_path, run, rows, note)
+    if png is not None:
+        _png(run, run_path, plan, profile, png)
+
+
+def _relative(path: Path, beside: Path) -> Path:
+    return path if path.is_absolute() or path.is_file() else beside.parent / path
+
+
+def _profile(plan: Plan, plan_path: Path):
+    try:
+        return profile_of(plan, plan_path, "layers are compared only with it"), None
+    except HeteroError as e:
+        return None, e.message
+
+
+def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str | None) -> None:
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    t = run.timing
+    table = Table(title=f"{run_path}: {run.source.script} under {plan_path}, {t.steps_recorded} steps on {t.device}",
+                  title_justify="left")
+    for name in ("entry", "predicted", "measured", "error"):
+        table.add_column(name, justify="left" if name == "entry" else "right")
+    for r in rows:
+        error = "" if r.error is None else f"{r.error:+.0%}"
+        style = "red" if r.off else ("dim" if not r.checked else None)
+        table.add_row(escape(r.entry), r.unit.format_short(r.predicted), r.unit.format_short(r.measured), error,
+                      style=style)
+    console.print(table)
+    unchecked = sum(not r.checked for r in rows)
+    if unchecked:
+        console.print(f"{unchecked} entries under {NEGLIGIBLE:.0%} of the predicted iteration are shown dim and not "
+                      f"checked (timer noise)")
+    if note:
+        console.print(f"note: {escape(note)}")
+    for line in warnings(rows):
+        console.print(f"warning: {escape(line)} (more than {TOLERANCE:.0%} off)", style="yellow")
+
+
+def _png(run: Run, run_path: Path, plan: Plan, profile, png: Path) -> None:
+    from hetero.plan.solve import predict
+    from hetero.report import png as drawing
+
+    trace_path = _relative(Path(run.source.trace), run_path) if run.source.trace else None
+    if trace_path is None or not trace_path.is_file():
+        raise HeteroError(f"--png draws from the run's trace, and {trace_path or 'none'} is not there",
+                          hint="keep the trace beside run.yaml (hetero run --trace run.json)", exit_code=USAGE)
+    try:
+        trace = json.loads(trace_path.read_text())
+    except (OSError, ValueError) as e:
+        raise HeteroError(f"cannot read the trace {trace_path}: {e}", hint="record it again") from None
+    predicted: dict[str, list] = {}
+    if profile is not None:
+        for t, tier, used in predict(profile, plan, record=True).counters:
+            predicted.setdefault(tier, []).append((t, used))
+    drawing.draw(run, trace, predicted, png)
+    print(f"wrote {png}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="report", epilog="Example: hetero run --trace run.json train.py && hetero report run.yaml "
+                                      "--png memory.png")(report)

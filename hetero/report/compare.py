@@ -1,0 +1,83 @@
+"""Predicted against measured: the plan's simulated iteration next to what `hetero run --trace` recorded.
+
+Pure: a Run, its Plan and the plan's Profile in, rows out. A layer's predicted times are the simulator's (the
+profile's times under the plan's modes, stalls excluded); its measured ones are the recorder's, which uses the
+profiler's own definitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.plan.schema import Plan
+from hetero.plan.solve import predict
+from hetero.profile.schema import Profile
+from hetero.report.schema import Run
+from hetero.units import SIZE, TIME, Unit
+
+TOLERANCE = 0.15  # entries further off than this get a warning line
+NEGLIGIBLE = 0.01  # entries below this fraction of the iteration are shown but not checked: timer noise
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    entry: str
+    predicted: float | None
+    measured: float | None
+    unit: Unit
+    checked: bool = True  # large enough for its error to mean something
+
+    @property
+    def error(self) -> float | None:
+        """measured / predicted - 1; None when either is missing or the prediction is zero."""
+        if self.predicted is None or self.measured is None or self.predicted == 0:
+            return None
+        return self.measured / self.predicted - 1
+
+    @property
+    def off(self) -> bool:
+        return self.checked and self.error is not None and abs(self.error) > TOLERANCE
+
+
+def compare(run: Run, plan: Plan, profile: Profile | None) -> list[Row]:
+    """The iteration first, then memory, then (with the profile) forward, backward and every layer."""
+    rows = [Row("iteration", plan.predicted.iteration_s, run.timing.iteration_s, TIME)]
+    rows += _memory(run, plan)
+    if profile is not None:
+        rows += _layers(run, plan, profile)
+    return rows
+
+
+def _memory(run: Run, plan: Plan) -> list[Row]:
+    rows = [Row(f"peak {tier}", plan.predicted.peak_bytes.get(tier), run.peak_bytes.get(tier), SIZE)
+            for tier in dict.fromkeys([*plan.predicted.peak_bytes, *run.peak_bytes])]
+    p, m = plan.predicted.activations, run.activations
+    if p is not None and m is not None:
+        rows += [Row("saved activations, fast tier, average", p.avg_fast_bytes, m.avg_fast_bytes, SIZE),
+                 Row("saved activations, fast tier, peak", p.peak_fast_bytes, m.peak_fast_bytes, SIZE),
+                 Row("saved activations without tiering, average", p.avg_fast_untiered_bytes,
+                     m.avg_fast_untiered_bytes, SIZE)]
+    return rows
+
+
+def _layers(run: Run, plan: Plan, profile: Profile) -> list[Row]:
+    result = predict(profile, plan)
+    names = [x.name for x in profile.layers]
+    fp = dict(zip(names, (e - s for s, e in zip(result.fp_start_s, result.fp_end_s))))
+    bp = dict(zip(names, (e - s for s, e in zip(result.bp_start_s, result.bp_end_s))))
+    micro = run.timing.micro_batches
+    forward = max(result.fp_end_s, default=0.0)
+    backward = max(result.bp_end_s, default=0.0) - min(result.bp_start_s, default=0.0)
+    small = NEGLIGIBLE * plan.predicted.iteration_s
+    rows = [Row("forward (per micro-batch)", forward, run.timing.forward_s / micro, TIME),
+            Row("backward (per micro-batch)", backward, run.timing.backward_s / micro, TIME)]
+    for x in run.layers:
+        for what, predicted, measured in (("fp", fp.get(x.name), x.fp_s), ("bp", bp.get(x.name), x.bp_s)):
+            big = max(predicted or 0.0, measured) >= small
+            rows.append(Row(f"{what} {x.name}", predicted, measured, TIME, checked=big))
+    return rows
+
+
+def warnings(rows: list[Row]) -> list[str]:
+    return [f"{r.entry}: measured {r.unit.format_short(r.measured)}, predicted {r.unit.format_short(r.predicted)} "
+            f"({r.error:+.0%})" for r in rows if r.off]

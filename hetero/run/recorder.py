@@ -1,0 +1,342 @@
+"""`hetero run --trace`: what happened in a window of optimizer steps, as a Chrome trace and run.yaml.
+
+Compute is measured by the profiler's own layer hooks (hetero.profile.layers), so a measured layer time means what a
+profiled one means and `hetero plan --from-run` can use it; on a GPU its tokens are CUDA events, read once after the
+window (no device-wide synchronization inside a recorded step) and placed on the host's timeline through one anchor
+event. Workers (AXDIMM channels, NVMe, the evict and prefetch threads, gradient sync) report their spans through
+`hetero.run.spans`, one lane per thread, so a lane's spans never overlap. Memory is every mechanism's own byte
+accounting by tier: sampled when each recorded step ends, plus the tiering ledger's change events in between.
+
+The window is `steps` optimizer steps after `warmup` (the first step allocates and first-touches everything); then
+every hook comes off and the run goes on untouched. Only rank 0 of a multi-process run records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from hetero import __version__, files
+from hetero.errors import HeteroError
+from hetero.plan.model import GPU
+from hetero.plan.schema import ActivationPrediction, Plan
+from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, MicroBatch, layers_named, resolve, summarize
+from hetero.report import trace
+from hetero.report.schema import Run, RunLayer, RunSource, RunTiming, StepEnd
+from hetero.run import spans
+from hetero.run.tiering import ACTIVATIONS, ActivationTiering
+from hetero.units import measured
+
+@dataclass(kw_only=True)
+class Outputs:
+    trace: Path  # the Chrome trace; run.yaml goes beside it
+    plan_path: str
+    script: str
+    warmup: int = 1
+    steps: int = 10
+
+    @property
+    def summary(self) -> Path:
+        return self.trace.with_suffix(".yaml")
+
+
+@dataclass
+class _Window:
+    """Host-side marks of the recorded steps."""
+
+    marks: list[tuple] = field(default_factory=list)  # (step start, step end, previous step end) clock tokens
+    ends: list[tuple[int, float, dict[str, dict[str, int]], int]] = field(default_factory=list)  # step, t, bytes, late
+    start: float = 0.0
+
+
+class Recorder(spans.Sink):
+    """A runtime mechanism that records; it changes nothing the script computes."""
+
+    def __init__(self, plan: Plan, out: Outputs, others: list):
+        super().__init__()
+        self.plan, self.out, self.others = plan, out, others
+        self.tiering = next((m for m in others if isinstance(m, ActivationTiering)), None)
+        self.window = _Window()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.profiler: LayerProfiler | None = None
+        self.clock: CpuClock | CudaClock = CpuClock()
+        self.anchor: tuple[float, torch.cuda.Event] | None = None  # (host time, event) of the same moment
+        self.step, self._start, self._previous = 0, None, None
+        self.handles: list = []
+
+    # -- phases ------------------------------------------------------------------------------------------------
+
+    def install(self, patches, need_model) -> None:
+        spans.active = self
+        self.handles = [register_optimizer_step_pre_hook(self._step_start),
+                        register_optimizer_step_post_hook(self._step_end)]
+
+    def bind(self, model: nn.Module) -> None:
+        self.model = model
+        self.clock = CudaClock() if next(model.parameters()).device.type == "cuda" else CpuClock()
+        wanted = {x.name for x in self.plan.layers} | {e.layer for e in self.plan.activations.schedule} \
+            if self.plan.activations else {x.name for x in self.plan.layers}
+        layers, _ = layers_named(model, wanted)
+        # Only the innermost pair of saved-tensor hooks runs: where tiering owns them, saved bytes go unmeasured.
+        self.profiler = LayerProfiler(model, layers, self.clock, saved_tensors=self.tiering is None)
+
+    def close(self) -> None:
+        self._stop()
+        for h in self.handles:
+            h.remove()
+        spans.active = None
+        if self.profiler is None or not self.window.marks:
+            print(f"hetero: no trace written: no step was recorded (the window starts after {self.out.warmup} "
+                  f"warm-up step(s))", file=sys.stderr)
+            return
+        run = self._write()
+        print(f"hetero: trace of {len(self.window.marks)} steps in {self.out.trace}, summary in {self.out.summary} "
+              f"(recording overhead {run.timing.overhead:.1%}); compare with the plan: hetero report "
+              f"{self.out.summary} --plan {self.out.plan_path}", file=sys.stderr)
+
+    def summary(self) -> list[str]:
+        return []
+
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        return {}
+
+    # -- the window ----------------------------------------------------------------------------------------------
+
+    def _ours(self, optimizer) -> bool:
+        if self.optimizer is None and self.model is not None:
+            owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if any(id(p) in owned for p in self.model.parameters()):
+                self.optimizer = optimizer
+        return optimizer is self.optimizer
+
+    def _step_start(self, optimizer, args, kwargs) -> None:
+        if self._ours(optimizer):
+            self._start = self.clock.mark()
+
+    def _step_end(self, optimizer, args, kwargs) -> None:
+        if not self._ours(optimizer):
+            return
+        self.step += 1
+        end = self.clock.mark()
+        if self.recording:
+            self.window.marks.append((self._start, end, self._previous))
+            self._sample()
+        self._previous = end
+        if self.step == self.out.warmup:
+            self._open()
+        elif self.step == self.out.warmup + self.out.steps:
+            self._stop()
+
+    def _open(self) -> None:
+        if isinstance(self.clock, CudaClock):  # once, between steps: the GPU timeline's origin on the host's
+            torch.cuda.synchronize()
+            event = self.clock.mark()
+            torch.cuda.synchronize()
+            self.anchor = (perf_counter(), event)
+        self.window.start = perf_counter()
+        self.recording = True
+        self.profiler.attach()
+        self._sample()
+
+    def _stop(self) -> None:
+        if self.recording:
+            self.recording = False
+            self.profiler.detach()
+
+    def _sample(self) -> None:
+        """Every tier's bytes now, read under the tiering ledger's lock so its change events agree with it."""
+        lock = self.tiering.ledger.lock if self.tiering is not None else contextlib.nullcontext()
+        with lock:
+            resident = self._resident()
+            late = self.tiering.ledger.late if self.tiering is not None else 0
+            self.window.ends.append((self.step, perf_counter(), resident, late))
+
+    def _resident(self) -> dict[str, dict[str, int]]:
+        names = tier_names(self.plan)
+        out: dict[str, dict[str, int]] = {}
+        for m in [self, *self.others]:
+            for role, sources in m.resident_bytes().items():
+                out.setdefault(names.get(role, role), {}).update(sources)
+        if not self.plan.layers:  # without a shadow model the script's parameters and gradients stay where it put them
+            for p in self.model.parameters():
+                tier = out.setdefault(names["gpu" if p.is_cuda else "host"], {})
+                tier["parameters"] = tier.get("parameters", 0) + p.numel() * p.element_size()
+                if p.grad is not None:
+                    tier["gradients"] = tier.get("gradients", 0) + p.grad.numel() * p.grad.element_size()
+        return out
+
+    # -- outputs ---------------------------------------------------------------------------------------------------
+
+    def _write(self) -> Run:
+        self.clock.finish()
+        summary = summarize(self.profiler)
+        recorded = self._compute_spans() + self._step_spans() + self.spans
+        origin = self.window.start
+        counters = self._counters()
+        run = self._run(summary, counters)
+        meta = {"hetero": __version__, "plan": self.out.plan_path, "script": self.out.script,
+                "iteration_s": run.timing.iteration_s}
+        data = trace.chrome([(lane, name, s - origin, e - origin, args) for lane, name, s, e, args in recorded],
+                            [(t - origin, track, values) for t, track, values in counters], meta)
+        header = (f"hetero run of {self.out.script} under {self.out.plan_path}",
+                  f"Compare: hetero report {self.out.summary} --plan {self.out.plan_path}")
+        try:
+            files.write_text(self.out.trace, json.dumps(data))
+            files.save(run, self.out.summary, header)
+        except OSError as e:
+            raise HeteroError(f"cannot write the trace {self.out.trace}: {e.strerror}",
+                              hint="pass --trace with a writable path that has room") from None
+        return run
+
+    def _absolute(self, token) -> float:
+        if self.anchor is None:
+            return token
+        host, event = self.anchor
+        return host + event.elapsed_time(token) / 1e3
+
+    def _micro_batches(self) -> list[MicroBatch]:
+        return [mb for mb in self.profiler.micro_batches if mb.backward_end is not None]
+
+    def _compute_spans(self) -> list[trace.Span]:
+        """Each layer's own forward time and its backward region, on the compute lane."""
+        names = [spec.name for spec in self.profiler.layers]
+        out: list[trace.Span] = []
+        for mb in self._micro_batches():
+            intervals = [(i, self._absolute(s), self._absolute(e)) for i, s, e, _ in mb.intervals]
+            out += [("compute", f"fp {names[i]}", s, e, {}) for i, s, e in own_segments(intervals)]
+            t = resolve(mb, self.clock, len(names))
+            base = self._absolute(mb.start)
+            out += [("compute", f"bp {names[i]}", base + t["bp_start"][i], base + t["bp_start"][i] + t["bp"][i], {})
+                    for i in range(len(names)) if t["bp"][i] > 0]
+        return out
+
+    def _step_spans(self) -> list[trace.Span]:
+        return [("optimizer.step", "optimizer.step", self._absolute(s), self._absolute(e), {})
+                for s, e, _ in self.window.marks]
+
+    def _counters(self) -> list[trace.Count]:
+        """Counter samples per tier, each carrying every source's latest bytes (a viewer stacks them)."""
+        changes = [(t, tier, source, n) for _, t, resident, _ in self.window.ends
+                   for tier, sources in resident.items() for source, n in sources.items()]
+        if self.tiering is not None:
+            ledger = self.tiering.ledger
+            end = self.window.ends[-1][1]
+            changes += [(ledger.start + t, tier, ACTIVATIONS, n) for t, tier, n in list(ledger.events)
+                        if tier != "saved" and self.window.start <= ledger.start + t <= end]
+        current: dict[str, dict[str, int]] = {}
+        out: list[trace.Count] = []
+        for t, tier, source, n in sorted(changes, key=lambda c: c[0]):
+            current.setdefault(tier, {})[source] = n
+            sample = (t, trace.memory_track(tier), dict(current[tier]))
+            if out and out[-1][:2] == sample[:2]:  # several sources sampled at one moment: one event
+                out[-1] = sample
+            else:
+                out.append(sample)
+        return out
+
+    def _run(self, summary, counters: list[trace.Count]) -> Run:
+        steps = len(self.window.marks)
+        seconds = lambda a, b: self._absolute(b) - self._absolute(a)  # noqa: E731
+        iteration = sum(seconds(prev, end) for _, end, prev in self.window.marks) / steps
+        step_call = sum(seconds(s, e) for s, e, _ in self.window.marks) / steps
+        mbs = self._micro_batches()
+        busy = sum(seconds(mb.start, mb.backward_end) for mb in mbs) / steps
+        micro = max(1, round(len(mbs) / steps))
+        timing = RunTiming(
+            device=torch.cuda.get_device_name() if self.anchor else "cpu", warmup_steps=self.out.warmup,
+            steps_recorded=steps, micro_batches=micro, iteration_s=measured(iteration),
+            forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
+            optimizer_step_s=measured(step_call), other_s=measured(max(0.0, iteration - busy - step_call)),
+            overhead=round(self.profiler.hook_s / (iteration * steps), 4))
+        layers = [RunLayer(name=x.name, fp_s=x.fp_s, bp_s=x.bp_s, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s,
+                           saved_bytes=x.saved_bytes if self.tiering is None else None) for x in summary.layers]
+        # Absolute: `hetero report` and `hetero plan --from-run` find them from any directory.
+        source = RunSource(plan=str(Path(self.out.plan_path).resolve()), plan_sha256=files.content_sha256(self.plan),
+                           model_fingerprint=self.plan.source.model_fingerprint, script=self.out.script,
+                           trace=str(self.out.trace.resolve()))
+        ends = self.window.ends
+        return Run(source=source, timing=timing, peak_bytes=_peaks(counters), activations=self._activations(),
+                   late_prefetches=ends[-1][3] - ends[0][3], layers=layers,
+                   steps=[StepEnd(step=k, at_s=measured(t - self.window.start),
+                                  resident_bytes={tier: sum(s.values()) for tier, s in resident.items()})
+                          for k, t, resident, _ in ends[1:]])
+
+    def _activations(self) -> ActivationPrediction | None:
+        """Time-averaged and peak saved bytes in the fast tier over the window, with the tiering and without."""
+        if self.tiering is None:
+            return None
+        ledger, start, end = self.tiering.ledger, self.window.start, self.window.ends[-1][1]
+        fast, saved = ledger.tiers[0], ledger.tiers[2]
+        series = {fast: [], saved: []}
+        for t, tier, n in list(ledger.events):
+            if tier in series:
+                series[tier].append((ledger.start + t, n))
+        (avg_f, peak_f), (avg_s, peak_s) = (_sweep(series[k], start, end) for k in (fast, saved))
+        return ActivationPrediction(avg_fast_bytes=avg_f, peak_fast_bytes=peak_f, avg_fast_untiered_bytes=avg_s,
+                                    peak_fast_untiered_bytes=peak_s)
+
+
+def tier_names(plan: Plan) -> dict[str, str]:
+    """The plan's names for the roles mechanisms report bytes under: host memory, the NVMe tier, the GPU."""
+    acts, peaks = plan.activations, list(plan.predicted.peak_bytes)
+    host = acts.fast if acts is not None and acts.fast != GPU else next((k for k in peaks if k != GPU), "dram")
+    opt_nvme = plan.optimizer.nvme if plan.optimizer else None
+    if acts is not None and (opt_nvme is None or acts.slow_path == opt_nvme.path):
+        nvme = acts.slow
+    else:
+        nvme = next((k for k in peaks if k not in (GPU, host)), "nvme")
+    return {"host": host, "nvme": nvme, "gpu": GPU}
+
+
+def own_segments(intervals: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """Nested (layer, start, end) intervals cut into non-overlapping pieces, each owned by the innermost layer
+    running then: a parent's time is split around its children."""
+    out: list[tuple[int, float, float]] = []
+    stack: list[list] = []  # [layer, resumed at, end]
+
+    def pop() -> None:
+        layer, resumed, end = stack.pop()
+        if end > resumed:
+            out.append((layer, resumed, end))
+        if stack:
+            stack[-1][1] = end
+
+    for layer, start, end in sorted(intervals, key=lambda x: (x[1], -x[2])):
+        while stack and stack[-1][2] <= start:
+            pop()
+        if stack and start > stack[-1][1]:
+            out.append((stack[-1][0], stack[-1][1], start))
+        stack.append([layer, start, end])
+    while stack:
+        pop()
+    return sorted(out, key=lambda x: x[1])
+
+
+def _peaks(counters: list[trace.Count]) -> dict[str, int]:
+    peaks: dict[str, int] = {}
+    for _, track, values in counters:
+        tier = track.removeprefix("memory ")
+        peaks[tier] = max(peaks.get(tier, 0), sum(values.values()))
+    return peaks
+
+
+def _sweep(points: list[tuple[float, int]], start: float, end: float) -> tuple[int, int]:
+    """Time-average and peak over [start, end] of a step function given by its (time, new value) changes."""
+    value = next((n for t, n in reversed(points) if t <= start), 0)
+    peak, area, last = value, 0.0, start
+    for t, n in points:
+        if start < t <= end:
+            area += value * (t - last)
+            last, value = t, n
+            peak = max(peak, value)
+    area += value * (end - last)
+    return (int(area / (end - start)) if end > start else value), peak

@@ -1,0 +1,60 @@
+"""`hetero report`: the table and warnings, the PNG, and clear errors for what is missing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+from hetero import files
+from hetero.cli.main import main
+from tests.report.test_compare import shipped, synthetic_run
+
+
+def write_run(tmp_path, slower: float = 1.0):
+    plan, profile = shipped()
+    run = synthetic_run(plan, profile, iteration_s=plan.predicted.iteration_s * slower)
+    trace = {"traceEvents": [{"name": "memory dram", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"params": b}}
+                             for t, b in ((0.1, 1 << 20), (0.35, 3 << 20), (0.5, 2 << 20))]}
+    (tmp_path / "run.json").write_text(json.dumps(trace))
+    run = replace(run, source=replace(run.source, trace=str(tmp_path / "run.json")))
+    files.save(run, tmp_path / "run.yaml")
+    return tmp_path / "run.yaml"
+
+
+def test_prints_predicted_against_measured_with_warnings(tmp_path, capfd):
+    assert main(["report", str(write_run(tmp_path, slower=1.25))]) == 0
+    out = capfd.readouterr().out
+    assert "iteration" in out and "+25%" in out and "fp h.0.attn.c_attn" in out
+    assert "warning: iteration: measured " in out and "(more than 15% off)" in out
+    assert "not checked (timer noise)" in out
+
+
+def test_draws_memory_per_tier_as_png(tmp_path, capfd):
+    png = tmp_path / "memory.png"
+    assert main(["report", str(write_run(tmp_path)), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in capfd.readouterr().out
+
+
+def test_without_matplotlib_says_how_to_install_it(tmp_path, capfd, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert main(["report", str(write_run(tmp_path)), "--png", str(tmp_path / "m.png")]) == 2
+    err = capfd.readouterr().err
+    assert "error: --png needs matplotlib, which is not installed" in err and "hetero[viz]" in err
+
+
+def test_a_missing_plan_or_another_models_plan_is_refused(tmp_path, capfd, repo):
+    run = write_run(tmp_path)
+    assert main(["report", str(run), "--plan", str(tmp_path / "nope.yaml")]) == 2
+    assert "hint: pass --plan PLAN" in capfd.readouterr().err
+    other = files.load(repo / "plans/gpt-tiny-cpu.plan.yaml")
+    other = replace(other, source=replace(other.source, model_fingerprint="sha256:" + "0" * 64))
+    files.save(other, tmp_path / "other.yaml")
+    assert main(["report", str(run), "--plan", str(tmp_path / "other.yaml")]) == 2
+    assert "was made for another model" in capfd.readouterr().err
+
+
+def test_a_plan_file_is_not_a_run(capfd, repo):
+    assert main(["report", str(repo / "plans/gpt-tiny-cpu.plan.yaml")]) == 3
+    assert "plan.yaml:4:7: kind: kind 'Plan', expected Run" in capfd.readouterr().err

@@ -1,0 +1,120 @@
+"""The recorder: examples/train_gpt.py under the shipped demo plan traced with `hetero run --trace`; the trace's lanes,
+spans and counters against the runtime's own accounting; training unchanged by recording; the pieces it is built of."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from hetero import files
+from hetero.cli.main import main
+from hetero.report.schema import Run
+from hetero.run.recorder import _sweep, own_segments
+from tests.conftest import REPO
+
+STEPS = 4  # 1 warm-up + 3 recorded
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """One traced run of the demo script under the demo plan, and one plain run of the same script and seed."""
+    repo = REPO
+    out = tmp_path_factory.mktemp("trace")
+    script = [str(repo / "examples/train_gpt.py"), "--steps", str(STEPS), "--log-every", "1"]
+    result = subprocess.run([sys.executable, "-m", "hetero", "run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"),
+                             "--trace", str(out / "run.json"), *script], cwd=repo, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    plain = subprocess.run([sys.executable, *script], cwd=repo, capture_output=True, text=True, timeout=300)
+    trace = json.loads((out / "run.json").read_text())
+    return trace, files.load(out / "run.yaml", expect=Run), result, plain
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss ([\d.]+)", stdout)]
+
+
+def test_recording_changes_nothing_the_script_computes(traced):
+    *_, result, plain = traced
+    assert len(_losses(result.stdout)) == STEPS
+    assert _losses(result.stdout) == _losses(plain.stdout)  # printed to 4 decimals: the same numbers
+
+
+def test_the_trace_has_a_lane_per_worker_and_no_overlap_within_a_lane(traced):
+    trace, run, *_ = traced
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {"compute", "optimizer.step", "evict", "prefetch", "axdimm ch0 (emulated)", "axdimm ch1 (emulated)",
+            "nvme 0"} <= set(lanes.values())
+    spans = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            assert {"name", "cat", "pid", "tid", "ts", "dur"} <= set(e) and e["dur"] >= 0
+            spans[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    assert set(spans) == set(lanes)
+    for tid, intervals in spans.items():
+        intervals.sort()
+        for (_, end), (start, _) in zip(intervals, intervals[1:]):
+            assert start >= end - 1e-3, f"lane {lanes[tid]} overlaps at {start}us"
+    names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and lanes[e["tid"]] == "compute"]
+    assert "fp h.0.attn.c_attn" in names and "bp lm_head" in names
+    assert trace["otherData"]["iteration_s"] == pytest.approx(run.timing.iteration_s)
+
+
+def test_counters_match_the_runtimes_accounting_when_each_step_ends(traced):
+    trace, run, *_ = traced
+    counters = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e["ph"] == "C":
+            counters[e["name"]].append((e["ts"], sum(e["args"].values())))
+    assert {"memory dram", "memory nvme0"} <= set(counters)
+    assert len(run.steps) == STEPS - 1
+    for step in run.steps:
+        for tier, resident in step.resident_bytes.items():
+            at = [v for ts, v in sorted(counters[f"memory {tier}"]) if ts <= step.at_s * 1e6 + 1e-3]
+            assert at[-1] == resident, (step.step, tier)
+    assert run.steps[-1].resident_bytes["dram"] >= 16 * 4_240_896  # optimizer states, 16 B/param
+
+
+def test_run_yaml_has_every_layer_and_the_activation_measurement(traced, repo):
+    _, run, *_ = traced
+    profile = files.loads((repo / "plans/gpt-tiny-cpu.profile.yaml").read_text())
+    assert [x.name for x in run.layers] == [x.name for x in profile.layers]
+    assert all(x.saved_bytes is None for x in run.layers)  # tiering owns the saved-tensor hooks
+    t = run.timing
+    assert t.steps_recorded == STEPS - 1 and t.device == "cpu" and t.micro_batches == 1
+    assert t.forward_s + t.backward_s + t.optimizer_step_s <= t.iteration_s * 1.01
+    assert 0 <= t.overhead < 0.02
+    a = run.activations
+    assert 0 < a.avg_fast_bytes < a.avg_fast_untiered_bytes and a.peak_fast_bytes <= a.peak_fast_untiered_bytes
+    assert run.peak_bytes["nvme0"] > 0
+
+
+def test_no_trace_when_the_script_ends_before_the_window(tmp_path, capfd, repo):
+    trace = tmp_path / "run.json"
+    code = main(["run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"), "--trace", str(trace),
+                 str(repo / "examples/train_gpt.py"), "--steps", "1", "--n-layer", "4"])
+    assert code == 0
+    assert "no trace written: no step was recorded" in capfd.readouterr().err
+    assert not trace.exists()
+
+
+def test_a_trace_path_that_is_not_json_is_refused(tmp_path, capfd, repo):
+    assert main(["run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"), "--trace", str(tmp_path / "run.yaml"),
+                 str(repo / "examples/train_gpt.py")]) == 2
+    assert "hint: --trace " in capfd.readouterr().err
+
+
+def test_own_segments_split_a_parent_around_its_children():
+    # layer 0 runs [0, 10] with children 1 [2, 4] and 2 [6, 7]; layer 3 runs [12, 13]
+    got = own_segments([(1, 2, 4), (0, 0, 10), (2, 6, 7), (3, 12, 13)])
+    assert got == [(0, 0, 2), (1, 2, 4), (0, 4, 6), (2, 6, 7), (0, 7, 10), (3, 12, 13)]
+
+
+def test_sweep_averages_a_step_function_over_the_window():
+    # 10 before the window, 30 from t=2 to 3, 0 from t=3: average over [1, 5] = (10*1 + 30*1) / 4
+    assert _sweep([(0.0, 10), (2.0, 30), (3.0, 0), (9.0, 50)], 1.0, 5.0) == (10, 30)
