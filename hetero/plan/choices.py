@@ -39,8 +39,31 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
         params_on_gpu=gpu and (opt is None or opt.device == "gpu"),
         step_s=0.0 if opt else profile.training.optimizer_step_s, staging_bytes=_staging(profile, plan, static, host),
         sync_s=sync_times(profile, plan), fast=acts.fast if acts else (GPU if gpu else host),
-        slow=acts.slow if acts else None, static_bytes=static)
+        slow=acts.slow if acts else None, static_bytes=static,
+        cpu_share=cpu_share(profile, plan, rates.lanes if rates else []))
     return profiled, timed(profiled, choices)
+
+
+def cpu_share(profile: Profile, plan: Plan, optimizer_lanes: list[str]) -> dict[str, float]:
+    """Share of a core the worker behind each background lane keeps busy while it works. Disk workers mostly wait
+    for the device (the profile measures how much); unmeasured ones count as busy all the time, as a memory copy
+    is. Emulated AXDIMM channels are host threads running Adam; a hardware AXDIMM computes on its own device (the
+    host Adam lane exists only beside a GPU, whose compute it does not slow, but it is a busy host thread)."""
+    m, acts, opt = profile.machine, plan.activations, plan.optimizer
+    out: dict[str, float] = {}
+    slow = next((t for t in m.tiers if acts and t.name == acts.slow), None)
+    if slow is not None:
+        out["evict"], out["prefetch"] = _share(slow.write_cpu), _share(slow.read_cpu)
+    nvme = axdimm.nvme_tier(profile)  # the tier whose curves time the optimizer's state reads and writes
+    if nvme is not None:
+        out["nvme read"], out["nvme write"] = _share(nvme.read_cpu), _share(nvme.write_cpu)
+    on_device = opt is not None and opt.device == "axdimm" and m.axdimm is not None and m.axdimm.backend == "hardware"
+    out.update(dict.fromkeys(optimizer_lanes, 0.0 if on_device else 1.0))
+    return out
+
+
+def _share(measured: float | None) -> float:
+    return 1.0 if measured is None else measured
 
 
 def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[str, str]:

@@ -33,7 +33,12 @@ def measured_profile(profile: Profile, plan: Plan, run: Run) -> Profile:
     # The simulator takes the rest of the step as iteration - optimizer step - micro-batches x busy: keep the run's.
     training = replace(t, iteration_s=run.timing.other_s + t.optimizer_step_s + t.grad_accumulation * busy,
                        forward_s=run.timing.forward_s, backward_s=run.timing.backward_s)
-    return replace(profile, layers=layers, training=training)
+    # The measured times already include how the run's workers slowed compute: counting it again would be twice.
+    cpu = replace(profile.machine.cpu, background_slowdown=None)
+    unmeasured = profile.unmeasured | {"machine.cpu.background_slowdown": "re-timed from a run, whose layer times "
+                                                                         "include the workers' slowdown"}
+    return replace(profile, layers=layers, training=training, machine=replace(profile.machine, cpu=cpu),
+                   unmeasured=unmeasured)
 
 
 def _layer(x: Layer, m: RunLayer, entry: LayerPlan | None) -> Layer:

@@ -126,6 +126,9 @@ class Costs:
     has_gpu: bool
     evict: Curve | None  # fast -> slow tier for saved activations
     prefetch: Curve | None
+    # Compute time with a host worker streaming memory beside it, over compute time alone. None where background
+    # lanes cannot slow compute: a GPU computes, or the profile did not measure it.
+    background_slowdown: float | None = None
 
 
 def costs(profile: Profile, evict: Curve | None = None, prefetch: Curve | None = None) -> Costs:
@@ -154,8 +157,9 @@ def costs(profile: Profile, evict: Curve | None = None, prefetch: Curve | None =
         prev = max(prev, layers[i].bp_start_s + layers[i].bp_s)
     t = profile.training
     tail = max(0.0, t.iteration_s - t.optimizer_step_s - t.grad_accumulation * prev)
+    slowdown = profile.machine.cpu.background_slowdown if gpu is None else None  # a GPU's kernels share no cores
     return Costs(layers=out, bp_order=order, tail_s=tail, micro_batches=t.grad_accumulation, has_gpu=gpu is not None,
-                 evict=evict, prefetch=prefetch)
+                 evict=evict, prefetch=prefetch, background_slowdown=slowdown)
 
 
 def _known(measured: float | None, base_s: float, size: int, rate: float | None,
@@ -200,6 +204,9 @@ class Choices:
     fast: str | None = None
     slow: str | None = None
     static_bytes: dict[str, int] = field(default_factory=dict)
+    # Share of a core each background lane's worker keeps busy (lanes not listed: none); with the profile's
+    # background_slowdown it says how much a CPU-only machine's compute slows while that lane works.
+    cpu_share: dict[str, float] = field(default_factory=dict)
     evict_s: list[float] = field(default_factory=list)  # per layer, from `timed`: searches reuse them
     prefetch_s: list[float] = field(default_factory=list)
 

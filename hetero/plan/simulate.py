@@ -5,6 +5,12 @@ Every lane here has a fixed issue order (GFGB copies in forward order, then DFGB
 prefetches as backward progresses; gradients in backward order; updates in gradient order), so the simulation is one
 pass over the layers: a task starts when its lane is free and its inputs are ready. The planners call `simulate`
 hundreds of times, so it records spans only when asked.
+
+Without a GPU the background lanes are host threads on the cores compute uses, so compute slows while they work
+(`_Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
+layers before it, prefetches its own and earlier backward starts triggered, updates of the layers before it. A task
+issued later but starting earlier (optimizer states read from NVMe during the forward, a prefetch timed by the clock)
+does not slow the compute it overlaps.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class _State:
     opt_end: float = 0.0
     stall: float = 0.0
     nvme_late: float = 0.0
+    background: _Background | None = None  # None: background lanes do not slow compute
 
     def run(self, lane: str, what: str, i: int, ready: float, duration: float) -> float:
         """Start layer i's task `what` on `lane` once the lane is free and its input is `ready`; its end time."""
@@ -75,7 +82,13 @@ class _State:
         end = self.free[lane] = start + duration
         if self.record:
             self.span(lane, what, i, start, end)
+        if self.background is not None:
+            self.background.add(lane, start, end)
         return end
+
+    def compute(self, start: float, duration: float) -> float:
+        """The end of `duration` seconds of compute (as profiled, alone on the cores) started at `start`."""
+        return start + duration if self.background is None else self.background.finish(start, duration)
 
     def span(self, lane: str, what: str, i: int, start: float, end: float) -> None:
         self.spans.append(Span(lane=lane, name=f"{what} {self.costs.layers[i].name}", start_s=start, end_s=end))
@@ -88,7 +101,8 @@ def simulate(costs: Costs, ch: Choices, record: bool = False, detail: bool = Tru
     lanes = ["compute", "h2d", "d2h", "evict", "prefetch", "nvme read", "nvme write", "sync", *ch.lanes]
     if len(ch.evict_s) != n:
         ch = timed(costs, replace(ch))
-    st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n)
+    st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n,
+                background=_Background.of(costs, ch))
     for name in ("fp_start", "fp_end", "bp_start", "bp_end", "load_end", "evict_start", "evict_end", "pf_start",
                  "pf_end", "ready"):
         setattr(st, name, [0.0] * n)
@@ -114,13 +128,15 @@ def _forward(st: _State) -> None:
         if loads and ch.modes[i] == "gfgb" and layer.copy_s > 0:
             st.load_end[i] = st.run("h2d", "copy", i, 0.0, layer.copy_s)
     evict_lane = "d2h" if gpu else "evict"
+    bg = st.background  # `st.compute` inlined: the searches' hot loop
     c = 0.0
     for i, layer in enumerate(costs.layers):
-        c += layer.fp_gap_s
+        c = c + layer.fp_gap_s if bg is None else bg.finish(c, layer.fp_gap_s)
         start = max(c, st.load_end[i])
         st.stall += start - c
         dha = gpu and not ch.params_on_gpu and ch.modes[i] != "gfgb"
-        c = start + (layer.fp_dha_s if dha else layer.fp_s)
+        fp = layer.fp_dha_s if dha else layer.fp_s
+        c = start + fp if bg is None else bg.finish(start, fp)
         st.fp_start[i], st.fp_end[i] = start, c
         if st.record:
             st.span("compute", "fp", i, start, c)
@@ -148,10 +164,11 @@ def _backward(st: _State) -> float:
     for i in sorted(triggered, key=lambda i: (ch.prefetch_at_s[i], i)):
         by_layer.setdefault(ch.trigger[i], []).append(i)
     next_timed = 0
+    bg = st.background  # `st.compute` inlined: the searches' hot loop
     c = st.free["compute"]
     for i in costs.bp_order:
         layer = costs.layers[i]
-        c += layer.bp_gap_s
+        c = c + layer.bp_gap_s if bg is None else bg.finish(c, layer.bp_gap_s)
         start = c
         if gpu and ch.modes[i] == "dfgb" and not ch.params_on_gpu:
             start = max(start, st.load_end[i])
@@ -165,7 +182,8 @@ def _backward(st: _State) -> float:
             start = max(start, st.pf_end[i])
         st.stall += start - c
         mode = ch.modes[i] if gpu and not ch.params_on_gpu else "gfgb"
-        c = start + (layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s)
+        bp = layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s
+        c = start + bp if bg is None else bg.finish(start, bp)
         st.bp_start[i], st.bp_end[i] = start, c
         if st.record:
             st.span("compute", "bp", i, start, c)
@@ -178,7 +196,7 @@ def _backward(st: _State) -> float:
         for i in costs.bp_order:
             c = _updates(st, i, t, c)
     if ch.step_s:
-        c = max([c, *st.ready]) + ch.step_s
+        c = st.compute(max([c, *st.ready]), ch.step_s)
     return c
 
 
@@ -212,7 +230,7 @@ def _updates(st: _State, i: int, ready: float, c: float) -> float:
             t = max(t, staged)
         if u.lane < 0:
             start = max(c, t)
-            end = c = start + u.update_s
+            end = c = st.compute(start, u.update_s)
             if st.record:
                 st.span("compute", "adam", i, start, end)
             st.free["compute"] = c
@@ -236,6 +254,72 @@ def _stage(st: _State, u: Update, i: int) -> float:
         st.staged_bytes -= size
         freed_at = max(freed_at, done)
     return st.run("nvme read", "read states", i, freed_at, u.read_s)
+
+
+@dataclass(slots=True)
+class _Background:
+    """How background lanes slow compute on a machine without a GPU. While lanes whose workers keep shares s_k of a
+    core busy are working, compute advances at 1 / (1 + (f - 1) * sum s_k) of its profiled speed, f being the
+    profile's background_slowdown. So w seconds of compute that a worker of share s overlaps take (f - 1) * s * w
+    longer, and with a worker streaming throughout f * w, as f was measured. (Charging (f - 1) per second of wall
+    time overlapped instead would count the stretch itself as more overlap: with f > 2 and a busy worker that never
+    settles.)"""
+
+    extra: float  # f - 1
+    # Per lane that slows compute: [its worker's share of a core, its tasks (start, end) in issue order, which is
+    # time order (a lane serves one task at a time), the first of them not ended before the last compute start].
+    lanes: dict[str, list]
+
+    @classmethod
+    def of(cls, costs: Costs, ch: Choices) -> _Background | None:
+        f = costs.background_slowdown
+        lanes = {lane: [share, [], 0] for lane, share in ch.cpu_share.items() if share > 0}
+        if costs.has_gpu or f is None or f <= 1 or not lanes:
+            return None
+        return cls(extra=f - 1, lanes=lanes)
+
+    def add(self, lane: str, start: float, end: float) -> None:
+        if end > start and (busy := self.lanes.get(lane)) is not None:
+            busy[1].append((start, end))
+
+    def finish(self, start: float, work: float) -> float:
+        """When `work` seconds of compute started at `start` end, walking the background load from `start`. Compute
+        starts never go back in time (one compute lane, placed in order), so tasks ended by `start` are skipped
+        for good: each call looks at the few tasks its own span meets."""
+        if work <= 0:
+            return start
+        first = float("inf")
+        for busy in self.lanes.values():
+            tasks, k = busy[1], busy[2]
+            n = len(tasks)
+            while k < n and tasks[k][1] <= start:
+                k += 1
+            busy[2] = k
+            if k < n and tasks[k][0] < first:
+                first = tasks[k][0]
+        if first >= start + work:  # nothing runs beside it
+            return start + work
+        t = start
+        at = [busy[2] for busy in self.lanes.values()]  # this walk's own place in each lane
+        while True:
+            load, change = 0.0, float("inf")  # the load from t on, and when it next changes
+            for j, (share, tasks, _) in enumerate(self.lanes.values()):
+                k, n = at[j], len(tasks)
+                while k < n and tasks[k][1] <= t:
+                    k += 1
+                at[j] = k
+                if k < n:
+                    begin, end = tasks[k]
+                    if begin <= t:
+                        load += share
+                        change = min(change, end)
+                    elif begin < change:
+                        change = begin
+            slow = 1 + self.extra * load
+            if t + work * slow <= change:
+                return t + work * slow
+            work -= (change - t) / slow
+            t = change
 
 
 def _result(st: _State, iteration: float, detail: bool) -> Result:

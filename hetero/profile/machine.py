@@ -12,6 +12,7 @@ import re
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,32 +34,41 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     report = progress or (lambda *a: None)
     phases = ["cpu", "gpu", "tiers", "axdimm"]
     report("machine", 0, len(phases))
-    cpu = measure_cpu()
+    cpu = measure_cpu(gpu=device.type == "cuda")
     report("machine", 1, len(phases))
     gpu = measure_gpu(device) if device.type == "cuda" else None
     report("machine", 2, len(phases))
-    tiers = measure_tiers(gpu, device, nvme_dir)
+    tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown)
     report("machine", 3, len(phases))
     axdimm = measure_axdimm()
     report("machine", 4, len(phases))
     return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [])
 
 
-def unmeasured(device: torch.device, layers: list[Layer] = ()) -> dict[str, str]:
-    """Why the profile's null fields are null on this machine (`layers`: as measured, to name those left null)."""
+def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = ()) -> dict[str, str]:
+    """Why the profile's null fields are null on this machine (`layers`, `tiers`: as measured, to name those left
+    null)."""
+    copies = {f"machine.tiers.{t.name}.{f}": MEMORY_COPY_CPU for t in tiers if t.path is None and (t.read or t.write)
+              for f in ("read_cpu", "write_cpu") if getattr(t, f) is None}
     if device.type != "cuda":
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
-                "layers.*.bp_grad_host": gone}
-    return dha.unmeasured(list(layers))
+                "layers.*.bp_grad_host": gone} | copies
+    return {"machine.cpu.background_slowdown": ON_GPU} | copies | dha.unmeasured(list(layers))
+
+
+ON_GPU = "the model computes on the GPU: host worker threads do not take its cores"
+MEMORY_COPY_CPU = "a copy within memory is a streaming worker: planned as 1"
 
 
 # -- host ----------------------------------------------------------------------------------------------------------
 
 
-def measure_cpu() -> Cpu:
+def measure_cpu(gpu: bool = False) -> Cpu:
+    """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured."""
     return Cpu(model=_cpu_model(), cores=len(os.sched_getaffinity(0)),
-               dram_bandwidth_bytes_per_s=measured(copy_bandwidth()), adam_params_per_s=measured(adam_rate()))
+               dram_bandwidth_bytes_per_s=measured(copy_bandwidth()), adam_params_per_s=measured(adam_rate()),
+               background_slowdown=None if gpu else measured(background_slowdown()))
 
 
 def _cpu_model() -> str:
@@ -83,6 +93,46 @@ def adam_rate(numel: int = 8 * 2**20) -> float:
     opt = torch.optim.AdamW([param], fused=True)
     opt.step()  # allocates and touches the states
     return numel / median_time(opt.step, repeats=5)
+
+
+def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
+    """Compute time on all cores while one host thread streams memory, over compute time alone: how much the
+    runtime's worker threads (evictions, prefetches, emulated AXDIMM channels) slow training without a GPU. They
+    share the cores and the memory bus with torch's intra-op threads, and a parallel GEMM waits for its slowest
+    thread."""
+    src = torch.ones(buffer_bytes // 4)
+    dst = torch.zeros_like(src)
+    return slowdown_beside(lambda: dst.copy_(src))
+
+
+def slowdown_beside(work: Callable[[], object], target_s: float = 0.06) -> float:
+    """A loop of GEMMs of about `target_s` with torch's default threads while one thread repeats `work`, over the
+    same loop alone; best of 3 each way (about 0.5 s)."""
+    a, b = torch.ones(512, 1024), torch.ones(1024, 1024)
+    one = median_time(lambda: a @ b, repeats=3, min_s=0)
+    count = max(1, round(target_s / one))
+
+    def gemms() -> float:
+        start = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        return time.perf_counter() - start
+
+    alone = min(gemms() for _ in range(3))
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            work()
+
+    worker = threading.Thread(target=loop, name="hetero-profile-worker", daemon=True)
+    worker.start()
+    try:
+        busy = min(gemms() for _ in range(3))
+    finally:
+        stop.set()
+        worker.join()
+    return max(1.0, busy / alone)  # noise can make it read below 1: a worker never speeds compute up
 
 
 def numa_nodes() -> list[NumaNode]:
@@ -111,7 +161,8 @@ def host_copy_curve(sizes: tuple[int, ...] = HOST_SIZES) -> list[CurvePoint]:
 # -- tiers ---------------------------------------------------------------------------------------------------------
 
 
-def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None) -> list[Tier]:
+def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
+                  slowdown: float | None = None) -> list[Tier]:
     """Fastest first. Read/write curves are the costs of moving data into and out of that tier from the fast one."""
     dram_capacity = _meminfo("MemAvailable")
     if gpu is None:
@@ -120,10 +171,10 @@ def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None) -
     else:
         tiers = [Tier(name="hbm", kind="hbm", capacity_bytes=gpu.memory_bytes),
                  Tier(name="dram", kind="dram", capacity_bytes=dram_capacity, read=gpu.h2d, write=gpu.d2h)]
-    return tiers + [measure_nvme(nvme_dir)]
+    return tiers + [measure_nvme(nvme_dir, slowdown)]
 
 
-def measure_nvme(nvme_dir: str | None) -> Tier:
+def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
     """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses."""
     from hetero.run.devices.nvme import NvmeStore
 
@@ -137,8 +188,21 @@ def measure_nvme(nvme_dir: str | None) -> Tier:
                 median_time(lambda: store.write_async("probe", data).wait(), repeats=3, min_s=0))))
             read.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.read_async("probe", out).wait(), repeats=3, min_s=0))))
+        shares = _shares(store, data, out, slowdown) if slowdown else (None, None)
         free = shutil.disk_usage(probe).free
-    return Tier(name="nvme0", kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write)
+    return Tier(name="nvme0", kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
+                read_cpu=shares[0], write_cpu=shares[1])
+
+
+def _shares(store, data: torch.Tensor, out: torch.Tensor, slowdown: float) -> tuple[float, float]:
+    """How much of a streaming worker's slowdown of compute a worker moving the largest size to and from the disk
+    causes: (compute slowdown beside it - 1) / (slowdown - 1), clamped to [0, 1]. Measured as it acts, not from CPU
+    time: the disk's DMA and the guest's interrupt work load the cores and memory bus without showing as the
+    process's CPU time."""
+    beside_read = slowdown_beside(lambda: store.read_async("probe", out).wait())
+    beside_write = slowdown_beside(lambda: store.write_async("probe", data).wait())
+    share = lambda s: round(min(1.0, max(0.0, (s - 1) / (slowdown - 1))), 3) if slowdown > 1 else 0.0  # noqa: E731
+    return share(beside_read), share(beside_write)
 
 
 def measure_axdimm(channels: int = 2, numel: int = 4 * 2**20) -> Axdimm:

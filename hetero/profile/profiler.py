@@ -54,9 +54,9 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    return Profile(model=run.model, training=run.training, layers=run.layers,
-                   machine=machine.measure(run.device, options.nvme_dir, progress, links),
-                   unmeasured=machine.unmeasured(run.device, run.layers))
+    measured_machine = machine.measure(run.device, options.nvme_dir, progress, links)
+    return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
+                   unmeasured=machine.unmeasured(run.device, run.layers, measured_machine.tiers))
 
 
 def save(profile: Profile, output: Path, script: str) -> None:

@@ -66,6 +66,10 @@ class Cpu:
     cores: int = doc("Cores this process may run on.", ge=1)
     dram_bandwidth_bytes_per_s: float = doc("Host memory copy bandwidth with all cores.", unit=RATE)
     adam_params_per_s: float | None = doc("Fused AdamW throughput on the host with all cores.", unit=PARAM_RATE)
+    background_slowdown: float | None = doc(
+        "Compute time on all cores while one host worker thread streams memory, over compute time alone (1: workers "
+        "do not slow compute); null: not measured. Without a GPU the planner stretches compute by it while "
+        "evictions, prefetches and emulated-AXDIMM updates run beside it.", ge=1, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,6 +117,11 @@ class Tier:
     read: list[CurvePoint] = doc("Time to read (prefetch into the fast tier) by size.", default_factory=list)
     write: list[CurvePoint] = doc("Time to write (evict from the fast tier) by size.", default_factory=list)
     emulated: bool = doc("True when the tier is emulated on other hardware.", default=False)
+    read_cpu: float | None = doc("How much a worker reading from the tier slows compute on the cores, as a share of "
+                                 "`cpu.background_slowdown` (0: not at all, 1: like a thread streaming memory); "
+                                 "null: taken as 1.", ge=0, le=1, default=None)
+    write_cpu: float | None = doc("The same for a worker writing to the tier; null: taken as 1.", ge=0, le=1,
+                                  default=None)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,14 +1,19 @@
-"""The simulator: curves, a timeline worked by hand, stalls, NVMe staging, memory peaks, the trace."""
+"""The simulator: curves, a timeline worked by hand, stalls, NVMe staging, memory peaks, the trace, background
+work slowing compute without a GPU."""
 
+import dataclasses
 import json
 import random
 
 import pytest
 
 from hetero import files
+from hetero.plan.choices import build
 from hetero.plan.model import Choices, Costs, Curve, LayerCosts, Update, costs
+from hetero.plan.schema import Plan
 from hetero.plan.simulate import chrome_trace, simulate
 from hetero.profile.schema import CurvePoint, Profile
+from tests.plan.synthetic import gpu_profile
 
 MS = 1e-3
 
@@ -119,3 +124,92 @@ def test_costs_take_the_compute_between_layers_from_the_profiled_timeline(repo):
     assert c.layers[c.bp_order[0]].bp_gap_s == pytest.approx(1.05 * MS)  # loss: lm_head's forward end to backward
     assert c.tail_s == pytest.approx(46 * MS - 1.2 * MS - 30.87 * MS)
     assert not c.has_gpu and all(x.copy_s == 0 for x in c.layers)
+
+
+def interference_case(saved_a=4000, slowdown=3.0, share=None):
+    """a (fp 1 ms) then b (fp 2 ms), no gaps; a's saved bytes are evicted at 4 MB/s from 1 ms, beside b's forward;
+    b's backward start triggers a's prefetch. `share`: the lanes' shares of a core (default: the evicting worker
+    half a core, the others none)."""
+    c = Costs(layers=[layer("a", 1, 2, saved=saved_a), layer("b", 2, 4)], bp_order=[1, 0], tail_s=3 * MS,
+              micro_batches=1, has_gpu=False, evict=Curve.linear(4e6), prefetch=Curve.linear(2e6),
+              background_slowdown=slowdown)
+    ch = Choices(modes=["gfgb"] * 2, grads=["gpu"] * 2, evict_bytes=[saved_a, 0], trigger=[1, None],
+                 prefetch_at_s=[0.0, 0.0], updates=[[], []], lanes=[], overlap_backward=True, grads_to_host=True,
+                 params_on_gpu=False, fast="dram", slow="nvme0", static_bytes={"dram": 100},
+                 cpu_share={"evict": 0.5} if share is None else share)
+    return c, ch
+
+
+def test_an_eviction_beside_a_forward_layer_stretches_it_by_its_cpu_share():
+    """a's eviction runs 1-2 ms beside b's forward (from 1 ms). With f = 3 and the worker at half a core, compute
+    runs at 1 / (1 + (3 - 1) * 0.5) = half speed while it works: b does 0.5 ms of its 2 ms by 2 ms, the other 1.5 ms
+    by 3.5 ms. The stretch, 0.5 ms, is (f - 1) x share x the 0.5 ms of b's compute the eviction overlapped. The
+    prefetch (no CPU share here) slows nothing: everything after b's forward moves by the same 0.5 ms."""
+    c, ch = interference_case()
+    r = simulate(c, ch)
+    assert r.fp_end_s[1] == pytest.approx(3.5 * MS)
+    assert r.fp_end_s[1] - (1 + 2) * MS == pytest.approx((3 - 1) * 0.5 * 0.5 * MS)
+    assert [r.bp_start_s[1], r.bp_end_s[1], r.bp_end_s[0]] == pytest.approx([3.5 * MS, 7.5 * MS, 9.5 * MS])
+    assert r.iteration_s == pytest.approx(12.5 * MS)
+    spans = {s.name: (s.start_s, s.end_s) for s in simulate(c, ch, record=True).spans}
+    assert spans["evict a"] == pytest.approx((1 * MS, 2 * MS)) and spans["fp b"] == pytest.approx((1 * MS, 3.5 * MS))
+
+
+def test_a_worker_busy_throughout_slows_compute_by_the_measured_factor():
+    """A 10 ms eviction (1-11 ms) covers b's whole forward; a worker of a whole core slows it by f, as measured."""
+    c, ch = interference_case(saved_a=40_000, slowdown=2.5, share={"evict": 1.0})
+    assert simulate(c, ch).fp_end_s[1] == pytest.approx((1 + 2.5 * 2) * MS)
+
+
+def test_prefetches_and_channel_updates_slow_the_backward_beside_them():
+    """With f = 3: a's prefetch (3-5 ms, triggered by b's backward start) at a quarter of a core runs b's backward at
+    1 / 1.5 speed: 4/3 ms of its 4 ms by 5 ms, the other 8/3 ms after. b's update on an emulated channel (a whole
+    core, 1 ms from b's backward end) then runs a's backward at a third of its speed for 1 ms: 1/3 ms of its 2."""
+    c, ch = interference_case(share={"prefetch": 0.25, "ch0": 1.0})
+    ch.lanes, ch.updates = ["ch0"], [[], [Update(lane=0, update_s=1 * MS)]]
+    r = simulate(c, ch)
+    assert r.fp_end_s[1] == pytest.approx(3 * MS)  # the eviction takes no CPU here
+    assert r.bp_end_s[1] == pytest.approx((3 + 2 + 8 / 3) * MS)
+    # b's update runs 7.67-8.67 ms beside a's backward (from 7.67 ms): 1 ms of wall time at 1/3 speed, then the rest
+    assert r.bp_end_s[0] == pytest.approx(r.bp_start_s[0] + 1 * MS + (2 - 1 / 3) * MS)
+
+
+def test_without_a_measured_slowdown_or_with_a_gpu_nothing_changes():
+    c, ch = interference_case()
+    before = simulate(dataclasses.replace(c, background_slowdown=None), ch)
+    assert before.fp_end_s[1] == pytest.approx(3 * MS) and before.iteration_s == pytest.approx(12 * MS)
+    assert simulate(dataclasses.replace(c, background_slowdown=1.0), ch).iteration_s == before.iteration_s
+    assert simulate(c, dataclasses.replace(ch, cpu_share={})).iteration_s == before.iteration_s
+    gpu = dataclasses.replace(c, has_gpu=True)
+    assert simulate(gpu, ch).iteration_s == simulate(dataclasses.replace(gpu, background_slowdown=None), ch).iteration_s
+
+
+def test_the_plan_gives_each_background_lane_the_cpu_share_the_profile_measured(repo):
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    plan = files.load(repo / "plans/gpt-tiny-cpu.plan.yaml", expect=Plan)
+    c, ch = build(profile, plan)
+    assert c.background_slowdown is None  # not measured: compute is not slowed
+    assert ch.cpu_share == {"evict": 1.0, "prefetch": 1.0, "nvme read": 1.0, "nvme write": 1.0, "axdimm ch0": 1.0,
+                            "axdimm ch1": 1.0}  # unmeasured workers count as busy throughout
+    m = profile.machine
+    nvme = dataclasses.replace(m.tiers[1], read_cpu=0.5, write_cpu=0.125)
+    measured = dataclasses.replace(profile, machine=dataclasses.replace(
+        m, cpu=dataclasses.replace(m.cpu, background_slowdown=2.0), tiers=[m.tiers[0], nvme]))
+    c2, ch2 = build(measured, plan)
+    assert c2.background_slowdown == 2.0
+    assert ch2.cpu_share == {"evict": 0.125, "prefetch": 0.5, "nvme read": 0.5, "nvme write": 0.125,
+                             "axdimm ch0": 1.0, "axdimm ch1": 1.0}
+    slowed = simulate(c2, ch2)
+    alone = simulate(c, ch)
+    assert slowed.iteration_s > alone.iteration_s
+    assert all(b >= a - 1e-12 for a, b in zip(alone.fp_end_s, slowed.fp_end_s))
+    hardware = dataclasses.replace(measured, machine=dataclasses.replace(
+        measured.machine, axdimm=dataclasses.replace(m.axdimm, backend="hardware")))
+    assert build(hardware, plan)[1].cpu_share["axdimm ch0"] == 0.0  # its own device: no host thread
+
+
+def test_a_gpu_profile_never_slows_compute_by_host_workers():
+    profile = gpu_profile(4)
+    m = profile.machine
+    profile.machine = dataclasses.replace(m, cpu=dataclasses.replace(m.cpu, background_slowdown=2.0))
+    assert costs(profile).background_slowdown is None  # the GPU computes: host threads do not take its cores
