@@ -1,4 +1,5 @@
-"""`make demo`: profile, plan and run examples/train_gpt.py under hetero, next to a plain PyTorch run.
+"""`make demo`: profile, plan and run examples/train_gpt.py under hetero, next to a plain PyTorch run, then report
+what ran against what the plan predicted (the trace opens in https://ui.perfetto.dev).
 
 Every step is the real command a user types; the closing table compares the two runs.
 """
@@ -38,6 +39,14 @@ def last_step(output: str) -> tuple[int, float, float]:
     return int(step), float(loss), float(ms)
 
 
+def _viz() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (hetero[viz]: the memory plot)
+    except ImportError:
+        return False
+    return True
+
+
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     profile, plan = str(WORK / "profile.yaml"), str(WORK / "plan.yaml")
@@ -45,7 +54,10 @@ def main() -> None:
                                                           *SCRIPT])
     sh("solve the plan", HETERO + ["plan", "--profile", profile, "-o", plan, "--reserve", "0.5"])
     plain = sh("plain PyTorch, for comparison", [sys.executable, *SCRIPT])
-    hetero = sh("the same script under the plan", HETERO + ["run", "--plan", plan, *SCRIPT])
+    trace = str(WORK / "run.json")
+    hetero = sh("the same script under the plan, traced", HETERO + ["run", "--plan", plan, "--trace", trace, *SCRIPT])
+    sh("what ran against what the plan predicted", HETERO + ["report", str(WORK / "run.yaml"), "--plan", plan,
+                                                              *(["--png", str(WORK / "memory.png")] if _viz() else [])])
 
     (steps, loss_plain, ms_plain), (_, loss_hetero, ms_hetero) = last_step(plain.stdout), last_step(hetero.stdout)
     table = Table(title="hetero demo: examples/train_gpt.py", title_justify="left", show_header=False)
@@ -54,7 +66,7 @@ def main() -> None:
     table.add_row("step time", f"{ms_hetero:.0f} ms under hetero, {ms_plain:.0f} ms plain "
                                f"({ms_hetero / ms_plain:.2f}x)")
     for line in hetero.stderr.splitlines():
-        if line.startswith("hetero: "):
+        if line.startswith("hetero: ") and not line.startswith("hetero: trace of"):
             table.add_row("where bytes went", line.removeprefix("hetero: "))
     console.print(table)
 

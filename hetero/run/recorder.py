@@ -71,6 +71,7 @@ class Recorder(spans.Sink):
         self.clock: CpuClock | CudaClock = CpuClock()
         self.anchor: tuple[float, torch.cuda.Event] | None = None  # (host time, event) of the same moment
         self.step, self._start, self._previous = 0, None, None
+        self.index: dict[str, int] = {}
         self.handles: list = []
 
     # -- phases ------------------------------------------------------------------------------------------------
@@ -86,8 +87,12 @@ class Recorder(spans.Sink):
         wanted = {x.name for x in self.plan.layers} | {e.layer for e in self.plan.activations.schedule} \
             if self.plan.activations else {x.name for x in self.plan.layers}
         layers, _ = layers_named(model, wanted)
-        # Only the innermost pair of saved-tensor hooks runs: where tiering owns them, saved bytes go unmeasured.
+        # Only the innermost pair of saved-tensor hooks runs: where tiering owns them, saved bytes go unmeasured and
+        # tiering reports each unpack instead, so a backward starts where the profiler would have seen it start.
         self.profiler = LayerProfiler(model, layers, self.clock, saved_tensors=self.tiering is None)
+        self.index = {spec.name: i for i, spec in enumerate(layers)}
+        if self.tiering is not None:
+            self.tiering.unpacked = self._unpacked
 
     def close(self) -> None:
         self._stop()
@@ -110,6 +115,12 @@ class Recorder(spans.Sink):
         return {}
 
     # -- the window ----------------------------------------------------------------------------------------------
+
+    def _unpacked(self, layer: str) -> None:
+        mb = self.profiler.last_forward if self.recording else None
+        i = self.index.get(layer)
+        if mb is not None and i is not None and i not in mb.first_unpack:
+            mb.first_unpack[i] = self.clock.mark()
 
     def _ours(self, optimizer) -> bool:
         if self.optimizer is None and self.model is not None:

@@ -107,6 +107,7 @@ class ActivationTiering:
         self.stack: list[str] = []
         self.last_ended: str | None = None
         self.param_storages: set[int] = set()
+        self.unpacked = None  # the recorder's callback: a layer's saved tensor was read back (its backward start)
 
     # -- phases ------------------------------------------------------------------------------------------------
 
@@ -298,6 +299,8 @@ class ActivationTiering:
         record = saved.record
         if record.group is not None:
             self._started(record.group.mb, record.group.layer)
+            if self.unpacked is not None:
+                self.unpacked(record.group.layer)
         if saved.tensor is not None:
             return saved.tensor
         data = self.mover.data(record)
