@@ -12,7 +12,7 @@ from rich.table import Table
 
 from hetero import __version__, files
 from hetero.errors import USAGE, HeteroError
-from hetero.cli.sources import profile_of
+from hetero.cli.sources import beside, profile_of
 from hetero.plan.from_run import measured_profile
 from hetero.plan.schema import ActivationPrediction, Plan
 from hetero.plan.solve import PlanOptions
@@ -75,8 +75,7 @@ def _measured(run_path: Path, profile_path: Path | None, old: Plan | None,
     """The profile with the run's timings, written beside the new plan (which names it, so `hetero run` can check
     the plan against it), and the plan whose pinned entries survive: --from, else the one the run carried out."""
     run = files.load(run_path, expect=Run)
-    ran_path = Path(run.source.plan)
-    ran_path = ran_path if ran_path.is_absolute() or ran_path.is_file() else run_path.parent / ran_path
+    ran_path = beside(run.source.plan, run_path)
     if not ran_path.is_file():
         raise HeteroError(f"{run_path} ran {run.source.plan}, which is not here", exit_code=USAGE,
                           hint="run this where the run was made, or pass the plan with --from")

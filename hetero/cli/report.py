@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetero import files
-from hetero.cli.sources import profile_of
+from hetero.cli.sources import beside, profile_of
 from hetero.errors import USAGE, HeteroError
 from hetero.plan.schema import Plan
 from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, warnings
@@ -29,7 +29,7 @@ def report(
     """Predicted against measured, per layer and for the iteration, with a warning for each entry off by more than
     15%. Layers need the plan's profile; without it only the iteration and memory are compared."""
     run = files.load(run_path, expect=Run)
-    plan_path = plan_path or _relative(Path(run.source.plan), run_path)
+    plan_path = plan_path or beside(run.source.plan, run_path)
     if not plan_path.is_file():
         raise HeteroError(f"no plan at {plan_path} to compare {run_path} with", hint="pass --plan PLAN", exit_code=USAGE)
     plan = files.load(plan_path, expect=Plan)
@@ -41,10 +41,6 @@ def report(
     _print(run_path, plan_path, run, rows, note)
     if png is not None:
         _png(run, run_path, plan, profile, png)
-
-
-def _relative(path: Path, beside: Path) -> Path:
-    return path if path.is_absolute() or path.is_file() else beside.parent / path
 
 
 def _profile(plan: Plan, plan_path: Path):
@@ -81,7 +77,7 @@ def _png(run: Run, run_path: Path, plan: Plan, profile, png: Path) -> None:
     from hetero.plan.solve import predict
     from hetero.report import png as drawing
 
-    trace_path = _relative(Path(run.source.trace), run_path) if run.source.trace else None
+    trace_path = beside(run.source.trace, run_path) if run.source.trace else None
     if trace_path is None or not trace_path.is_file():
         raise HeteroError(f"--png draws from the run's trace, and {trace_path or 'none'} is not there",
                           hint="keep the trace beside run.yaml (hetero run --trace run.json)", exit_code=USAGE)

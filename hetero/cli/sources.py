@@ -8,16 +8,15 @@ from hetero import files
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.plan.schema import Plan
 from hetero.profile.schema import Profile
+from hetero.run.launch import find_profile
 
 
 def profile_of(plan: Plan, plan_path: Path, why: str) -> Profile:
-    """The profile `plan` was solved from (as written, relative to the plan, or beside it: its hash decides),
-    unchanged since; `why` says what needs it, for the error when it is missing."""
-    source = Path(plan.source.profile)
-    candidates = [source] if source.is_absolute() else [source, plan_path.parent / source]
-    found = next((c for c in [*candidates, plan_path.parent / source.name] if c.is_file()), None)
+    """The profile `plan` was solved from, unchanged since; `why` says what needs it, for the error when it is
+    missing."""
+    found = find_profile(plan, plan_path)
     if found is None:
-        raise HeteroError(f"{plan_path} was planned from {source}, which does not exist here; {why}",
+        raise HeteroError(f"{plan_path} was planned from {plan.source.profile}, which does not exist here; {why}",
                           hint=f"run this where `hetero plan` ran, or re-plan: hetero plan --profile PROFILE "
                                f"-o {plan_path}")
     profile = files.load(found, expect=Profile)
@@ -25,3 +24,9 @@ def profile_of(plan: Plan, plan_path: Path, why: str) -> Profile:
         raise HeteroError(f"{found} changed since {plan_path} was planned from it", exit_code=STALE_PLAN,
                           hint=f"re-plan: hetero plan --profile {found} -o {plan_path}")
     return profile
+
+
+def beside(path: str, run_path: Path) -> Path:
+    """A path a run.yaml names: as written (absolute since the recorder writes them so), else beside the file."""
+    p = Path(path)
+    return p if p.is_absolute() or p.is_file() else run_path.parent / p

@@ -132,10 +132,11 @@ def find_plan(plan: str | None) -> Path:
 
 
 def find_profile(plan: Plan, plan_path: Path) -> Path | None:
-    """The plan's profile: its path as written, or relative to the plan."""
+    """The plan's profile: its path as written, relative to the plan, or beside it (the hash decides whether it is
+    the right one)."""
     source = Path(plan.source.profile)
     candidates = [source] if source.is_absolute() else [source, plan_path.parent / source]
-    return next((c for c in candidates if c.is_file()), None)
+    return next((c for c in [*candidates, plan_path.parent / source.name] if c.is_file()), None)
 
 
 def check_profile(plan: Plan, plan_path: Path, allow_stale: bool) -> str | None:

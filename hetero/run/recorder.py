@@ -84,8 +84,8 @@ class Recorder(spans.Sink):
     def bind(self, model: nn.Module) -> None:
         self.model = model
         self.clock = CudaClock() if next(model.parameters()).device.type == "cuda" else CpuClock()
-        wanted = {x.name for x in self.plan.layers} | {e.layer for e in self.plan.activations.schedule} \
-            if self.plan.activations else {x.name for x in self.plan.layers}
+        schedule = self.plan.activations.schedule if self.plan.activations else []
+        wanted = {x.name for x in self.plan.layers} | {e.layer for e in schedule}
         layers, _ = layers_named(model, wanted)
         # Only the innermost pair of saved-tensor hooks runs: where tiering owns them, saved bytes go unmeasured and
         # tiering reports each unpack instead, so a backward starts where the profiler would have seen it start.
