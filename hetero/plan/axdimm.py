@@ -16,7 +16,7 @@ from hetero.errors import USAGE, HeteroError
 from hetero.plan.model import Curve, Update
 from hetero.plan.schema import StatePlacement
 from hetero.profile.schema import Profile, Tier
-from hetero.units import COUNT, PARAM_RATE, SIZE
+from hetero.units import COUNT, PARAM_RATE, SIZE, TIME
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master copy, gradient, Adam m and v: the four inputs of each update
 NVME_BYTES_PER_PARAM = 12  # read back and written out per update: master copy, m and v (the gradient is fresh)
@@ -45,6 +45,7 @@ class Rates:
 
     adam_params_per_s: float
     lanes: list[str]  # one per channel; empty: updates run on the compute lane
+    launch_s: float = 0.0  # fixed cost of each update (an AXDIMM channel's mode switches and launch)
     nvme_read: Curve | None = None
     nvme_write: Curve | None = None
 
@@ -80,7 +81,8 @@ def rates(profile: Profile, device: str) -> Rates:
         else (None, None)
     if device == "axdimm":
         lanes = [f"axdimm ch{c}" for c in range(m.axdimm.channels)]
-        return Rates(adam_params_per_s=m.axdimm.adam_params_per_s, lanes=lanes, nvme_read=read, nvme_write=write)
+        return Rates(adam_params_per_s=m.axdimm.adam_params_per_s, lanes=lanes, launch_s=m.axdimm.launch_s,
+                     nvme_read=read, nvme_write=write)
     if device == "host":
         rate = m.cpu.adam_params_per_s or step_rate
         return Rates(adam_params_per_s=rate, lanes=["host adam"] if m.gpu else [], nvme_read=read, nvme_write=write)
@@ -184,7 +186,7 @@ def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, ra
         if s is None:
             continue
         lane = -1 if not rates.lanes else (s.channel if s.channel is not None else turn % len(rates.lanes))
-        update = Update(lane=lane, update_s=p.num_params / rates.adam_params_per_s)
+        update = Update(lane=lane, update_s=rates.launch_s + p.num_params / rates.adam_params_per_s)
         if s.tier == "nvme":
             turn += 1
             size = p.num_params * NVME_BYTES_PER_PARAM
@@ -196,7 +198,8 @@ def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, ra
 
 def rate_text(rates: Rates) -> str:
     each = " each" if len(rates.lanes) > 1 else ""
-    return f"{PARAM_RATE.format_short(rates.adam_params_per_s)}{each}"
+    launch = f" + {TIME.format_short(rates.launch_s)} per update" if rates.launch_s else ""
+    return f"{PARAM_RATE.format_short(rates.adam_params_per_s)}{each}{launch}"
 
 
 def count_text(params: list[Param]) -> str:

@@ -205,25 +205,32 @@ def _shares(store, data: torch.Tensor, out: torch.Tensor, slowdown: float) -> tu
     return share(beside_read), share(beside_write)
 
 
-def measure_axdimm(channels: int = 2, numel: int = 4 * 2**20) -> Axdimm:
-    """The emulated AXDIMM: its nominal capacity and one channel's measured Adam rate (through the device API, mode
-    switches included, as the runtime will drive it)."""
+def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = (4096, 4 * 2**20)) -> Axdimm:
+    """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it (the
+    channel's driver thread copies the gradient in, switches the arbiter and launches the kernel; the caller waits for
+    its status), at a small and a large size: a fixed cost per update plus a rate."""
     from hetero.kernels.adam import Hyperparameters
     from hetero.run.devices.axdimm import EmulatedAxdimm
+    from hetero.run.states import AxdimmHome, ChannelDriver
 
-    with EmulatedAxdimm(channel_capacity_bytes=4 * numel * 4 + 4096, channels=1) as device:
-        buffers = [device.malloc(numel * 4, channel=0) for _ in range(4)]
-        device.memcpy(buffers[3], torch.full((numel,), 1e-3), numel * 4)
-        hp = Hyperparameters(decoupled_weight_decay=True)
+    hp = Hyperparameters(decoupled_weight_decay=True)
+    times = []
+    with EmulatedAxdimm(channel_capacity_bytes=4 * sum(sizes) * 4 + 4096, channels=1) as device:
+        driver = ChannelDriver(device, 0)
+        try:
+            for numel in sizes:
+                home, grad = AxdimmHome(driver, torch.zeros(numel)), torch.full((numel,), 1e-3)
 
-        def update() -> None:
-            device.set_arbiter(0, "acceleration")
-            device.run_adam_async(*buffers, hyperparameters=hp, step=1, channel=0).wait()
-            device.set_arbiter(0, "normal")
+                def update() -> None:
+                    home.update(grad, hp, step=1)
+                    driver.drain()
 
-        rate = numel / median_time(update, repeats=5)
+                times.append(median_time(update, repeats=11))
+        finally:
+            driver.close()
+    rate = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
     return Axdimm(backend="emulated", channels=channels, channel_capacity_bytes=emulated_channel_capacity(channels),
-                  adam_params_per_s=measured(rate))
+                  adam_params_per_s=measured(rate), launch_s=measured(max(0.0, times[0] - sizes[0] / rate)))
 
 
 def emulated_channel_capacity(channels: int) -> int:

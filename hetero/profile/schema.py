@@ -131,7 +131,10 @@ class Axdimm:
     backend: Backend = doc("`emulated`: host memory and worker threads; `hardware`: a real device driver.")
     channels: int = doc("Independent memory channels, each with its own arbiter and Adam kernel.", ge=1)
     channel_capacity_bytes: int = doc("Memory of one channel.", unit=SIZE)
-    adam_params_per_s: float = doc("Adam throughput of one channel's kernel.", unit=PARAM_RATE)
+    adam_params_per_s: float = doc("Adam throughput of one channel, the gradient's copy into it included.",
+                                   unit=PARAM_RATE)
+    launch_s: float = doc("Fixed cost of one parameter's update on a channel, whatever its size: the arbiter's mode "
+                          "switches, the kernel launch and waiting for its status.", unit=TIME, ge=0)
 
 
 @dataclass(kw_only=True, slots=True)

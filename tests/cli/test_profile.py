@@ -37,6 +37,7 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert profile.machine.cpu.dram_bandwidth_bytes_per_s > 1e9
     axdimm = profile.machine.axdimm
     assert axdimm.backend == "emulated" and axdimm.channels == 2 and axdimm.adam_params_per_s > 1e7
+    assert 0 < axdimm.launch_s < 0.05  # thread hand-offs and mode switches: tens to hundreds of microseconds
     assert 0 <= profile.training.overhead < 0.5
 
 

@@ -38,7 +38,7 @@ def machine(gpu_memory: int = 80 * GiB, peers: int = 0, axdimm: bool = False) ->
     return Machine(cpu=Cpu(model="Synthetic CPU", cores=32, dram_bandwidth_bytes_per_s=100e9, adam_params_per_s=2e9),
                    numa=[NumaNode(node=0, memory_bytes=512 * GiB)], gpu=gpu, tiers=tiers,
                    axdimm=Axdimm(backend="emulated", channels=2, channel_capacity_bytes=16 * GiB,
-                                 adam_params_per_s=4e8) if axdimm else None, peers=links)
+                                 adam_params_per_s=4e8, launch_s=0.0) if axdimm else None, peers=links)
 
 
 def layers(n: int, rng: random.Random) -> list[Layer]:

@@ -4,6 +4,7 @@ import pytest
 
 from hetero.errors import HeteroError
 from hetero.plan import axdimm
+from hetero.plan.schema import StatePlacement
 from hetero.plan.solve import PlanOptions, plan, predict
 from tests.plan.synthetic import GiB, curve, gpu_profile
 
@@ -84,3 +85,14 @@ def test_gpu_and_host_devices():
     with pytest.raises(HeteroError, match="needs .* over the GPU budget") as e:
         plan(profile, PlanOptions(optimizer_device="gpu", gpu_memory_bytes=2**20))
     assert e.value.hint.startswith("use --optimizer-device host")
+
+
+def test_each_update_on_a_channel_pays_the_launch_cost():
+    """An update's time is the channel's fixed cost (mode switches, launch, status) plus its size at the rate: small
+    tensors (biases, norms) cost their launch, which the rate alone would call free."""
+    rates = axdimm.Rates(adam_params_per_s=1e9, lanes=["axdimm ch0", "axdimm ch1"], launch_s=2e-4)
+    placed = [StatePlacement(param=p.name, tier="axdimm", channel=k % 2)
+              for k, p in enumerate(params(1000, 4_000_000))]
+    first, second = axdimm.updates(params(1000, 4_000_000), placed, 2, rates)
+    assert first[0].update_s == pytest.approx(2e-4 + 1e-6) and first[0].lane == 0
+    assert second[0].update_s == pytest.approx(2e-4 + 4e-3) and second[0].lane == 1
