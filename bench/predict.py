@@ -5,8 +5,8 @@ examples/train_gpt.py) repeated in fresh processes, since one run on a shared VM
     .venv/bin/python bench/predict.py --plan PLAN [--rounds 3]           # only the traced run repeats
 
 Prints, per round, the predicted and measured iteration and forward and backward per micro-batch with their relative
-errors (as `hetero report` computes them), then the median of each, and the plain script's step time next to the
-traced run's so machine drift shows apart from model error.
+errors (as `hetero report` computes them), then the median of each, the plain script's step time next to the traced
+run's so machine drift shows apart from model error, and how many layers the plan evicts to the slow tier.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from hetero import files  # noqa: E402
 from hetero.cli.sources import profile_of  # noqa: E402
+from hetero.plan.schema import Plan  # noqa: E402
 from hetero.report.compare import compare  # noqa: E402
 from hetero.report.schema import Run  # noqa: E402
 
@@ -53,9 +54,10 @@ def one_round(work: Path, plan: Path | None, script: list[str]) -> dict[str, flo
     plain = step_ms(sh([sys.executable, *script]))
     sh(HETERO + ["run", "--plan", str(plan), "--trace", str(work / "run.json"), *script])
     run = files.load(work / "run.yaml", expect=Run)
-    loaded = files.load(plan)
+    loaded = files.load(plan, expect=Plan)
     rows = {r.entry: r for r in compare(run, loaded, profile_of(loaded, plan, "to time its layers"))}
-    out = {"plain ms/step": plain}
+    acts = loaded.activations
+    out = {"plain ms/step": plain, "evicting": sum(e.evict_bytes > 0 for e in acts.schedule) if acts else 0}
     for name in ENTRIES:
         out[f"{name} predicted"], out[f"{name} measured"] = rows[name].predicted * 1e3, rows[name].measured * 1e3
     return out
@@ -73,6 +75,7 @@ def main() -> None:
     for name in ENTRIES:
         table.add_column(name.replace(" (per micro-batch)", ""), justify="right")
     table.add_column("plain script ms/step", justify="right")
+    table.add_column("layers evicting", justify="right")
     errors: dict[str, list[float]] = {name: [] for name in ENTRIES}
     for k in range(a.rounds):
         with tempfile.TemporaryDirectory(prefix="hetero-predict-") as tmp:
@@ -82,8 +85,8 @@ def main() -> None:
             pred, meas = r[f"{name} predicted"], r[f"{name} measured"]
             errors[name].append(meas / pred - 1)
             cells.append(f"{pred:.0f} vs {meas:.0f} ({meas / pred - 1:+.0%})")
-        table.add_row(str(k + 1), *cells, f"{r['plain ms/step']:.0f}")
-    table.add_row("median", *(f"{statistics.median(errors[n]):+.0%}" for n in ENTRIES), "")
+        table.add_row(str(k + 1), *cells, f"{r['plain ms/step']:.0f}", str(r["evicting"]))
+    table.add_row("median", *(f"{statistics.median(errors[n]):+.0%}" for n in ENTRIES), "", "")
     Console().print(table)
 
 

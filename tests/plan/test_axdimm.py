@@ -91,8 +91,8 @@ def test_each_update_on_a_channel_pays_the_launch_cost():
     """An update's time is the channel's fixed cost (mode switches, launch, status) plus its size at the rate: small
     tensors (biases, norms) cost their launch, which the rate alone would call free."""
     rates = axdimm.Rates(adam_params_per_s=1e9, lanes=["axdimm ch0", "axdimm ch1"], launch_s=2e-4)
-    placed = [StatePlacement(param=p.name, tier="axdimm", channel=k % 2)
-              for k, p in enumerate(params(1000, 4_000_000))]
-    first, second = axdimm.updates(params(1000, 4_000_000), placed, 2, rates)
+    ps = params(1000, 4_000_000)
+    placed = [StatePlacement(param=p.name, tier="axdimm", channel=k % 2) for k, p in enumerate(ps)]
+    first, second = axdimm.updates(ps, placed, 2, rates)
     assert first[0].update_s == pytest.approx(2e-4 + 1e-6) and first[0].lane == 0
     assert second[0].update_s == pytest.approx(2e-4 + 4e-3) and second[0].lane == 1
