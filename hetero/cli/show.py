@@ -35,7 +35,7 @@ def show(
     if as_json:
         print(json.dumps(files.to_data(obj), indent=2))
         return
-    console = Console() if sys.stdout.isatty() else Console(width=160)  # pipes and files get whole tables
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes and files get whole tables
     console.print(f"[bold]{type(obj).__name__}[/bold] {path}")
     # Plans say why a section is absent, profiles why a field is null: show it where the section would be.
     reasons = getattr(obj, "omitted", None) or getattr(obj, "unmeasured", None) or {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.errors import USAGE, HeteroError
+from hetero.plan import tiering
 from hetero.plan.model import Curve, Update
 from hetero.plan.schema import StatePlacement
 from hetero.profile.schema import Profile, Tier
@@ -77,12 +78,14 @@ def rates(profile: Profile, device: str) -> Rates:
     m, t = profile.machine, profile.training
     step_rate = profile.model.num_params / t.optimizer_step_s if t.optimizer_step_s > 0 else float("inf")
     nvme = nvme_tier(profile)
-    read, write = (Curve.of(nvme.read, f"{nvme.name} read"), Curve.of(nvme.write, f"{nvme.name} write")) if nvme \
-        else (None, None)
+    write, read = tiering.disk_curves(nvme) if nvme else (None, None)
     if device == "axdimm":
         lanes = [f"axdimm ch{c}" for c in range(m.axdimm.channels)]
-        return Rates(adam_params_per_s=m.axdimm.adam_params_per_s, lanes=lanes, launch_s=m.axdimm.launch_s,
-                     nvme_read=read, nvme_write=write)
+        x = m.axdimm  # emulated channels share the cores with compute where the CPU computes: measured beside it
+        beside = x.adam_beside_compute_params_per_s is not None and x.launch_beside_compute_s is not None
+        return Rates(adam_params_per_s=x.adam_beside_compute_params_per_s if beside else x.adam_params_per_s,
+                     launch_s=x.launch_beside_compute_s if beside else x.launch_s, lanes=lanes, nvme_read=read,
+                     nvme_write=write)
     if device == "host":
         rate = m.cpu.adam_params_per_s or step_rate
         return Rates(adam_params_per_s=rate, lanes=["host adam"] if m.gpu else [], nvme_read=read, nvme_write=write)

@@ -19,7 +19,7 @@ import bisect
 from dataclasses import dataclass, field, replace
 
 from hetero.plan.model import Curve
-from hetero.profile.schema import Profile
+from hetero.profile.schema import Profile, Tier
 from hetero.units import SIZE, TIME
 
 _SLACK_S = 1e-9  # float noise: a partial eviction ends exactly ST before its prefetch (Eq. 7), never "late" by it
@@ -48,16 +48,24 @@ class Decision:
 
 
 def curves(profile: Profile, slow: str) -> tuple[Curve, Curve]:
-    """Eviction and prefetch times to `slow`: its measured write and read curves without a GPU; from the GPU, the
-    D2H/H2D copies, followed by the tier's own write/read unless it is host memory itself."""
+    """Eviction and prefetch times to `slow`: without a GPU, its measured write and read curves, as long as they
+    take beside compute on the shared cores; from the GPU, the D2H/H2D copies, followed by the tier's own write/read
+    unless it is host memory itself."""
     tier = next(t for t in profile.machine.tiers if t.name == slow)
     gpu = profile.machine.gpu
     if gpu is None:
-        return Curve.of(tier.write, f"{slow} write"), Curve.of(tier.read, f"{slow} read")
+        return disk_curves(tier)
     evict, prefetch = Curve.of(gpu.d2h, "gpu.d2h"), Curve.of(gpu.h2d, "gpu.h2d")
     if tier.kind == "dram":
         return evict, prefetch
     return evict.then(Curve.of(tier.write, f"{slow} write")), Curve.of(tier.read, f"{slow} read").then(prefetch)
+
+
+def disk_curves(tier: Tier) -> tuple[Curve, Curve]:
+    """A disk tier's write and read curves as measured beside compute where they were (the CPU computes: the
+    workers share its cores), else alone."""
+    return (Curve.of(tier.write_beside_compute or tier.write, f"{tier.name} write"),
+            Curve.of(tier.read_beside_compute or tier.read, f"{tier.name} read"))
 
 
 def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:

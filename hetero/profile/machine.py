@@ -15,16 +15,21 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hetero.kernels.adam import Hyperparameters
 from hetero.units import measured
 from hetero.profile import dha
 from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
+from hetero.run.devices.axdimm import EmulatedAxdimm
+from hetero.run.states import AxdimmHome, ChannelDriver
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
+BESIDE_SIZES = (64 * KiB, MiB, 16 * MiB)  # disk transfers timed beside compute: the tensors the runtime moves
 GPU_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 
 
@@ -40,7 +45,7 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     report("machine", 2, len(phases))
     tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown)
     report("machine", 3, len(phases))
-    axdimm = measure_axdimm()
+    axdimm = measure_axdimm(slowdown=cpu.background_slowdown)
     report("machine", 4, len(phases))
     return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [])
 
@@ -48,17 +53,25 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
 def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = ()) -> dict[str, str]:
     """Why the profile's null fields are null on this machine (`layers`, `tiers`: as measured, to name those left
     null)."""
-    copies = {f"machine.tiers.{t.name}.{f}": MEMORY_COPY_CPU for t in tiers if t.path is None and (t.read or t.write)
-              for f in ("read_cpu", "write_cpu") if getattr(t, f) is None}
+    memory = [t for t in tiers if t.path is None and (t.read or t.write)]
+    copies = {f"machine.tiers.{t.name}.{f}": why for t in memory
+              for f, why in (("read_cpu", MEMORY_COPY_CPU), ("write_cpu", MEMORY_COPY_CPU),
+                             ("read_beside_compute", MEMORY_BESIDE), ("write_beside_compute", MEMORY_BESIDE))
+              if not getattr(t, f)}
+    disk = {f"machine.tiers.{t.name}.{f}": ON_GPU for t in tiers if t.path is not None
+            for f in ("read_cpu", "write_cpu", "read_beside_compute", "write_beside_compute") if not getattr(t, f)}
     if device.type != "cuda":
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
                 "layers.*.bp_grad_host": gone} | copies
-    return {"machine.cpu.background_slowdown": ON_GPU} | copies | dha.unmeasured(list(layers))
+    on_gpu = {f"machine.{f}": ON_GPU for f in ("cpu.background_slowdown", "axdimm.cpu", "axdimm.adam_beside_compute",
+                                                "axdimm.launch_beside_compute")}
+    return on_gpu | copies | disk | dha.unmeasured(list(layers))
 
 
 ON_GPU = "the model computes on the GPU: host worker threads do not take its cores"
 MEMORY_COPY_CPU = "a copy within memory is a streaming worker: planned as 1"
+MEMORY_BESIDE = "copies within memory are not measured beside compute: planned as 1"
 
 
 # -- host ----------------------------------------------------------------------------------------------------------
@@ -102,37 +115,53 @@ def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
     thread."""
     src = torch.ones(buffer_bytes // 4)
     dst = torch.zeros_like(src)
-    return slowdown_beside(lambda: dst.copy_(src))
+    return beside_compute([lambda: dst.copy_(src)]).compute
 
 
-def slowdown_beside(work: Callable[[], object], target_s: float = 0.06) -> float:
-    """A loop of GEMMs of about `target_s` with torch's default threads while one thread repeats `work`, over the
-    same loop alone; best of 3 each way (about 0.5 s)."""
+@dataclass(frozen=True, slots=True)
+class Beside:
+    """Compute and workers sharing the cores."""
+
+    compute: float  # a GEMM loop's time with the workers beside it over alone (>= 1)
+    work_s: float  # the workers' median call beside the GEMM loop
+
+
+def beside_compute(works: list[Callable[[], object]], target_s: float = 0.06) -> Beside:
+    """A loop of GEMMs of about `target_s` with torch's default threads while one thread per entry of `works`
+    repeats it; best of 3 loops each way (about 0.5 s). Noise can make the slowdown read below 1, but a worker never
+    speeds compute up."""
     a, b = torch.ones(512, 1024), torch.ones(1024, 1024)
-    one = median_time(lambda: a @ b, repeats=3, min_s=0)
-    count = max(1, round(target_s / one))
+    count = max(1, round(target_s / median_time(lambda: a @ b, repeats=3, min_s=0)))
 
-    def gemms() -> float:
+    def gemms(windows: list[tuple[float, float]]) -> float:
         start = time.perf_counter()
         for _ in range(count):
             a @ b
-        return time.perf_counter() - start
+        windows.append((start, time.perf_counter()))
+        return windows[-1][1] - start
 
-    alone = min(gemms() for _ in range(3))
-    stop = threading.Event()
+    alone = min(gemms([]) for _ in range(3))
+    stop, calls, windows = threading.Event(), [], []
 
-    def loop() -> None:
+    def loop(work: Callable[[], object]) -> None:
         while not stop.is_set():
+            start = time.perf_counter()
             work()
+            calls.append((start, time.perf_counter()))
 
-    worker = threading.Thread(target=loop, name="hetero-profile-worker", daemon=True)
-    worker.start()
+    workers = [threading.Thread(target=loop, args=(w,), name="hetero-profile-worker", daemon=True) for w in works]
+    for w in workers:
+        w.start()
     try:
-        busy = min(gemms() for _ in range(3))
+        busy = min(gemms(windows) for _ in range(3))
     finally:
         stop.set()
-        worker.join()
-    return max(1.0, busy / alone)  # noise can make it read below 1: a worker never speeds compute up
+        for w in workers:
+            w.join()
+    first, last = windows[0][0], windows[-1][1]  # the loops run back to back
+    inside = [end - start for start, end in calls if first <= start and end <= last]
+    work = statistics.median(inside) if inside else max(end - start for start, end in calls)  # calls longer than it
+    return Beside(compute=max(1.0, busy / alone), work_s=work)
 
 
 def numa_nodes() -> list[NumaNode]:
@@ -188,49 +217,78 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
                 median_time(lambda: store.write_async("probe", data).wait(), repeats=3, min_s=0))))
             read.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.read_async("probe", out).wait(), repeats=3, min_s=0))))
-        shares = _shares(store, data, out, slowdown) if slowdown else (None, None)
+        beside = _beside(store, slowdown) if slowdown else None
         free = shutil.disk_usage(probe).free
+    read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
     return Tier(name="nvme0", kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
-                read_cpu=shares[0], write_cpu=shares[1])
+                read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read_beside,
+                write_beside_compute=write_beside)
 
 
-def _shares(store, data: torch.Tensor, out: torch.Tensor, slowdown: float) -> tuple[float, float]:
-    """How much of a streaming worker's slowdown of compute a worker moving the largest size to and from the disk
-    causes: (compute slowdown beside it - 1) / (slowdown - 1), clamped to [0, 1]. Measured as it acts, not from CPU
+def _beside(store, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
+    """Reads and writes beside compute, at BESIDE_SIZES: how long they take, called from a worker thread as the
+    runtime's evictions and prefetches are (a hand-off between threads under load costs the cores' time slices), and
+    at the middle size their share of a streaming worker's slowdown of compute. Measured as they act, not from CPU
     time: the disk's DMA and the guest's interrupt work load the cores and memory bus without showing as the
     process's CPU time."""
-    beside_read = slowdown_beside(lambda: store.read_async("probe", out).wait())
-    beside_write = slowdown_beside(lambda: store.write_async("probe", data).wait())
-    share = lambda s: round(min(1.0, max(0.0, (s - 1) / (slowdown - 1))), 3) if slowdown > 1 else 0.0  # noqa: E731
-    return share(beside_read), share(beside_write)
+    points: dict[str, list[CurvePoint]] = {"read": [], "write": []}
+    shares = {}
+    for size in BESIDE_SIZES:
+        data, out = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+        store.write_async("beside", data).wait()
+        for kind, work in (("read", lambda: store.read_async("beside", out).wait()),
+                           ("write", lambda: store.write_async("beside", data).wait())):
+            beside = beside_compute([work])
+            points[kind].append(CurvePoint(size_bytes=size, time_s=measured(beside.work_s)))
+            if size == BESIDE_SIZES[1]:
+                shares[kind] = share(beside.compute, slowdown)
+    return shares["read"], shares["write"], points["read"], points["write"]
 
 
-def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = (4096, 4 * 2**20)) -> Axdimm:
+def share(compute: float, slowdown: float, workers: int = 1) -> float:
+    """(compute slowdown beside `workers` workers - 1) / (slowdown beside one streaming worker - 1), per worker,
+    clamped to [0, 1]."""
+    return round(min(1.0, max(0.0, (compute - 1) / (slowdown - 1) / workers)), 3) if slowdown > 1 else 0.0
+
+
+def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = (4096, 4 * 2**20),
+                   slowdown: float | None = None) -> Axdimm:
     """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it (the
     channel's driver thread copies the gradient in, switches the arbiter and launches the kernel; the caller waits for
-    its status), at a small and a large size: a fixed cost per update plus a rate."""
-    from hetero.kernels.adam import Hyperparameters
-    from hetero.run.devices.axdimm import EmulatedAxdimm
-    from hetero.run.states import AxdimmHome, ChannelDriver
-
+    its status), at a small and a large size: a fixed cost per update plus a rate. With `slowdown` (the CPU
+    computes), also every channel updating the large size at once beside compute, as backward runs them."""
     hp = Hyperparameters(decoupled_weight_decay=True)
-    times = []
-    with EmulatedAxdimm(channel_capacity_bytes=4 * sum(sizes) * 4 + 4096, channels=1) as device:
-        driver = ChannelDriver(device, 0)
+    # 16 bytes per parameter (value, gradient, two moments); channel 0 holds a home of each size twice
+    with EmulatedAxdimm(channel_capacity_bytes=2 * 16 * sum(sizes) + 8192, channels=channels) as device:
+        drivers = [ChannelDriver(device, c) for c in range(channels)]
         try:
-            for numel in sizes:
-                home, grad = AxdimmHome(driver, torch.zeros(numel)), torch.full((numel,), 1e-3)
-
-                def update() -> None:
-                    home.update(grad, hp, step=1)
-                    driver.drain()
-
-                times.append(median_time(update, repeats=11))
+            alone = fixed_and_rate(sizes, [median_time(_update(drivers[0], n, hp), repeats=11) for n in sizes])
+            beside = [beside_compute([_update(d, n, hp) for d in drivers]) for n in sizes] if slowdown else None
         finally:
-            driver.close()
-    rate = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
+            for d in drivers:
+                d.close()
+    launch, rate = fixed_and_rate(sizes, [b.work_s for b in beside]) if beside else (None, None)
     return Axdimm(backend="emulated", channels=channels, channel_capacity_bytes=emulated_channel_capacity(channels),
-                  adam_params_per_s=measured(rate), launch_s=measured(max(0.0, times[0] - sizes[0] / rate)))
+                  adam_params_per_s=measured(alone[1]), launch_s=measured(alone[0]),
+                  cpu=share(beside[1].compute, slowdown, channels) if beside else None,
+                  adam_beside_compute_params_per_s=measured(rate) if rate else None,
+                  launch_beside_compute_s=measured(launch) if beside else None)
+
+
+def fixed_and_rate(sizes: tuple[int, int], times: list[float]) -> tuple[float, float]:
+    """(fixed seconds, units per second) of a line through two (size, time) points."""
+    rate = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
+    return max(0.0, times[0] - sizes[0] / rate), rate
+
+
+def _update(driver: ChannelDriver, numel: int, hp: Hyperparameters) -> Callable[[], None]:
+    home, grad = AxdimmHome(driver, torch.zeros(numel)), torch.full((numel,), 1e-3)
+
+    def update() -> None:
+        home.update(grad, hp, step=1)
+        driver.drain()
+
+    return update
 
 
 def emulated_channel_capacity(channels: int) -> int:

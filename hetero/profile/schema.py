@@ -122,6 +122,11 @@ class Tier:
                                  "null: taken as 1.", ge=0, le=1, default=None)
     write_cpu: float | None = doc("The same for a worker writing to the tier; null: taken as 1.", ge=0, le=1,
                                   default=None)
+    read_beside_compute: list[CurvePoint] = doc(
+        "Time to read by size while the model computes on all cores, the worker sharing the cores with it: what "
+        "the planner times reads by when the CPU computes; empty: not measured (a GPU computes, or a memory tier).",
+        default_factory=list)
+    write_beside_compute: list[CurvePoint] = doc("The same for writes.", default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +140,14 @@ class Axdimm:
                                    unit=PARAM_RATE)
     launch_s: float = doc("Fixed cost of one parameter's update on a channel, whatever its size: the arbiter's mode "
                           "switches, the kernel launch and waiting for its status.", unit=TIME, ge=0)
+    cpu: float | None = doc("How much one emulated channel's worker slows compute on the cores while it updates, as a "
+                            "share of `cpu.background_slowdown`, measured with every channel updating; null: not "
+                            "measured (hardware, or a GPU computes): taken as 1 when emulated.", ge=0, le=1,
+                            default=None)
+    adam_beside_compute_params_per_s: float | None = doc(
+        "`adam` while the model computes on all cores, every channel updating; null: not measured (hardware, or a "
+        "GPU computes): `adam` holds.", unit=PARAM_RATE, default=None)
+    launch_beside_compute_s: float | None = doc("`launch` the same way.", unit=TIME, ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)

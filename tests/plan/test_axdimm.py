@@ -1,11 +1,15 @@
 """Optimizer-state placement: balanced round-robin over channels, NVMe overflow of the last-updated, host, gpu."""
 
+from dataclasses import replace
+
 import pytest
 
 from hetero.errors import HeteroError
-from hetero.plan import axdimm
+from hetero import files
+from hetero.plan import axdimm, tiering
 from hetero.plan.schema import StatePlacement
 from hetero.plan.solve import PlanOptions, plan, predict
+from hetero.profile.schema import Profile
 from tests.plan.synthetic import GiB, curve, gpu_profile
 
 
@@ -96,3 +100,18 @@ def test_each_update_on_a_channel_pays_the_launch_cost():
     first, second = axdimm.updates(ps, placed, 2, rates)
     assert first[0].update_s == pytest.approx(2e-4 + 1e-6) and first[0].lane == 0
     assert second[0].update_s == pytest.approx(2e-4 + 4e-3) and second[0].lane == 1
+
+
+def test_where_the_cpu_computes_workers_are_timed_as_measured_beside_compute(repo):
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    x, disk = profile.machine.axdimm, profile.machine.tiers[1]
+    r = axdimm.rates(profile, "axdimm")
+    assert (r.adam_params_per_s, r.launch_s) == (x.adam_beside_compute_params_per_s, x.launch_beside_compute_s)
+    evict, prefetch = tiering.curves(profile, disk.name)
+    assert evict.times == tuple(p.time_s for p in disk.write_beside_compute)
+    assert (r.nvme_read, r.nvme_write) == (prefetch, evict)  # one disk, the same workers' times
+    profile.machine.axdimm = replace(x, adam_beside_compute_params_per_s=None, launch_beside_compute_s=None)
+    profile.machine.tiers[1] = replace(disk, read_beside_compute=[], write_beside_compute=[])  # a GPU computes
+    alone = axdimm.rates(profile, "axdimm")
+    assert (alone.adam_params_per_s, alone.launch_s) == (x.adam_params_per_s, x.launch_s)
+    assert tiering.curves(profile, disk.name)[1].times == tuple(p.time_s for p in disk.read)

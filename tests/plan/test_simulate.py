@@ -185,20 +185,25 @@ def test_without_a_measured_slowdown_or_with_a_gpu_nothing_changes():
 
 
 def test_the_plan_gives_each_background_lane_the_cpu_share_the_profile_measured(repo):
-    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    shipped = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
     plan = files.load(repo / "plans/gpt-tiny-cpu.plan.yaml", expect=Plan)
+    m = shipped.machine
+    unmeasured = [dataclasses.replace(m.tiers[0]), dataclasses.replace(m.tiers[1], read_cpu=None, write_cpu=None)]
+    profile = dataclasses.replace(shipped, machine=dataclasses.replace(
+        m, cpu=dataclasses.replace(m.cpu, background_slowdown=None), tiers=unmeasured,
+        axdimm=dataclasses.replace(m.axdimm, cpu=None)))
     c, ch = build(profile, plan)
     assert c.background_slowdown is None  # not measured: compute is not slowed
     assert ch.cpu_share == {"evict": 1.0, "prefetch": 1.0, "nvme read": 1.0, "nvme write": 1.0, "axdimm ch0": 1.0,
                             "axdimm ch1": 1.0}  # unmeasured workers count as busy throughout
-    m = profile.machine
     nvme = dataclasses.replace(m.tiers[1], read_cpu=0.5, write_cpu=0.125)
     measured = dataclasses.replace(profile, machine=dataclasses.replace(
-        m, cpu=dataclasses.replace(m.cpu, background_slowdown=2.0), tiers=[m.tiers[0], nvme]))
+        m, cpu=dataclasses.replace(m.cpu, background_slowdown=2.0), tiers=[m.tiers[0], nvme],
+        axdimm=dataclasses.replace(m.axdimm, cpu=0.75)))
     c2, ch2 = build(measured, plan)
     assert c2.background_slowdown == 2.0
     assert ch2.cpu_share == {"evict": 0.125, "prefetch": 0.5, "nvme read": 0.5, "nvme write": 0.125,
-                             "axdimm ch0": 1.0, "axdimm ch1": 1.0}
+                             "axdimm ch0": 0.75, "axdimm ch1": 0.75}
     slowed = simulate(c2, ch2)
     alone = simulate(c, ch)
     assert slowed.iteration_s > alone.iteration_s

@@ -19,11 +19,30 @@ def test_background_slowdown_is_measured_quickly_and_within_bounds():
 def test_disk_tier_measures_how_much_its_workers_slow_compute(tmp_path):
     tier = machine.measure_nvme(str(tmp_path), slowdown=2.0)
     assert 0 <= tier.read_cpu <= 1 and 0 <= tier.write_cpu <= 1, (tier.read_cpu, tier.write_cpu)
-    assert machine.measure_nvme(str(tmp_path)).read_cpu is None  # no slowdown measured (a GPU): no shares
+    assert [p.size_bytes for p in tier.read_beside_compute] == list(machine.BESIDE_SIZES)
+    assert all(p.time_s > 0 for p in tier.read_beside_compute + tier.write_beside_compute)
+    alone = machine.measure_nvme(str(tmp_path))  # no slowdown measured (a GPU computes): not measured beside it
+    assert alone.read_cpu is None and alone.write_beside_compute == []
 
 
-def test_a_worker_that_only_waits_does_not_slow_compute():
-    assert machine.slowdown_beside(lambda: time.sleep(0.001)) < 1.3
+def test_emulated_channels_are_measured_beside_compute_only_when_the_cpu_computes():
+    beside = machine.measure_axdimm(channels=2, sizes=(4096, 2**18), slowdown=2.0)
+    assert 0 <= beside.cpu <= 1 and beside.adam_beside_compute_params_per_s > 0
+    assert beside.launch_beside_compute_s >= 0
+    alone = machine.measure_axdimm(channels=2, sizes=(4096, 2**18))
+    assert alone.cpu is None and alone.adam_beside_compute_params_per_s is None and alone.adam_params_per_s > 0
+
+
+def test_a_worker_that_only_waits_does_not_slow_compute_nor_is_slowed():
+    beside = machine.beside_compute([lambda: time.sleep(0.001)])
+    assert 1 <= beside.compute < 1.5 and 0.001 <= beside.work_s < 0.005  # a streaming worker: about 2
+
+
+def test_a_worker_that_computes_shares_the_cores_with_compute():
+    a = torch.ones(256, 256)
+    alone = machine.median_time(lambda: a @ a)
+    beside = machine.beside_compute([lambda: a @ a for _ in range(2)])
+    assert beside.compute > 1.1 and beside.work_s > 1.1 * alone
 
 
 def test_with_a_gpu_the_slowdown_is_left_null_and_said_why(monkeypatch):
@@ -32,10 +51,12 @@ def test_with_a_gpu_the_slowdown_is_left_null_and_said_why(monkeypatch):
     monkeypatch.setattr(machine, "background_slowdown", lambda: pytest.fail("measured beside a GPU"))
     assert machine.measure_cpu(gpu=True).background_slowdown is None
     dram = Tier(name="dram", kind="dram", capacity_bytes=2**30, read=[], write=[])
-    nvme = Tier(name="nvme0", kind="nvme", capacity_bytes=2**30, path="/tmp", read_cpu=0.1, write_cpu=0.1)
+    nvme = Tier(name="nvme0", kind="nvme", capacity_bytes=2**30, path="/tmp")
     reasons = machine.unmeasured(torch.device("cuda"), [], [dram, nvme])
-    assert reasons["machine.cpu.background_slowdown"] == machine.ON_GPU
-    assert not any(key.startswith("machine.tiers.") for key in reasons)  # no curves (HBM-like) or measured
+    for field in ("cpu.background_slowdown", "axdimm.cpu", "axdimm.adam_beside_compute", "tiers.nvme0.read_cpu",
+                  "tiers.nvme0.write_beside_compute"):
+        assert reasons[f"machine.{field}"] == machine.ON_GPU
+    assert not any(key.startswith("machine.tiers.dram") for key in reasons)  # no curves: HBM-like
 
 
 def test_memory_tiers_count_as_busy_and_say_so():
@@ -43,4 +64,5 @@ def test_memory_tiers_count_as_busy_and_say_so():
     dram = Tier(name="dram", kind="dram", capacity_bytes=2**30, read=copy, write=copy)
     reasons = machine.unmeasured(torch.device("cpu"), [], [dram])
     assert reasons["machine.tiers.dram.read_cpu"] == reasons["machine.tiers.dram.write_cpu"] == machine.MEMORY_COPY_CPU
+    assert reasons["machine.tiers.dram.read_beside_compute"] == machine.MEMORY_BESIDE
     assert "machine.cpu.background_slowdown" not in reasons

@@ -118,3 +118,12 @@ def test_own_segments_split_a_parent_around_its_children():
 def test_sweep_averages_a_step_function_over_the_window():
     # 10 before the window, 30 from t=2 to 3, 0 from t=3: average over [1, 5] = (10*1 + 30*1) / 4
     assert _sweep([(0.0, 10), (2.0, 30), (3.0, 0), (9.0, 50)], 1.0, 5.0) == (10, 30)
+
+
+def test_a_trace_whose_summary_would_overwrite_the_plan_is_refused(tmp_path, capfd, repo):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text((repo / "plans/gpt-tiny-cpu.plan.yaml").read_text())
+    before = plan.read_text()
+    assert main(["run", "--plan", str(plan), "--trace", str(tmp_path / "plan.json"),
+                 str(repo / "examples/train_gpt.py")]) == 2
+    assert "which is not a run summary" in capfd.readouterr().err and plan.read_text() == before
