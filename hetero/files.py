@@ -107,6 +107,17 @@ def _compose(text: str, name: str) -> yaml.Node:
     return docs[0]
 
 
+def kind_of(path: str | os.PathLike) -> str | None:
+    """The `kind` the file at `path` declares at its top; None when it is not a readable YAML mapping with one."""
+    try:
+        root = _compose(_read_text(Path(path), str(path)), str(path))
+    except FileProblems:
+        return None
+    top = {k.value: v for k, v in root.value} if isinstance(root, yaml.MappingNode) else {}
+    kind = top.get("kind")
+    return kind.value if isinstance(kind, yaml.ScalarNode) else None
+
+
 def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     if not isinstance(root, yaml.MappingNode):
         raise FileProblems([_problem(name, root.start_mark, "expected a mapping with apiVersion and kind at the top")])

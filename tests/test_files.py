@@ -170,3 +170,12 @@ def _types(tp):
     yield tp
     for arg in typing.get_args(tp):
         yield from _types(arg)
+
+
+def test_kind_of_reads_the_declared_kind_and_nothing_else(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("apiVersion: hetero/v1\nkind: Plan\n")
+    (tmp_path / "list.yaml").write_text("- kind: Run\n")
+    (tmp_path / "bad.yaml").write_text("kind: [\n")
+    assert files.kind_of(plan) == "Plan"
+    assert [files.kind_of(tmp_path / n) for n in ("list.yaml", "bad.yaml", "missing.yaml")] == [None, None, None]

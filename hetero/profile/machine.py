@@ -256,7 +256,7 @@ def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = (4096, 4 * 2**20)
     """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it (the
     channel's driver thread copies the gradient in, switches the arbiter and launches the kernel; the caller waits for
     its status), at a small and a large size: a fixed cost per update plus a rate. With `slowdown` (the CPU
-    computes), also every channel updating the large size at once beside compute, as backward runs them."""
+    computes), the same with every channel updating at once beside compute, as backward runs them."""
     hp = Hyperparameters(decoupled_weight_decay=True)
     # 16 bytes per parameter (value, gradient, two moments); channel 0 holds a home of each size twice
     with EmulatedAxdimm(channel_capacity_bytes=2 * 16 * sum(sizes) + 8192, channels=channels) as device:
@@ -271,7 +271,7 @@ def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = (4096, 4 * 2**20)
     return Axdimm(backend="emulated", channels=channels, channel_capacity_bytes=emulated_channel_capacity(channels),
                   adam_params_per_s=measured(alone[1]), launch_s=measured(alone[0]),
                   cpu=share(beside[1].compute, slowdown, channels) if beside else None,
-                  adam_beside_compute_params_per_s=measured(rate) if rate else None,
+                  adam_beside_compute_params_per_s=measured(rate) if beside else None,
                   launch_beside_compute_s=measured(launch) if beside else None)
 
 

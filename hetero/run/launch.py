@@ -106,16 +106,9 @@ class Trace:
             raise HeteroError(f"--trace {self.path}: no directory {self.path.parent}", hint="create it first",
                               exit_code=USAGE)
         summary = self.path.with_suffix(".yaml")
-        if summary.is_file() and not _is_run(summary):
+        if summary.is_file() and files.kind_of(summary) != "Run":
             raise HeteroError(f"--trace {self.path}: its summary would overwrite {summary}, which is not a run summary",
                               hint=f"--trace {self.path.with_stem(self.path.stem + '-run')}", exit_code=USAGE)
-
-
-def _is_run(path: Path) -> bool:
-    """Whether `path` is a summary an earlier `--trace` wrote (the header's kind; a partial file counts too)."""
-    with open(path, errors="replace") as f:
-        head = f.read(4096)
-    return any(line.strip() == "kind: Run" for line in head.splitlines())
 
 
 def build(script: str, args: list[str], plan_path: Path, allow_stale: bool = False,
