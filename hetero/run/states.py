@@ -162,7 +162,7 @@ class NvmeStaging:
     def add(self, key: str, param: torch.Tensor) -> None:
         zeros = torch.zeros(param.numel())
         for part, data in zip("pmv", (flat(param), zeros, zeros)):
-            self.store.write_async(f"{key}.{part}", data.clone()).wait()
+            self.store.write(f"{key}.{part}", data.clone())
 
     def update_all(self, jobs: list[tuple[str, torch.Tensor, torch.Tensor, Hyperparameters, int]]) -> None:
         """jobs: (key, param, grad, hyperparameters, step) in update order; params change here, as step() runs."""
@@ -207,9 +207,9 @@ class NvmeStaging:
     def states(self, key: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(numel), torch.empty(numel)
         for part, buf in zip("mv", out):
-            self.store.read_async(f"{key}.{part}", buf).wait()
+            self.store.read(f"{key}.{part}", buf)
         return out
 
     def load(self, key: str, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         for part, data in zip("pmv", (master, exp_avg, exp_avg_sq)):
-            self.store.write_async(f"{key}.{part}", data.reshape(-1).contiguous().clone()).wait()
+            self.store.write(f"{key}.{part}", data.reshape(-1).contiguous().clone())

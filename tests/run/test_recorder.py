@@ -48,8 +48,9 @@ def test_recording_changes_nothing_the_script_computes(traced):
 def test_the_trace_has_a_lane_per_worker_and_no_overlap_within_a_lane(traced):
     trace, run, *_ = traced
     lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert {"compute", "optimizer.step", "evict", "prefetch", "axdimm ch0 (emulated)", "axdimm ch1 (emulated)",
-            "nvme 0"} <= set(lanes.values())
+    # Activations' disk I/O runs on the evict and prefetch threads themselves (NvmeStore.write/read): no nvme lane.
+    assert {"compute", "optimizer.step", "evict", "prefetch", "axdimm ch0 (emulated)",
+            "axdimm ch1 (emulated)"} <= set(lanes.values())
     spans = defaultdict(list)
     for e in trace["traceEvents"]:
         if e["ph"] == "X":

@@ -119,7 +119,7 @@ class CudaHostTier:
                 self._held[key] = (pinned, done)
             return rest
         done.synchronize()  # the file write reads the pinned copy on this (writer) thread
-        self.store.write_async(key, pinned).wait()
+        self.store.write(key, pinned)
         self.pool.give(pinned)
         return rest
 
@@ -130,7 +130,7 @@ class CudaHostTier:
                 pinned, written = self._held[key]
         else:
             pinned, written = self.pool.take(stored), None
-            self.store.read_async(key, pinned).wait()
+            self.store.read(key, pinned)
         s = self.prefetching
         with torch.cuda.stream(s):
             if written is not None:

@@ -71,7 +71,8 @@ class _File:
 class NvmeStore:
     """Tensors by key in files under `directory` (created, with its missing parents, and removed at close if absent).
 
-    `workers` threads do the I/O; `chunk_bytes` is each one's bounce buffer (and the size of one system call).
+    `workers` threads do the asynchronous I/O, and `write`/`read`/`delete` do theirs on the calling thread;
+    `chunk_bytes` is the size of each I/O thread's bounce buffer (and of one system call).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
@@ -87,9 +88,7 @@ class NvmeStore:
         except BaseException:
             _remove_dirs(self._made_dirs)
             raise
-        self._bounce: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        for _ in range(workers if self.direct else 0):
-            self._bounce.put(_aligned_buffer(chunk_bytes))
+        self._bounce: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()  # made on first need: see _take_bounce
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hetero-nvme")
         self._lock = threading.Lock()  # guards the four fields below; worker threads update them
         self._files: dict[str, _File] = {}
@@ -134,9 +133,21 @@ class NvmeStore:
                 raise KeyError(f"nothing stored under {key!r}")
         return self._submit(key, lambda: self._read(key, dst))
 
+    def write(self, key: str, tensor: Any) -> None:
+        """`write_async(key, tensor).wait()` on the calling thread: a worker's hand-off costs two thread wake-ups,
+        about 1 ms each on a busy 2-core VM (bench/lanes.py), more than a 1 MiB direct write itself."""
+        src = _byte_view(tensor, writable=False)
+        path = self.directory / f"{self._prefix}{next(self._seq)}.bin"
+        self._inline(key, lambda: self._write_file(key, src, path))
+
+    def read(self, key: str, out: Any) -> None:
+        """`read_async(key, out).wait()` on the calling thread."""
+        dst = _byte_view(out, writable=True)
+        self._inline(key, lambda: self._read_file(key, dst))
+
     def delete(self, key: str) -> None:
         """Remove `key`'s data, after the key's operations in flight have finished."""
-        self._submit(key, lambda: self._delete(key)).wait()
+        self._inline(key, lambda: self._delete(key))
 
     def close(self) -> None:
         """Finish the operations in flight, drop those queued, remove every file and any directory the store made.
@@ -165,6 +176,22 @@ class NvmeStore:
             self._tail[key] = future
         future.add_done_callback(lambda f: self._forget(key, f))
         return Handle(future)
+
+    def _inline(self, key: str, job: Callable[[], None]) -> None:
+        """Run `job` here, as the key's newest operation: after those in flight, before any submitted later."""
+        future: Future[None] = Future()
+        with self._lock:
+            if self._closed:
+                raise HeteroError(f"the NVMe store in {self.directory} is closed", hint="open a new NvmeStore")
+            previous = self._tail.get(key)
+            self._tail[key] = future
+        future.add_done_callback(lambda f: self._forget(key, f))
+        try:
+            _after(previous, job)
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        future.set_result(None)
 
     def _forget(self, key: str, future: Future[None]) -> None:
         with self._lock:
@@ -209,7 +236,7 @@ class NvmeStore:
         middle = (src.nbytes - head) // _BLOCK * _BLOCK
         for offset in range(head, head + middle, self._chunk):
             _pwrite_all(fd, src[offset:min(offset + self._chunk, head + middle)], shift + offset)
-        bounce = self._bounce.get()
+        bounce = self._take_bounce()
         try:
             if head:
                 bounce[:shift] = 0
@@ -255,7 +282,7 @@ class NvmeStore:
         middle = (dst.nbytes - head) // _BLOCK * _BLOCK if dst.ctypes.data % _BLOCK == shift else 0
         for offset in range(head, head + middle, self._chunk):
             _pread_exact(fd, dst[offset:min(offset + self._chunk, head + middle)], shift + offset)
-        bounce = self._bounce.get()
+        bounce = self._take_bounce()
         try:
             for start, end in ((0, head), (head + middle, dst.nbytes)) if middle else ((0, dst.nbytes),):
                 for offset in range(start, end, self._chunk - _BLOCK):
@@ -266,6 +293,13 @@ class NvmeStore:
                     dst[offset:offset + n] = bounce[skip:skip + n]
         finally:
             self._bounce.put(bounce)
+
+    def _take_bounce(self) -> np.ndarray:
+        """One bounce buffer per thread doing I/O at once: the pool's workers and the callers of the blocking calls."""
+        try:
+            return self._bounce.get_nowait()
+        except queue.Empty:
+            return _aligned_buffer(self._chunk)
 
     def _delete(self, key: str) -> None:
         with self._lock:
@@ -290,7 +324,7 @@ def _lane() -> str:
 
 def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
     # Never deadlocks: the pool's queue is FIFO, so `previous` (submitted earlier) was taken by a worker before
-    # this job was, and it waits on nothing submitted later. Its failure does not stop this job (a read after a
+    # this job was, or runs on the thread that made the blocking call, and it waits on nothing submitted later. Its failure does not stop this job (a read after a
     # failed write returns the previous version).
     if previous is not None:
         wait_all([previous])

@@ -4,8 +4,8 @@ Bytes are moved as flat uint8 tensors (a saved tensor's whole storage, or its fi
 dtypes, views and strides never reach a tier. One writer thread and one reader thread call a tier; `ready` and `wait`
 are called from the threads that run the model (the forward hooks, and autograd's threads in backward).
 
-- CPU-only (`fast` is host memory): the slow tier is files in a directory, written and read by the NVMe store's
-  workers (O_DIRECT where the file system allows, files 0600, removed on close, at exit and on Ctrl-C).
+- CPU-only (`fast` is host memory): the slow tier is files in a directory, written and read by the tiering's
+  writer and reader threads (O_DIRECT where the file system allows, files 0600, removed on close, at exit and on Ctrl-C).
 - GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on side streams (hetero.run.devices.host_pool),
   with the NVMe store below it when the plan names a directory.
 """
@@ -62,9 +62,9 @@ class NvmeTier:
 
     def __init__(self, name: str, directory: str):
         self.name = name
-        # Two store workers: one serves the single writer, the other the single reader, so a prefetch never queues
-        # behind the evictions (TierTrain keeps the two queues apart).
-        self.store = NvmeStore(directory, workers=2)
+        # The single writer and the single reader do their own I/O (the store's blocking calls), so a prefetch
+        # never queues behind the evictions (TierTrain keeps the two queues apart).
+        self.store = NvmeStore(directory, workers=1)  # the pool is never used: no thread starts
         self.directory: str | None = str(self.store.directory)
         self.pool = HostPool()  # fetched buffers, reused from step to step
 
@@ -73,16 +73,15 @@ class NvmeTier:
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: None) -> torch.Tensor | None:
         rest = data[evict_bytes:].clone() if evict_bytes < data.numel() else None
-        self.store.write_async(key, data[:evict_bytes]).wait()
+        self.store.write(key, data[:evict_bytes])
         return rest
 
     def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         out = self.pool.take(nbytes)
         stored = nbytes - (0 if rest is None else rest.numel())
-        done = self.store.read_async(key, out[:stored])
         if rest is not None:
-            out[stored:].copy_(rest)  # overlaps the read
-        done.wait()
+            out[stored:].copy_(rest)
+        self.store.read(key, out[:stored])
         return out, None
 
     def wait(self, marker: None, data: torch.Tensor) -> bool:

@@ -208,3 +208,62 @@ def _at_offset(nbytes: int, offset: int) -> np.ndarray:
     raw = np.empty(nbytes + 2 * 4096, dtype=np.uint8)
     start = (-raw.ctypes.data % 4096) + offset
     return raw[start:start + nbytes]
+
+
+def test_blocking_calls_do_their_io_on_the_calling_thread(store, monkeypatch):
+    threads, real_pwrite, real_preadv = set(), os.pwrite, os.preadv
+
+    def pwrite(fd, data, offset):
+        threads.add(threading.current_thread())
+        return real_pwrite(fd, data, offset)
+
+    def preadv(fd, buffers, offset):
+        threads.add(threading.current_thread())
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "preadv", preadv)
+    data = torch.randn(100_003)
+    store.write("k", data)
+    out = torch.empty_like(data)
+    store.read("k", out)
+    assert torch.equal(out, data)
+    assert threads == {threading.current_thread()}
+    store.delete("k")
+    assert "k" not in store and _files(store.directory) == []
+
+
+def test_a_blocking_read_waits_for_the_asynchronous_write_in_flight(store, monkeypatch):
+    store.write("k", torch.zeros(100_000))
+    release, real_pwrite = threading.Event(), os.pwrite
+
+    def slow(fd, data, offset):
+        assert release.wait(10)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow)
+    new, out = torch.randn(100_000), torch.empty(100_000)
+    write = store.write_async("k", new)
+    reader = threading.Thread(target=store.read, args=("k", out))
+    reader.start()
+    time.sleep(0.05)
+    assert reader.is_alive() and not write.done()
+    release.set()
+    reader.join(10)
+    assert write.done() and torch.equal(out, new)
+
+
+def test_a_full_disk_in_a_blocking_write_is_the_same_clear_error_and_loses_nothing(store, monkeypatch):
+    old = torch.arange(100_000, dtype=torch.float32)
+    store.write("k", old)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(HeteroError, match="no space left"):
+        store.write("k", torch.ones(100_000))
+    monkeypatch.undo()
+    out = torch.empty_like(old)
+    store.read("k", out)
+    assert torch.equal(out, old) and len(_files(store.directory)) == 1
