@@ -126,22 +126,33 @@ class Beside:
     work_s: float  # the workers' median call beside the GEMM loop
 
 
-def beside_compute(works: list[Callable[[], object]], target_s: float = 0.06) -> Beside:
-    """A loop of GEMMs of about `target_s` with torch's default threads while one thread per entry of `works`
-    repeats it; best of 3 loops each way (about 0.5 s). Noise can make the slowdown read below 1, but a worker never
-    speeds compute up."""
+def beside_compute(works: list[Callable[[], object]], target_s: float = 0.06, pairs: int = 5) -> Beside:
+    """A loop of GEMMs of about `target_s` with torch's default threads, alone and then while one thread per entry
+    of `works` repeats it, `pairs` times over (about 0.6 s). The slowdown is the median of the pairs' ratios: a
+    shared VM drifts by 10-20% within minutes, so alone and beside are timed next to each other, never as one best
+    of each. Noise can make it read below 1, but a worker never speeds compute up."""
     a, b = torch.ones(512, 1024), torch.ones(1024, 1024)
     count = max(1, round(target_s / median_time(lambda: a @ b, repeats=3, min_s=0)))
 
-    def gemms(windows: list[tuple[float, float]]) -> float:
+    def gemms() -> tuple[float, float]:
         start = time.perf_counter()
         for _ in range(count):
             a @ b
-        windows.append((start, time.perf_counter()))
-        return windows[-1][1] - start
+        return start, time.perf_counter()
 
-    alone = min(gemms([]) for _ in range(3))
-    stop, calls, windows = threading.Event(), [], []
+    ratios, inside = [], []
+    for _ in range(pairs):
+        start, end = gemms()
+        alone = end - start
+        (start, end), calls = _while_working(works, gemms)
+        ratios.append((end - start) / alone)
+        inside += [e - s for s, e in calls if start <= s and e <= end] or [max(e - s for s, e in calls)]
+    return Beside(compute=max(1.0, statistics.median(ratios)), work_s=statistics.median(inside))
+
+
+def _while_working(works: list[Callable[[], object]], job: Callable[[], object]) -> tuple[object, list]:
+    """`job()` while one thread per entry of `works` repeats it; its result and the workers' (start, end) calls."""
+    stop, calls = threading.Event(), []
 
     def loop(work: Callable[[], object]) -> None:
         while not stop.is_set():
@@ -153,15 +164,11 @@ def beside_compute(works: list[Callable[[], object]], target_s: float = 0.06) ->
     for w in workers:
         w.start()
     try:
-        busy = min(gemms(windows) for _ in range(3))
+        return job(), calls
     finally:
         stop.set()
         for w in workers:
             w.join()
-    first, last = windows[0][0], windows[-1][1]  # the loops run back to back
-    inside = [end - start for start, end in calls if first <= start and end <= last]
-    work = statistics.median(inside) if inside else max(end - start for start, end in calls)  # calls longer than it
-    return Beside(compute=max(1.0, busy / alone), work_s=work)
 
 
 def numa_nodes() -> list[NumaNode]:
@@ -214,9 +221,9 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
         for size in HOST_SIZES:
             data, out = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
             write.append(CurvePoint(size_bytes=size, time_s=measured(
-                median_time(lambda: store.write_async("probe", data).wait(), repeats=3, min_s=0))))
+                median_time(lambda: store.write("probe", data), repeats=3, min_s=0))))
             read.append(CurvePoint(size_bytes=size, time_s=measured(
-                median_time(lambda: store.read_async("probe", out).wait(), repeats=3, min_s=0))))
+                median_time(lambda: store.read("probe", out), repeats=3, min_s=0))))
         beside = _beside(store, slowdown) if slowdown else None
         free = shutil.disk_usage(probe).free
     read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
@@ -235,9 +242,9 @@ def _beside(store, slowdown: float) -> tuple[float, float, list[CurvePoint], lis
     shares = {}
     for size in BESIDE_SIZES:
         data, out = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
-        store.write_async("beside", data).wait()
-        for kind, work in (("read", lambda: store.read_async("beside", out).wait()),
-                           ("write", lambda: store.write_async("beside", data).wait())):
+        store.write("beside", data)
+        for kind, work in (("read", lambda: store.read("beside", out)),
+                           ("write", lambda: store.write("beside", data))):
             beside = beside_compute([work])
             points[kind].append(CurvePoint(size_bytes=size, time_s=measured(beside.work_s)))
             if size == BESIDE_SIZES[1]:
