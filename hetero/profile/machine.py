@@ -211,7 +211,8 @@ def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
 
 
 def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
-    """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses."""
+    """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses; beside compute
+    through the same slow tier as well."""
     from hetero.run.devices.nvme import NvmeStore
 
     base = Path(nvme_dir or tempfile.gettempdir())
@@ -224,32 +225,48 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
                 median_time(lambda: store.write("probe", data), repeats=3, min_s=0))))
             read.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.read("probe", out), repeats=3, min_s=0))))
-        beside = _beside(store, slowdown) if slowdown else None
         free = shutil.disk_usage(probe).free
+    beside = _beside(probe, slowdown) if slowdown else None
     read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
     return Tier(name="nvme0", kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
                 read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read_beside,
                 write_beside_compute=write_beside)
 
 
-def _beside(store, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
-    """Reads and writes beside compute, at BESIDE_SIZES: how long they take, called from a worker thread as the
-    runtime's evictions and prefetches are (a hand-off between threads under load costs the cores' time slices), and
-    at the middle size their share of a streaming worker's slowdown of compute. Measured as they act, not from CPU
-    time: the disk's DMA and the guest's interrupt work load the cores and memory bus without showing as the
-    process's CPU time."""
+def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
+    """A tensor's trip to the disk and back beside compute, at BESIDE_SIZES, through the slow tier the runtime's
+    tiering drives (hetero.run.devices.slow_tier) and from a worker thread as its writer and reader call it: evict
+    to a new file; bring back into a pooled buffer, release it and delete the file (the runtime's writer deletes
+    each file once its data is back: counted with the read, in backward where it happens). One worker does the
+    whole cycle, so the middle size's share of a streaming worker's slowdown of compute is one figure for both
+    directions. Measured as they act, not from CPU time: the disk's DMA and the guest's interrupt work load the
+    cores and memory bus without showing as the process's CPU time."""
+    from hetero.run.devices.slow_tier import NvmeTier
+
     points: dict[str, list[CurvePoint]] = {"read": [], "write": []}
-    shares = {}
-    for size in BESIDE_SIZES:
-        data, out = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
-        store.write("beside", data)
-        for kind, work in (("read", lambda: store.read("beside", out)),
-                           ("write", lambda: store.write("beside", data))):
-            beside = beside_compute([work])
-            points[kind].append(CurvePoint(size_bytes=size, time_s=measured(beside.work_s)))
+    tier = NvmeTier("probe", str(directory))
+    try:
+        for size in BESIDE_SIZES:
+            data, times = torch.ones(size, dtype=torch.uint8), {"read": [], "write": []}
+
+            def cycle() -> None:
+                start = time.perf_counter()
+                tier.evict("beside", data, size, None)
+                wrote = time.perf_counter()
+                out, _ = tier.fetch("beside", size, None)
+                tier.release(out)
+                tier.delete("beside")
+                times["write"].append(wrote - start)
+                times["read"].append(time.perf_counter() - wrote)
+
+            beside = beside_compute([cycle])
+            for kind in points:
+                points[kind].append(CurvePoint(size_bytes=size, time_s=measured(statistics.median(times[kind]))))
             if size == BESIDE_SIZES[1]:
-                shares[kind] = share(beside.compute, slowdown)
-    return shares["read"], shares["write"], points["read"], points["write"]
+                cpu = share(beside.compute, slowdown)
+    finally:
+        tier.close()
+    return cpu, cpu, points["read"], points["write"]
 
 
 def share(compute: float, slowdown: float, workers: int = 1) -> float:
