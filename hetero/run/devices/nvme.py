@@ -121,29 +121,24 @@ class NvmeStore:
 
     def write_async(self, key: str, tensor: Any) -> Handle:
         """Store a contiguous CPU tensor (or numpy array) under `key`, replacing any previous version when done."""
-        src = _byte_view(tensor, writable=False)
-        path = self.directory / f"{self._prefix}{next(self._seq)}.bin"
-        return self._submit(key, lambda: self._write(key, src, path))
+        return self._submit(key, self._write_job(key, tensor, self._write))
 
     def read_async(self, key: str, out: Any) -> Handle:
         """Fill the preallocated contiguous CPU tensor (or numpy array) `out` with the data stored under `key`."""
-        dst = _byte_view(out, writable=True)
+        job = self._read_job(key, out, self._read)
         with self._lock:
             if key not in self._files and key not in self._tail:
                 raise KeyError(f"nothing stored under {key!r}")
-        return self._submit(key, lambda: self._read(key, dst))
+        return self._submit(key, job)
 
     def write(self, key: str, tensor: Any) -> None:
         """`write_async(key, tensor).wait()` on the calling thread: a worker's hand-off costs two thread wake-ups,
         about 1 ms each on a busy 2-core VM (bench/lanes.py), more than a 1 MiB direct write itself."""
-        src = _byte_view(tensor, writable=False)
-        path = self.directory / f"{self._prefix}{next(self._seq)}.bin"
-        self._inline(key, lambda: self._write_file(key, src, path))
+        self._inline(key, self._write_job(key, tensor, self._write_file))
 
     def read(self, key: str, out: Any) -> None:
         """`read_async(key, out).wait()` on the calling thread."""
-        dst = _byte_view(out, writable=True)
-        self._inline(key, lambda: self._read_file(key, dst))
+        self._inline(key, self._read_job(key, out, self._read_file))
 
     def delete(self, key: str) -> None:
         """Remove `key`'s data, after the key's operations in flight have finished."""
@@ -176,6 +171,15 @@ class NvmeStore:
             self._tail[key] = future
         future.add_done_callback(lambda f: self._forget(key, f))
         return Handle(future)
+
+    def _write_job(self, key: str, tensor: Any, write: Callable[[str, np.ndarray, Path], None]) -> Callable[[], None]:
+        src = _byte_view(tensor, writable=False)  # checked now, in the caller's thread
+        path = self.directory / f"{self._prefix}{next(self._seq)}.bin"
+        return lambda: write(key, src, path)
+
+    def _read_job(self, key: str, out: Any, read: Callable[[str, np.ndarray], None]) -> Callable[[], None]:
+        dst = _byte_view(out, writable=True)
+        return lambda: read(key, dst)
 
     def _inline(self, key: str, job: Callable[[], None]) -> None:
         """Run `job` here, as the key's newest operation: after those in flight, before any submitted later."""
@@ -324,8 +328,8 @@ def _lane() -> str:
 
 def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
     # Never deadlocks: the pool's queue is FIFO, so `previous` (submitted earlier) was taken by a worker before
-    # this job was, or runs on the thread that made the blocking call, and it waits on nothing submitted later. Its failure does not stop this job (a read after a
-    # failed write returns the previous version).
+    # this job was, or runs on the thread that made a blocking call, and it waits on nothing submitted later. Its
+    # failure does not stop this job (a read after a failed write returns the previous version).
     if previous is not None:
         wait_all([previous])
     job()

@@ -5,7 +5,8 @@ dtypes, views and strides never reach a tier. One writer thread and one reader t
 are called from the threads that run the model (the forward hooks, and autograd's threads in backward).
 
 - CPU-only (`fast` is host memory): the slow tier is files in a directory, written and read by the tiering's
-  writer and reader threads (O_DIRECT where the file system allows, files 0600, removed on close, at exit and on Ctrl-C).
+  writer and reader threads (O_DIRECT where the file system allows, files 0600, removed on close, at exit and on
+  Ctrl-C).
 - GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on side streams (hetero.run.devices.host_pool),
   with the NVMe store below it when the plan names a directory.
 """
