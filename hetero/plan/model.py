@@ -90,6 +90,35 @@ class Curve:
         return max((s / t for s, t in zip(self.sizes, self.times) if t > 0), default=float("inf"))
 
 
+def chunks(storages: tuple[int, ...], size: int) -> list[int]:
+    """How the runtime moves `size` bytes of a layer whose saved storages are `storages` (largest first): whole
+    storages while they fit, then the bytes left from the next one; bytes past them (storages not recorded) as one
+    more transfer."""
+    out = []
+    for s in storages:
+        if size <= 0:
+            break
+        out.append(min(s, size))
+        size -= out[-1]
+    return out + [size] if size > 0 else out
+
+
+def chunks_time_s(curve: Curve, storages: tuple[int, ...], size: int) -> float:
+    """`curve`'s time for `size` bytes moved as `chunks`: each storage pays its transfer's fixed cost."""
+    return sum(curve.time_s(c) for c in chunks(storages, size))
+
+
+def chunks_within(curve: Curve, storages: tuple[int, ...], budget_s: float, upper: int) -> int:
+    """The most bytes, at most `upper`, that `chunks` moves within `budget_s`."""
+    done = 0
+    for c in chunks(storages, upper):
+        t = curve.time_s(c)
+        if t > budget_s:
+            return done + min(c, curve.size_within(budget_s))
+        done, budget_s = done + c, budget_s - t
+    return done
+
+
 @dataclass(kw_only=True, slots=True)
 class LayerCosts:
     """What one layer costs, from the profile; no plan changes these."""
@@ -98,6 +127,7 @@ class LayerCosts:
     params_bytes: int
     num_params: int
     saved_bytes: int
+    saved_storages: tuple[int, ...] = ()  # largest first; empty: not profiled (the bytes move as one transfer)
     fp_s: float
     bp_s: float
     fp_dha_s: float | None  # None: the layer cannot run from host memory
@@ -144,7 +174,8 @@ def costs(profile: Profile, evict: Curve | None = None, prefetch: Curve | None =
         read = gpu.dha_read_bytes_per_s if gpu else None
         write = gpu.dha_write_bytes_per_s if gpu else None
         out.append(LayerCosts(
-            name=x.name, params_bytes=size, num_params=x.num_params, saved_bytes=x.saved_bytes, fp_s=x.fp_s,
+            name=x.name, params_bytes=size, num_params=x.num_params, saved_bytes=x.saved_bytes,
+            saved_storages=tuple(x.saved_storages_bytes), fp_s=x.fp_s,
             bp_s=x.bp_s, fp_dha_s=_known(x.fp_dha_s, x.fp_s, size, read),
             bp_dha_s=_known(x.bp_dha_s, x.bp_s, size, read),
             bp_grad_host_s=_known(x.bp_grad_host_s, x.bp_s, size, write, d2h),
@@ -213,6 +244,7 @@ class Choices:
 
 def timed(costs: Costs, ch: Choices) -> Choices:
     """`ch` with its eviction and prefetch durations worked out once."""
-    ch.evict_s = [costs.evict.time_s(b) if b else 0.0 for b in ch.evict_bytes]
-    ch.prefetch_s = [costs.prefetch.time_s(b) if b else 0.0 for b in ch.evict_bytes]
+    pairs = list(zip(ch.evict_bytes, costs.layers))
+    ch.evict_s = [chunks_time_s(costs.evict, x.saved_storages, b) for b, x in pairs]
+    ch.prefetch_s = [chunks_time_s(costs.prefetch, x.saved_storages, b) for b, x in pairs]
     return ch

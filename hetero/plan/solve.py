@@ -260,8 +260,8 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
         return []
     evict, prefetch = ctx.tier_curves(ctx.slow)
     layers = ctx.profile.layers
-    windows = [tiering.Window(name=x.name, saved_bytes=x.saved_bytes, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s)
-               for x in layers]
+    windows = [tiering.Window(name=x.name, saved_bytes=x.saved_bytes, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s,
+                              storages=tuple(x.saved_storages_bytes)) for x in layers]
     index = {x.name: i for i, x in enumerate(layers)}
     pinned = {index[name]: tiering.Decision(layer=index[name], evict_bytes=e.evict_bytes, prefetch_at_s=e.prefetch_at_s,
                                             prefetch_after=index.get(e.prefetch_after), outcome="pinned", why=e.why)

@@ -6,7 +6,7 @@ them back (Eq. 3-6); otherwise the part that fits is moved (Eq. 7). The prefetch
 prefetcher serves the requests: a request that would start while it is still busy is cut to what fits after it
 (Eq. 9-10), or dropped. The paper writes sizes over rates (sz * MR with MR = 1/ER + 1/PR); here the tiers' measured
 curves give the times, which are the paper's when a curve is a pure rate and include each transfer's latency when it
-is not.
+is not; a layer's bytes move storage by storage, as the runtime moves them, so each storage pays that latency.
 
 Requests are decided in the order the prefetcher serves them, the backward order: the paper's t_busy rule (t_busy
 becomes the layer's backward start) only makes sense that way, since decided in forward order every later layer
@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
-from hetero.plan.model import Curve
+from hetero.plan.model import Curve, chunks_time_s, chunks_within
 from hetero.profile.schema import Profile, Tier
 from hetero.units import SIZE, TIME
 
@@ -35,6 +35,22 @@ class Window:
     saved_bytes: int
     fp_end_s: float  # te^F
     bp_start_s: float  # ts^B
+    storages: tuple[int, ...] = ()  # the saved storages' sizes, largest first; empty: not profiled
+
+    def movable(self, min_tensor: int) -> Window:
+        """What the runtime may move: the storages of at least `min_tensor` (unprofiled: all the bytes, if they
+        reach it)."""
+        storages = tuple(s for s in self.storages or (self.saved_bytes,) if s >= min_tensor)
+        return replace(self, storages=storages, saved_bytes=sum(storages))
+
+    def time_s(self, curve: Curve, size: int) -> float:
+        """Moving `size` of these bytes takes one transfer per storage (`chunks`), as the runtime moves them."""
+        return chunks_time_s(curve, self.storages, size)
+
+    def within(self, curve: Curve, budget_s: float, upper: int) -> int:
+        """The most bytes, at most `upper`, moved within `budget_s`; a picosecond of slack keeps float noise from
+        losing the last byte of an exact fit."""
+        return chunks_within(curve, self.storages, budget_s + 1e-12, upper) if budget_s > 0 else 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,8 +98,8 @@ def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:
 
 def schedule(windows: list[Window], evict: Curve, prefetch: Curve, stay_time_s: float, min_tensor: int,
              pinned: dict[int, Decision] | None = None, rule: str = "paper") -> list[Decision]:
-    """One decision per layer whose saved bytes reach `min_tensor` (dropped requests included, with the reason),
-    in forward order. `pinned` decisions are kept and occupy the prefetcher like any other.
+    """One decision per layer with storages of at least `min_tensor` (dropped requests included, with the reason),
+    in forward order; only those storages count, each one a transfer. `pinned` decisions are kept and occupy the prefetcher like any other.
 
     rule `paper`: requests in backward order, each prefetch ending at its layer's backward start and cut to what
     fits after t_busy (Eq. 9-10). rule `packed` (ours): the same prefetcher, but requests are placed from the last
@@ -91,8 +107,8 @@ def schedule(windows: list[Window], evict: Curve, prefetch: Curve, stay_time_s: 
     earlier; a large request then uses the idle time before a small one instead of being cut behind it.
     Either way the evictions' own queue is then checked (`_queue`), and requests it cut are placed again with that
     cap until nothing changes, so a slot freed by a cut request goes to another."""
-    q = _Queue(windows=windows, evict=evict, prefetch=prefetch, migrate=evict.then(prefetch), stay_s=stay_time_s,
-               min_tensor=max(min_tensor, 1), pinned=pinned or {}, rule=rule,
+    q = _Queue(windows=[w.movable(max(min_tensor, 1)) for w in windows], evict=evict, prefetch=prefetch,
+               migrate=evict.then(prefetch), stay_s=stay_time_s, pinned=pinned or {}, rule=rule,
                starts=sorted((w.bp_start_s, i) for i, w in enumerate(windows)))
     for _ in range(_ROUNDS):  # the reasons are written once, for the final placement
         cut = q.evictions(q.place(explain=False))
@@ -120,7 +136,6 @@ class _Queue:
     prefetch: Curve  # PR
     migrate: Curve  # evict then prefetch: sz * MR (Eq. 5)
     stay_s: float
-    min_tensor: int
     pinned: dict[int, Decision]
     rule: str
     starts: list[tuple[float, int]]  # (backward start, layer), in backward order
@@ -133,7 +148,7 @@ class _Queue:
             w = self.windows[i]
             if i in self.pinned:
                 d = replace(self.pinned[i])
-            elif w.saved_bytes >= self.min_tensor:
+            elif w.saved_bytes:
                 d = self.decide(i, w, busy, free, explain)
             else:
                 continue
@@ -147,17 +162,17 @@ class _Queue:
     def decide(self, i: int, w: Window, busy: float, free: float, explain: bool) -> Decision:
         end = min(w.bp_start_s, free)  # the paper's end is the backward start: free is infinite there
         idle = end - w.fp_end_s  # Eq. 2
-        move = self.migrate.time_s(w.saved_bytes)  # Eq. 4-5: sz * MR
+        move = w.time_s(self.migrate, w.saved_bytes)  # Eq. 4-5: sz * MR
         size, outcome = w.saved_bytes, "whole"
         if idle < move + self.stay_s:  # Eq. 7: the part that still fits
-            size, outcome = _largest(self.migrate, idle - self.stay_s, size), "partial"
+            size, outcome = w.within(self.migrate, idle - self.stay_s, size), "partial"
         cap = self.caps.get(i)
         if cap is not None and cap[0] < size:
             size, outcome = cap[0], "queued"
         fitted = size
-        if size and busy > end - self.prefetch.time_s(size):  # Eq. 8-10: only what fits after the busy prefetcher
-            size, outcome = _largest(self.prefetch, end - busy, size), "cut"
-        start = end - self.prefetch.time_s(size)  # Eq. 8
+        if size and busy > end - w.time_s(self.prefetch, size):  # Eq. 8-10: what fits after the busy prefetcher
+            size, outcome = w.within(self.prefetch, end - busy, size), "cut"
+        start = end - w.time_s(self.prefetch, size)  # Eq. 8
         d = Decision(layer=i, evict_bytes=size, prefetch_at_s=start if size else w.bp_start_s, prefetch_after=None,
                      outcome=outcome if size else "dropped", why="")
         if explain:
@@ -172,13 +187,13 @@ class _Queue:
         for d in sorted(decisions, key=lambda d: (self.windows[d.layer].fp_end_s, d.layer)):
             w = self.windows[d.layer]
             start = max(free, w.fp_end_s)
-            late = start + self.evict.time_s(d.evict_bytes) + self.stay_s - d.prefetch_at_s
+            late = start + w.time_s(self.evict, d.evict_bytes) + self.stay_s - d.prefetch_at_s
             if d.evict_bytes and d.outcome != "pinned" and late > _SLACK_S:
-                end = d.prefetch_at_s + self.prefetch.time_s(d.evict_bytes)
-                size = _largest(self.migrate, end - start - self.stay_s, d.evict_bytes)
+                end = d.prefetch_at_s + w.time_s(self.prefetch, d.evict_bytes)
+                size = w.within(self.migrate, end - start - self.stay_s, d.evict_bytes)
                 cut[d.layer] = (size, start)
-                _cap(d, size, start, self.stay_s, end - self.prefetch.time_s(size) if size else w.bp_start_s)
-            free = start + self.evict.time_s(d.evict_bytes) if d.evict_bytes else free
+                _cap(d, size, start, self.stay_s, end - w.time_s(self.prefetch, size) if size else w.bp_start_s)
+            free = start + w.time_s(self.evict, d.evict_bytes) if d.evict_bytes else free
         return cut
 
 
@@ -209,12 +224,6 @@ def _queued(start: float, size: int, stay_s: float) -> str:
     if size:
         return f"; evictions queue: it starts at {_t(start)}, so {_b(size)} still stays {_t(stay_s)} before prefetch"
     return f"; evictions queue: it would start at {_t(start)}, too late to stay {_t(stay_s)} before prefetch"
-
-
-def _largest(curve: Curve, budget_s: float, upper: int) -> int:
-    """The largest size <= upper that `curve` moves within budget_s; a picosecond of slack keeps float noise from
-    losing the last byte of an exact fit."""
-    return min(upper, curve.size_within(budget_s + 1e-12)) if budget_s > 0 else 0
 
 
 def _t(seconds: float) -> str:

@@ -117,6 +117,7 @@ class MicroBatch:
     first_unpack: dict[int, Any] = field(default_factory=dict)
     saved_bytes: Counter = field(default_factory=Counter)
     owner: dict[int, int] = field(default_factory=dict)  # storage -> layer that saved it last
+    sizes: dict[int, int] = field(default_factory=dict)  # storage -> its bytes
     backward_end: Any = None
     order: list[int] = field(default_factory=list)  # layers in the order their forward started
 
@@ -214,7 +215,7 @@ class LayerProfiler:
             if previous != layer:
                 if previous is not None:
                     mb.saved_bytes[previous] -= nbytes
-                mb.owner[storage] = layer
+                mb.owner[storage], mb.sizes[storage] = layer, nbytes
                 mb.saved_bytes[layer] += nbytes
         self.hook_s += time.perf_counter() - t
         return mb, layer, tensor
@@ -280,7 +281,8 @@ def summarize(profiler: LayerProfiler) -> Summary:
             params={k: p.numel() * p.element_size() for k, p in spec.params.items()},
             fp_s=measured(mean("fp", i)), bp_s=measured(mean("bp", i)),
             fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
-            saved_bytes=round(mean("saved", i)), fp_end_s=measured(mean("fp_end", i)),
+            saved_bytes=round(mean("saved", i)), saved_storages_bytes=per_mb[-1]["storages"][i],
+            fp_end_s=measured(mean("fp_end", i)),
             bp_start_s=measured(mean("bp_start", i))))
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
 
@@ -303,5 +305,15 @@ def resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:
         "bp_start": bp_start, "bp": {i: following[bp_start[i]] - bp_start[i] for i in range(n)},
         "saved": {i: mb.saved_bytes[i] + (mb.saved_bytes[-2] if i == (mb.order or [0])[0] else 0)
                   for i in range(n)},
-        "forward": sec(mb.forward_end), "backward": end - min(bp_start.values(), default=end),
+        "storages": _storages(mb, n), "forward": sec(mb.forward_end),
+        "backward": end - min(bp_start.values(), default=end),
     }
+
+
+def _storages(mb: MicroBatch, n: int) -> dict[int, list[int]]:
+    """Each layer's saved storage sizes, largest first; those saved before the first layer are the first's."""
+    out: dict[int, list[int]] = {i: [] for i in range(n)}
+    first = (mb.order or [0])[0]
+    for storage, layer in mb.owner.items():
+        out[first if layer == -2 else layer].append(mb.sizes[storage])
+    return {i: sorted(sizes, reverse=True) for i, sizes in out.items()}

@@ -29,7 +29,7 @@ from hetero.run.states import AxdimmHome, ChannelDriver
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
-BESIDE_SIZES = (64 * KiB, MiB, 16 * MiB)  # disk transfers timed beside compute: the tensors the runtime moves
+BESIDE_SIZES = (64 * KiB, MiB, 4 * MiB, 16 * MiB)  # disk trips timed beside compute: sizes of the tensors moved
 GPU_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 
 

@@ -196,6 +196,10 @@ class Layer:
                                        unit=TIME)
     saved_bytes: int = doc("Bytes autograd saves from the layer's forward start until the next layer starts "
                            "(distinct storages, parameters excluded).", unit=SIZE)
+    saved_storages_bytes: list[int] = doc(
+        "Size of each storage counted in `saved`, largest first, from the last measured micro-batch: the runtime "
+        "moves saved activations storage by storage, so each one is a transfer with its own fixed cost. Empty: "
+        "not recorded (the layer's bytes are then timed as one transfer).", unit=SIZE, default_factory=list)
     fp_end_s: float = doc("End of the layer's forward, from the start of the micro-batch's forward "
                           "(TierTrain's te^F).", unit=TIME)
     bp_start_s: float = doc("When backward first reads a tensor the layer saved (saving none: when its output's "

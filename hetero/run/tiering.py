@@ -276,19 +276,17 @@ class ActivationTiering:
             self.mover.recall(record)  # evicted for a layer that no longer owns it, and its new owner keeps it
 
     def _evict(self, group: Group, records: list[Record]) -> None:
-        """Queue the planned bytes: whole storages, largest first, then part of the smallest one left over."""
+        """Queue the planned bytes: whole storages, largest first, then part of the next one (the planner times
+        these transfers one by one: hetero.plan.model.chunks)."""
         left = group.budget - group.committed
         if group.requested or left <= 0:
             return
-        chosen, larger = [], []
+        chosen = []
         for r in sorted((r for r in records if r.movable and r.state == RESIDENT), key=lambda r: -r.nbytes):
-            if r.nbytes <= left:
-                chosen.append((r, r.nbytes))
-                left -= r.nbytes
-            else:
-                larger.append(r)
-        if left > 0 and larger:
-            chosen.append((larger[-1], left))
+            if left <= 0:
+                break
+            chosen.append((r, min(r.nbytes, left)))
+            left -= chosen[-1][1]
         if chosen:
             group.committed += sum(nbytes for _, nbytes in chosen)
             self.mover.evict(chosen, group.layer)

@@ -90,6 +90,20 @@ def test_activations_peak_and_a_late_prefetch_stalls():
     assert timed.stall_s == pytest.approx(1.5 * MS)
 
 
+def test_a_layers_storages_are_timed_one_transfer_each():
+    """a's 4 KB saved as two 2 KB storages: on a 1 ms-latency disk its eviction is two transfers, 1 ms longer."""
+    def busy(storages: tuple[int, ...]) -> dict[str, float]:
+        c, ch = cpu_case([[], []], evict=(4000, 0), trigger=(1, None))
+        c.evict = c.prefetch = Curve.linear(4e6, latency_s=1 * MS)
+        c.layers[0].saved_storages = storages
+        spans = simulate(c, ch, record=True).spans
+        return {lane: sum(x.end_s - x.start_s for x in spans if x.lane == lane) for lane in ("evict", "prefetch")}
+
+    whole, split = busy(()), busy((2000, 2000))
+    assert whole == {"evict": pytest.approx(2 * MS), "prefetch": pytest.approx(2 * MS)}
+    assert split == {"evict": pytest.approx(3 * MS), "prefetch": pytest.approx(3 * MS)}
+
+
 def test_nvme_states_are_staged_and_written_back_oldest_first():
     """Staging holds one tensor's states: b's read (0-1 ms) is early, but a's must wait for b's write-back (update
     8-9, write 9-10), so a's update, ready at 10 ms, waits for its read 10-11."""

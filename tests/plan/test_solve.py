@@ -33,7 +33,9 @@ def test_cpu_plan_has_no_gpu_sections_and_says_why(cpu):
     assert p.layers == [] and p.routing is None
     assert p.omitted == {"routing": ONE_PROCESS, "layers": NO_GPU}
     assert (p.optimizer.device, p.optimizer.backend, p.optimizer.channels) == ("axdimm", "emulated", 2)
-    assert (p.activations.fast, p.activations.slow, p.activations.min_tensor_bytes) == ("dram", "nvme0", 2**20)
+    assert (p.activations.fast, p.activations.slow) == ("dram", "nvme0")
+    nvme = next(t for t in cpu.machine.tiers if t.name == "nvme0")
+    assert p.activations.min_tensor_bytes in {x.size_bytes for x in nvme.write_beside_compute}
     assert set(p.predicted.peak_bytes) == {"dram", "nvme0"}
     assert p.budget.grad_grid_bytes is None
     assert p.source.profile_sha256 == files.content_sha256(cpu)

@@ -85,6 +85,20 @@ def test_small_tensors_are_left_alone_and_min_tensor_comes_from_the_curves():
     assert tiering.min_tensor_bytes(latency, latency) == 2**20  # 1 MiB: 91% of the peak rate; 64 KiB: 40%
 
 
+def test_a_layer_moves_storage_by_storage_and_only_storages_reaching_min_tensor():
+    """A layer saving 4 MB, 1 MB and 1 MB with min_tensor 1 MB moves all three, each paying the 100 us latency;
+    with min_tensor 2 MB only the 4 MB one can move, so only it is planned (the runtime leaves the others)."""
+    evict, prefetch = Curve.linear(4e9, 100e-6), Curve.linear(2e9, 100e-6)
+    w = tiering.Window(name="L", saved_bytes=6_000_000, fp_end_s=0, bp_start_s=1.0,
+                       storages=(4_000_000, 1_000_000, 1_000_000))
+    assert w.time_s(prefetch, 6_000_000) == pytest.approx(3 * 100e-6 + 6_000_000 / 2e9)
+    assert w.time_s(prefetch, 4_500_000) == pytest.approx(2 * 100e-6 + 4_500_000 / 2e9)  # 4 MB, then 0.5 of 1 MB
+    assert w.within(prefetch, 2 * 100e-6 + 4_500_000 / 2e9, 6_000_000) == pytest.approx(4_500_000, abs=1)
+    assert [d.evict_bytes for d in tiering.schedule([w], evict, prefetch, 1 * MS, 1_000_000)] == [6_000_000]
+    assert [d.evict_bytes for d in tiering.schedule([w], evict, prefetch, 1 * MS, 2_000_000)] == [4_000_000]
+    assert tiering.schedule([w], evict, prefetch, 1 * MS, 8_000_000) == []
+
+
 def test_trigger_is_the_latest_layer_whose_backward_has_started():
     starts = [(1.0, 5), (2.0, 4), (2.0, 3), (4.0, 2)]
     assert tiering.trigger(starts, 0.5) is None

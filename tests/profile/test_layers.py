@@ -10,8 +10,9 @@ from hetero.profile.profiler import ProfileOptions, measure_script
 from tests.profile import scripts
 
 
-def independent_saved_bytes(model, x, y) -> int:
-    """Bytes autograd keeps for one forward, counted with our own hooks: distinct storages, parameters excluded."""
+def independent_saved_storages(model, x, y) -> list[int]:
+    """Sizes of what autograd keeps for one forward, counted with our own hooks: distinct storages, parameters
+    excluded, largest first."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -23,7 +24,7 @@ def independent_saved_bytes(model, x, y) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
-    return sum(seen.values())
+    return sorted(seen.values(), reverse=True)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +52,14 @@ def test_saved_bytes_equal_an_independent_count(measured, tmp_path):
     namespace: dict = {}
     exec(compile(scripts.HEADER, "net", "exec"), namespace)
     model = namespace["Net"]()
-    total = independent_saved_bytes(model, torch.randn(8, 16), torch.randint(4, (8,)))
-    assert sum(layer.saved_bytes for layer in measured.layers) == total
+    storages = independent_saved_storages(model, torch.randn(8, 16), torch.randint(4, (8,)))
+    assert sum(layer.saved_bytes for layer in measured.layers) == sum(storages)
     assert all(layer.saved_bytes > 0 for layer in measured.layers)
+    # Each layer's storages add up to its bytes, largest first, and together they are the independent count.
+    for layer in measured.layers:
+        assert sum(layer.saved_storages_bytes) == layer.saved_bytes
+        assert layer.saved_storages_bytes == sorted(layer.saved_storages_bytes, reverse=True)
+    assert sorted((s for x in measured.layers for s in x.saved_storages_bytes), reverse=True) == storages
 
 
 def test_every_time_is_positive_and_idle_time_shrinks_towards_the_last_layer(measured):
