@@ -105,6 +105,10 @@ def chunks(storages: tuple[int, ...], size: int) -> list[int]:
 
 def chunks_time_s(curve: Curve, storages: tuple[int, ...], size: int) -> float:
     """`curve`'s time for `size` bytes moved as `chunks`: each storage pays its transfer's fixed cost."""
+    if size <= 0:
+        return 0.0
+    if not storages or size <= storages[0]:  # one transfer: the common case, kept cheap for the searches
+        return curve.time_s(size)
     return sum(curve.time_s(c) for c in chunks(storages, size))
 
 
