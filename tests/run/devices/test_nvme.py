@@ -118,15 +118,15 @@ def test_a_full_disk_is_a_clear_error_and_loses_nothing(store, monkeypatch):
     store.write_async("k", old).wait()
     files_before = _files(store.directory)
     new = torch.full((100_000,), 7.0)
-    real_pwrite, calls = os.pwrite, []
+    real_pwrite, calls = os.pwritev, []
 
-    def fill_up(fd, data, offset):
+    def fill_up(fd, buffers, offset):
         calls.append(offset)
-        if len(calls) > 1:  # the first chunk lands: a half-written file must be cleaned up
+        if len(calls) > 1:  # the first buffer lands: a half-written file must be cleaned up
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
+        return real_pwrite(fd, buffers[:1], offset)
 
-    monkeypatch.setattr(os, "pwrite", fill_up)
+    monkeypatch.setattr(os, "pwritev", fill_up)
     with pytest.raises(HeteroError, match=rf"no space left in {store.directory} for 400000 bytes") as info:
         store.write_async("k", new).wait()
     assert "--nvme" in info.value.hint
@@ -140,13 +140,13 @@ def test_a_full_disk_is_a_clear_error_and_loses_nothing(store, monkeypatch):
 
 def test_a_read_waits_for_the_write_in_flight(store, monkeypatch):
     store.write_async("k", torch.zeros(100_000)).wait()
-    release, real_pwrite = threading.Event(), os.pwrite
+    release, real_pwrite = threading.Event(), os.pwritev
 
-    def slow(fd, data, offset):
+    def slow(fd, buffers, offset):
         assert release.wait(10)
-        return real_pwrite(fd, data, offset)
+        return real_pwrite(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "pwrite", slow)
+    monkeypatch.setattr(os, "pwritev", slow)
     new = torch.randn(100_000)
     write = store.write_async("k", new)
     out = torch.empty_like(new)
@@ -180,10 +180,10 @@ def test_an_unwritable_place_is_a_clear_error(tmp_path):
 
 
 def test_a_full_disk_at_open_is_the_same_clear_error_and_leaves_no_directory(tmp_path, monkeypatch):
-    def full(fd, data, offset):
+    def full(fd, buffers, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "pwritev", full)
     with pytest.raises(HeteroError, match="no space left in"):
         NvmeStore(tmp_path / "nvme")
     assert _files(tmp_path) == []
@@ -211,17 +211,17 @@ def _at_offset(nbytes: int, offset: int) -> np.ndarray:
 
 
 def test_blocking_calls_do_their_io_on_the_calling_thread(store, monkeypatch):
-    threads, real_pwrite, real_preadv = set(), os.pwrite, os.preadv
+    threads, real_pwrite, real_preadv = set(), os.pwritev, os.preadv
 
-    def pwrite(fd, data, offset):
+    def pwrite(fd, buffers, offset):
         threads.add(threading.current_thread())
-        return real_pwrite(fd, data, offset)
+        return real_pwrite(fd, buffers, offset)
 
     def preadv(fd, buffers, offset):
         threads.add(threading.current_thread())
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwritev", pwrite)
     monkeypatch.setattr(os, "preadv", preadv)
     data = torch.randn(100_003)
     store.write("k", data)
@@ -235,13 +235,13 @@ def test_blocking_calls_do_their_io_on_the_calling_thread(store, monkeypatch):
 
 def test_a_blocking_read_waits_for_the_asynchronous_write_in_flight(store, monkeypatch):
     store.write("k", torch.zeros(100_000))
-    release, real_pwrite = threading.Event(), os.pwrite
+    release, real_pwrite = threading.Event(), os.pwritev
 
-    def slow(fd, data, offset):
+    def slow(fd, buffers, offset):
         assert release.wait(10)
-        return real_pwrite(fd, data, offset)
+        return real_pwrite(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "pwrite", slow)
+    monkeypatch.setattr(os, "pwritev", slow)
     new, out = torch.randn(100_000), torch.empty(100_000)
     write = store.write_async("k", new)
     reader = threading.Thread(target=store.read, args=("k", out))
@@ -257,10 +257,10 @@ def test_a_full_disk_in_a_blocking_write_is_the_same_clear_error_and_loses_nothi
     old = torch.arange(100_000, dtype=torch.float32)
     store.write("k", old)
 
-    def full(fd, data, offset):
+    def full(fd, buffers, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "pwritev", full)
     with pytest.raises(HeteroError, match="no space left"):
         store.write("k", torch.ones(100_000))
     monkeypatch.undo()
