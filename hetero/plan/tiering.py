@@ -99,7 +99,8 @@ def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:
 def schedule(windows: list[Window], evict: Curve, prefetch: Curve, stay_time_s: float, min_tensor: int,
              pinned: dict[int, Decision] | None = None, rule: str = "paper") -> list[Decision]:
     """One decision per layer with storages of at least `min_tensor` (dropped requests included, with the reason),
-    in forward order; only those storages count, each one a transfer. `pinned` decisions are kept and occupy the prefetcher like any other.
+    in forward order; only those storages count, each one a transfer. `pinned` decisions are kept and occupy the
+    prefetcher like any other.
 
     rule `paper`: requests in backward order, each prefetch ending at its layer's backward start and cut to what
     fits after t_busy (Eq. 9-10). rule `packed` (ours): the same prefetcher, but requests are placed from the last

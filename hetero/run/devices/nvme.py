@@ -75,7 +75,7 @@ class NvmeStore:
     """Tensors by key in files under `directory` (created, with its missing parents, and removed at close if absent).
 
     `workers` threads do the asynchronous I/O, and `write`/`read`/`delete` do theirs on the calling thread;
-    `chunk_bytes` is the size of each I/O thread's bounce buffer (and of one system call).
+    `chunk_bytes` is the size of each I/O thread's bounce buffer, of one read call and of one buffer in a write call.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
@@ -330,10 +330,6 @@ def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
     job()
 
 
-def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    _pwritev_all(fd, [data], offset)
-
-
 def _pwritev_all(fd: int, parts: list[np.ndarray], offset: int) -> None:
     """`parts` one after the other from `offset`, in as few system calls as the kernel allows."""
     views = [p.data.cast("B") for p in parts if p.nbytes]
@@ -391,7 +387,7 @@ def _direct_io_works(probe: Path) -> bool:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
         try:
-            _pwrite_all(fd, _aligned_buffer(_BLOCK), 0)
+            _pwritev_all(fd, [_aligned_buffer(_BLOCK)], 0)
         finally:
             os.close(fd)
             probe.unlink(missing_ok=True)
