@@ -54,6 +54,9 @@ def main() -> None:
     for lane, what in sorted(set(busy) | set(simulated)):
         table.add_row(lane, what, f"{busy[lane, what]:.1f}", f"{simulated[lane, what]:.1f}")
     Console().print(table)
+    if busy["evict", "delete"]:
+        print("The simulator counts a file's delete (the writer's, in the run) with its read: compare evict/delete "
+              "plus prefetch/prefetch with the simulated prefetch.")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -32,6 +32,14 @@ from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import SlowTier
 
 RESIDENT, QUEUED, WRITING, KEPT, EVICTED, FETCHING, BACK = range(7)
+
+
+class Deletion(NamedTuple):
+    """A writer job: remove a slow copy no longer needed (its size and layer name its span)."""
+
+    key: str
+    nbytes: int
+    layer: str
 
 
 class Record:
@@ -56,7 +64,8 @@ class Record:
     def __del__(self) -> None:
         self.mover.ledger.change(fast=-self.resident, slow=-self.slow, saved=-self.nbytes)
         if self.slow:
-            self.mover.writer.put(self.key)  # never brought back (a graph dropped without backward)
+            # never brought back (a graph dropped without backward)
+            self.mover.writer.put(Deletion(self.key, self.slow, _layer(self)))
         if self.fetched:
             self.mover.tier.release(self.data)
 
@@ -182,10 +191,11 @@ class Mover:
                 r.late = True
                 self.ledger.late += 1
 
-    def _write(self, job: Record | str) -> None:
-        """Writer thread: evict a queued record, or delete a slow copy no longer needed (a key)."""
-        if isinstance(job, str):
-            self.tier.delete(job)
+    def _write(self, job: Record | Deletion) -> None:
+        """Writer thread: evict a queued record, or delete a slow copy no longer needed."""
+        if isinstance(job, Deletion):
+            with spans.timed("evict", f"delete {job.layer}", job.nbytes):
+                self.tier.delete(job.key)
             return
         r = job
         with self.lock:
@@ -234,9 +244,9 @@ class Mover:
         with self.lock:
             r.data, r.rest, r.marker, r.state, r.fetched = data, None, marker, BACK, True
             self.ledger.change(fast=r.slow, slow=-r.slow)
-            r.resident, r.slow = r.nbytes, 0
+            stored, r.resident, r.slow = r.slow, r.nbytes, 0
         r.back.set()
-        self.writer.put(r.key)  # the slow copy goes, off the reader's path
+        self.writer.put(Deletion(r.key, stored, _layer(r)))  # the slow copy goes, off the reader's path
 
     def _failed(self, error: BaseException) -> None:
         with self.lock:
