@@ -393,20 +393,26 @@ def _too_small(ctx: Context, costs: Costs, template: Choices) -> None:
 
 
 def _predicted(ctx: Context, out: Plan, result: Result) -> Predicted:
-    peak = {tier.name: 0 for tier in ctx.profile.machine.tiers} | ({GPU: 0} if ctx.gpu else {})
-    for tier, used in result.peak_bytes.items():
-        peak[tier] = peak.get(tier, 0) + used
+    predicted = predicted_of(ctx.profile, out, result)
     host = ctx.host.name
-    if peak[host] > ctx.dram_bytes:
-        raise HeteroError(f"the plan needs {SIZE.format_short(peak[host])} of {host}, over the budget "
-                          f"{SIZE.format_short(ctx.dram_bytes)}",
+    if predicted.peak_bytes[host] > ctx.dram_bytes:
+        raise HeteroError(f"the plan needs {SIZE.format_short(predicted.peak_bytes[host])} of {host}, over the "
+                          f"budget {SIZE.format_short(ctx.dram_bytes)}",
                           hint="raise --dram-budget, lower --stay-time, or move the optimizer (--optimizer-device)",
                           exit_code=USAGE)
+    return predicted
+
+
+def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
+    """The plan's `predicted` section from its simulated iteration."""
+    peak = {tier.name: 0 for tier in profile.machine.tiers} | ({GPU: 0} if profile.machine.gpu else {})
+    for tier, used in result.peak_bytes.items():
+        peak[tier] = peak.get(tier, 0) + used
     act = None
-    if out.activations is not None and any(e.evict_bytes for e in out.activations.schedule):
+    if plan.activations is not None and any(e.evict_bytes for e in plan.activations.schedule):
         act = ActivationPrediction(avg_fast_bytes=result.act_avg_bytes, peak_fast_bytes=result.act_peak_bytes,
                                    avg_fast_untiered_bytes=result.act_avg_untiered_bytes,
                                    peak_fast_untiered_bytes=result.act_peak_untiered_bytes)
-    sync = sync_times(ctx.profile, out)
+    sync = sync_times(profile, plan)
     return Predicted(iteration_s=_ns(result.iteration_s), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
                      activations=act)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.plan.schema import Plan
-from hetero.plan.solve import predict
+from hetero.plan.schema import Plan, Predicted
+from hetero.plan.simulate import Result
+from hetero.plan.solve import predict, predicted_of
 from hetero.profile.schema import Profile
 from hetero.report.schema import Run
 from hetero.units import SIZE, TIME, Unit
@@ -40,18 +41,22 @@ class Row:
 
 
 def compare(run: Run, plan: Plan, profile: Profile | None) -> list[Row]:
-    """The iteration first, then memory, then (with the profile) forward, backward and every layer."""
-    rows = [Row("iteration", plan.predicted.iteration_s, run.timing.iteration_s, TIME)]
-    rows += _memory(run, plan)
-    if profile is not None:
-        rows += _layers(run, plan, profile)
+    """The iteration first, then memory, then (with the profile) forward, backward and every layer. With the
+    profile the plan is simulated as written, since a hand-edited plan's `predicted` section is the planner's,
+    from before the edit; without it that section is all there is."""
+    result = predict(profile, plan) if profile is not None else None
+    predicted = predicted_of(profile, plan, result) if result is not None else plan.predicted
+    rows = [Row("iteration", predicted.iteration_s, run.timing.iteration_s, TIME)]
+    rows += _memory(run, predicted)
+    if result is not None:
+        rows += _layers(run, result, profile, predicted.iteration_s)
     return rows
 
 
-def _memory(run: Run, plan: Plan) -> list[Row]:
-    rows = [Row(f"peak {tier}", plan.predicted.peak_bytes.get(tier), run.peak_bytes.get(tier), SIZE)
-            for tier in dict.fromkeys([*plan.predicted.peak_bytes, *run.peak_bytes])]
-    p, m = plan.predicted.activations, run.activations
+def _memory(run: Run, predicted: Predicted) -> list[Row]:
+    rows = [Row(f"peak {tier}", predicted.peak_bytes.get(tier), run.peak_bytes.get(tier), SIZE)
+            for tier in dict.fromkeys([*predicted.peak_bytes, *run.peak_bytes])]
+    p, m = predicted.activations, run.activations
     if p is not None and m is not None:
         rows += [Row("saved activations, fast tier, average", p.avg_fast_bytes, m.avg_fast_bytes, SIZE),
                  Row("saved activations, fast tier, peak", p.peak_fast_bytes, m.peak_fast_bytes, SIZE),
@@ -60,15 +65,14 @@ def _memory(run: Run, plan: Plan) -> list[Row]:
     return rows
 
 
-def _layers(run: Run, plan: Plan, profile: Profile) -> list[Row]:
-    result = predict(profile, plan)
+def _layers(run: Run, result: Result, profile: Profile, iteration_s: float) -> list[Row]:
     names = [x.name for x in profile.layers]
     fp = dict(zip(names, (e - s for s, e in zip(result.fp_start_s, result.fp_end_s))))
     bp = dict(zip(names, (e - s for s, e in zip(result.bp_start_s, result.bp_end_s))))
     micro = run.timing.micro_batches
     forward = max(result.fp_end_s, default=0.0)
     backward = max(result.bp_end_s, default=0.0) - min(result.bp_start_s, default=0.0)
-    small = NEGLIGIBLE * plan.predicted.iteration_s
+    small = NEGLIGIBLE * iteration_s
     rows = [Row("forward (per micro-batch)", forward, run.timing.forward_s / micro, TIME),
             Row("backward (per micro-batch)", backward, run.timing.backward_s / micro, TIME)]
     for x in run.layers:
