@@ -38,7 +38,9 @@ def profile(
     master_port: int = MASTER_PORT, rdzv: str = RDZV,
 ) -> None:
     """Run SCRIPT for a few steps and write what hetero measured about the machine and each layer (and, with
-    --nproc-per-node, the links between its ranks)."""
+    --nproc-per-node, the links between its ranks). Without a GPU, 4 more steps time the disk with every layer's
+    activations tiered to it, as `hetero run` would; a script that ends sooner gets the disk timed beside a GEMM
+    loop instead."""
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model)

@@ -23,6 +23,7 @@ import torch
 from hetero.kernels.adam import Hyperparameters
 from hetero.units import measured
 from hetero.profile import dha
+from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.states import AxdimmHome, ChannelDriver
@@ -31,11 +32,13 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 BESIDE_SIZES = (64 * KiB, MiB, 4 * MiB, 16 * MiB)  # disk trips timed beside compute: sizes of the tensors moved
 GPU_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+NVME_TIER = "nvme0"  # the disk tier's name in profiles
 
 
 def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,
-            peers: list[Peer] | None = None) -> Machine:
-    """The machine as seen from `device` (the model's device); `peers`: the links between ranks, measured before."""
+            peers: list[Peer] | None = None, disk_beside: DiskBeside | None = None) -> Machine:
+    """The machine as seen from `device` (the model's device); `peers`: the links between ranks, measured before;
+    `disk_beside`: the disk's trips timed beside the script's training (hetero.profile.tier_steps)."""
     report = progress or (lambda *a: None)
     phases = ["cpu", "gpu", "tiers", "axdimm"]
     report("machine", 0, len(phases))
@@ -43,7 +46,7 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     report("machine", 1, len(phases))
     gpu = measure_gpu(device) if device.type == "cuda" else None
     report("machine", 2, len(phases))
-    tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown)
+    tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown, disk_beside)
     report("machine", 3, len(phases))
     axdimm = measure_axdimm(slowdown=cpu.background_slowdown)
     report("machine", 4, len(phases))
@@ -198,7 +201,7 @@ def host_copy_curve(sizes: tuple[int, ...] = HOST_SIZES) -> list[CurvePoint]:
 
 
 def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
-                  slowdown: float | None = None) -> list[Tier]:
+                  slowdown: float | None = None, disk_beside: DiskBeside | None = None) -> list[Tier]:
     """Fastest first. Read/write curves are the costs of moving data into and out of that tier from the fast one."""
     dram_capacity = _meminfo("MemAvailable")
     if gpu is None:
@@ -207,12 +210,13 @@ def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
     else:
         tiers = [Tier(name="hbm", kind="hbm", capacity_bytes=gpu.memory_bytes),
                  Tier(name="dram", kind="dram", capacity_bytes=dram_capacity, read=gpu.h2d, write=gpu.d2h)]
-    return tiers + [measure_nvme(nvme_dir, slowdown)]
+    return tiers + [measure_nvme(nvme_dir, slowdown, disk_beside)]
 
 
-def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
+def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
+                 disk_beside: DiskBeside | None = None) -> Tier:
     """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses; beside compute
-    through the same slow tier as well."""
+    as `disk_beside` timed it beside the script's training, else through the same slow tier beside a GEMM loop."""
     from hetero.run.devices.nvme import NvmeStore
 
     base = Path(nvme_dir or tempfile.gettempdir())
@@ -226,19 +230,23 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None) -> Tier:
             read.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.read("probe", out), repeats=3, min_s=0))))
         free = shutil.disk_usage(probe).free
-    beside = _beside(probe, slowdown) if slowdown else None
+    if slowdown and disk_beside:
+        cpu = share(1 + disk_beside.stretch, slowdown)
+        beside = cpu, cpu, disk_beside.read, disk_beside.write
+    else:
+        beside = _beside(probe, slowdown) if slowdown else None
     read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
-    return Tier(name="nvme0", kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
+    return Tier(name=NVME_TIER, kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
                 read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read_beside,
                 write_beside_compute=write_beside)
 
 
 def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
-    """A tensor's trip to the disk and back beside compute, at BESIDE_SIZES, through the slow tier the runtime's
+    """A tensor's trip to the disk and back beside a GEMM loop, at BESIDE_SIZES, through the slow tier the runtime's
     tiering drives (hetero.run.devices.slow_tier) and from a worker thread as its writer and reader call it: evict
     to a new file; bring back into a pooled buffer, release it and delete the file (the runtime's writer deletes
     each file once its data is back: counted with the read, in backward where it happens). One worker does the
-    whole cycle, so the middle size's share of a streaming worker's slowdown of compute is one figure for both
+    whole cycle, so the 1 MiB trip's share of a streaming worker's slowdown of compute is one figure for both
     directions. Measured as they act, not from CPU time: the disk's DMA and the guest's interrupt work load the
     cores and memory bus without showing as the process's CPU time."""
     from hetero.run.devices.slow_tier import NvmeTier
@@ -262,7 +270,7 @@ def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurveP
             beside = beside_compute([cycle])
             for kind in points:
                 points[kind].append(CurvePoint(size_bytes=size, time_s=measured(statistics.median(times[kind]))))
-            if size == BESIDE_SIZES[1]:
+            if size == MiB:
                 cpu = share(beside.compute, slowdown)
     finally:
         tier.close()

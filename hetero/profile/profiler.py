@@ -1,12 +1,14 @@
 """`hetero profile`: run the user's script for warm-up plus measured steps, then measure the machine.
 
 Phases: capture the model and optimizer at the first `optimizer.step()`; run the warm-up steps untouched; attach
-the layer profiler for the measured steps; stop the script; measure the machine; assemble the Profile.
+the layer profiler for the measured steps; on a machine without a GPU, time the disk for a few more steps as the
+runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine; assemble the Profile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from torch import nn
 
 from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.profile import dha, machine, peers
+from hetero.profile import dha, machine, peers, tier_steps
 from hetero.profile.capture import Capture, fingerprint
 from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
@@ -54,7 +56,7 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    measured_machine = machine.measure(run.device, options.nvme_dir, progress, links)
+    measured_machine = machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside)
     return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
                    unmeasured=machine.unmeasured(run.device, run.layers, measured_machine.tiers))
 
@@ -69,6 +71,7 @@ class ScriptMeasurement:
     training: Training
     layers: list[Layer]
     device: torch.device
+    disk_beside: tier_steps.DiskBeside | None  # the disk timed beside the script's training
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -76,16 +79,19 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     """Run the script for warm-up plus measured steps and measure its layers."""
     options.check()
     session = _Session(options, progress or (lambda *a: None))
-    with Capture(session.found, script, options.model_name), _watch_clipping() as clips:
-        result = run_script(script, args)
-    if not result.stopped:
+    try:
+        with Capture(session.found, script, options.model_name), _watch_clipping() as clips:
+            result = run_script(script, args)
+    finally:
+        disk_beside = session.close()
+    if not result.stopped and (result.exit_code != 0 or session.summary is None):
         raise _ended_early(result.exit_code, session.steps_done, options)
-    summary = summarize(session.profiler)
+    summary = session.summary or summarize(session.profiler)
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
-                             layers=layers, device=session.device)
+                             layers=layers, device=session.device, disk_beside=disk_beside)
 
 
 class _Session:
@@ -99,6 +105,8 @@ class _Session:
         self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
         self.device = torch.device("cpu")
         self.steps_done = 0
+        self.summary: Summary | None = None  # the measured steps', once they are all done
+        self.tier_steps: tier_steps.TierSteps | None = None
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
         self._start = self._previous_end = None
 
@@ -115,6 +123,12 @@ class _Session:
         self._start = self.profiler.clock.mark()
 
     def _step_end(self, optimizer, args, kwargs) -> None:
+        if self.tier_steps is not None:
+            done = self.tier_steps.step_ended()
+            self.progress("disk beside training", self.tier_steps.steps, tier_steps.STEPS)
+            if done:
+                raise StopScript()
+            return
         self.steps_done += 1
         end = self.profiler.clock.mark()
         warmup, total = self.options.warmup, self.options.warmup + self.options.steps
@@ -128,11 +142,38 @@ class _Session:
             self.profiler.attach()
         elif self.steps_done == total:
             self.profiler.detach()
-            raise StopScript()
+            self.summary = summarize(self.profiler)
+            if not self._start_tier_steps():
+                raise StopScript()
+
+    def _start_tier_steps(self) -> bool:
+        """Time the disk beside training where the planner needs it: the CPU computes (a GPU's kernels share no
+        cores with the disk's workers) and some layer saves a storage the runtime would move."""
+        if self.device.type != "cpu":
+            return False
+        steps = tier_steps.TierSteps(self.summary.layers, self.options.nvme_dir or tempfile.gettempdir(),
+                                     machine.NVME_TIER, self._iteration_s())
+        if not steps.useful:
+            return False
+        self.tier_steps = steps
+        steps.start(self.model)
+        self.progress("disk beside training", 0, tier_steps.STEPS)
+        return True
+
+    def close(self) -> tier_steps.DiskBeside | None:
+        """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
+        if self.tier_steps is None:
+            return None
+        self.tier_steps.close()
+        return self.tier_steps.measured()
+
+    def _iteration_s(self) -> float:
+        """The measured steps' mean, from one step's end to the next one's."""
+        clock = self.profiler.clock
+        return sum(clock.seconds(prev, end) for _, end, prev in self.step_marks) / len(self.step_marks)
 
     def training(self, summary: Summary, clips_grad: bool) -> Training:
-        clock, steps = self.profiler.clock, len(self.step_marks)
-        iteration = sum(clock.seconds(prev, end) for _, end, prev in self.step_marks) / steps
+        clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
         return Training(
             optimizer=_optimizer_kind(self.optimizer), grad_accumulation=max(1, round(micro)),

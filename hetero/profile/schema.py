@@ -120,13 +120,18 @@ class Tier:
     read_cpu: float | None = doc("How much a worker reading from the tier slows compute on the cores, as a share of "
                                  "`cpu.background_slowdown` (0: not at all, 1: like a thread streaming memory); "
                                  "null: taken as 1. A disk's is measured on whole trips (write, read back, delete), "
-                                 "so it equals `write_cpu`.", ge=0, le=1, default=None)
+                                 "so it equals `write_cpu`: from the script's own steps with every layer's "
+                                 "activations tiered to the disk (their extra time per second the workers were "
+                                 "busy) where the script ran long enough, else beside a GEMM loop.",
+                                 ge=0, le=1, default=None)
     write_cpu: float | None = doc("The same for a worker writing to the tier; null: taken as 1.", ge=0, le=1,
                                   default=None)
     read_beside_compute: list[CurvePoint] = doc(
         "Time to read by size while the model computes on all cores, the worker sharing the cores with it: what "
         "the planner times reads by when the CPU computes; for a disk it includes deleting the file the tensor "
-        "came back from. Empty: not measured (a GPU computes, or a memory tier).",
+        "came back from. A disk's is timed at the model's own storage sizes during the script's extra steps with "
+        "every layer tiered, where the script ran long enough; else at fixed sizes beside a GEMM loop. Empty: not "
+        "measured (a GPU computes, or a memory tier).",
         default_factory=list)
     write_beside_compute: list[CurvePoint] = doc("The same for writes.", default_factory=list)
 

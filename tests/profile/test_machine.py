@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hetero.profile import machine
-from hetero.profile.schema import Tier
+from hetero.profile.schema import CurvePoint, Tier
+from hetero.profile.tier_steps import DiskBeside
 
 
 def test_background_slowdown_is_measured_quickly_and_within_bounds():
@@ -67,3 +68,12 @@ def test_memory_tiers_count_as_busy_and_say_so():
     assert reasons["machine.tiers.dram.read_cpu"] == reasons["machine.tiers.dram.write_cpu"] == machine.MEMORY_COPY_CPU
     assert reasons["machine.tiers.dram.read_beside_compute"] == machine.MEMORY_BESIDE
     assert "machine.cpu.background_slowdown" not in reasons
+
+
+def test_a_disk_timed_beside_training_keeps_its_curves_and_its_workers_measured_cost(tmp_path):
+    timed = DiskBeside(read=[CurvePoint(size_bytes=2**20, time_s=0.004)],
+                       write=[CurvePoint(size_bytes=2**20, time_s=0.002)], stretch=0.3)
+    tier = machine.measure_nvme(str(tmp_path), slowdown=1.6, disk_beside=timed)
+    assert tier.read_beside_compute == timed.read and tier.write_beside_compute == timed.write
+    assert tier.read_cpu == tier.write_cpu == 0.5  # 0.3 s lost per busy second, of a streaming worker's 0.6
+    assert list(tmp_path.iterdir()) == []

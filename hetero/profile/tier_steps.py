@@ -1,0 +1,131 @@
+"""The disk tier timed as `hetero run` drives it, beside the script's own training.
+
+For a few steps after the measured ones, the runtime's activation tiering evicts every layer's saved storages to
+the disk as the layer's forward ends and brings them back as backward reaches it (TierTrain's schedule with every
+layer evicting, the last excepted: its backward follows at once). Two things come out:
+
+- the median write, read and delete of each storage size: the curves the planner times evictions and prefetches
+  by when the CPU computes;
+- how much compute those workers cost: the timed steps' extra time over the measured steps', waits for late
+  prefetches taken out, per second the workers were busy.
+
+Why not a synthetic load: on a shared 2-core VM a 1 MiB write issued while the model computed took 2.5-4 ms in
+`hetero run`, against 1.5 ms beside the GEMM loop the profile used to time it by, and the loop's slowdown per busy
+worker second read anywhere from 0.3 to 0.9 between profiles where training's stayed near 0.3. No synthetic loop
+(GEMMs of the model's shapes, its forward and backward with a writer beside them) reproduced the run; timing the
+runtime itself needs no explanation of it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torch import nn
+
+from hetero.plan.schema import ActivationPlan, Eviction
+from hetero.profile.schema import CurvePoint, Layer
+from hetero.run import spans
+from hetero.run.tiering import ActivationTiering
+from hetero.units import measured
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBeside:
+    """What the timed steps measured."""
+
+    read: list[CurvePoint]  # by storage size, each read with the delete of its file (the writer's, right after)
+    write: list[CurvePoint]
+    stretch: float  # compute seconds the steps lost per second a disk worker was busy (>= 0)
+
+STEPS = 4  # the first creates the store's files and buffers; the others are timed
+MIN_TENSOR_BYTES = 64 * 1024  # the smallest size the profile times a disk trip at (machine.BESIDE_SIZES)
+IDLE_WAIT_S = 10.0  # at most this long for the last deletes to finish after the timed steps
+LANES = ("evict", "prefetch")  # the writer's (evictions, deletes) and the reader's spans
+
+
+class TierSteps:
+    """Tiering bound to the script's model for STEPS optimizer steps; `measured` reads what the timed ones showed.
+    `clean_step_s`: the measured steps' mean time, from one step's end to the next one's."""
+
+    def __init__(self, layers: list[Layer], directory: str, tier: str, clean_step_s: float):
+        plan = ActivationPlan(fast="dram", slow=tier, slow_path=directory, stay_time_s=0.0,
+                              min_tensor_bytes=MIN_TENSOR_BYTES, schedule=schedule(layers))
+        self.tiering = ActivationTiering(plan)
+        self.sink = spans.Sink()
+        self.clean_step_s = clean_step_s
+        self._previous: spans.Sink | None = None
+        self.steps = 0
+        self._ends: list[float] = []  # the end of the warm step, then of each timed one
+        self._waited_s = 0.0  # the ledger's total wait at the warm step's end
+
+    @property
+    def useful(self) -> bool:
+        """Some layer saves a storage the runtime would move."""
+        return bool(self.tiering.plan.schedule)
+
+    def start(self, model: nn.Module) -> None:
+        self._previous, spans.active = spans.active, self.sink
+        self.tiering.bind(model)
+
+    def step_ended(self) -> bool:
+        """Count an optimizer step; true once the last timed one has ended."""
+        self.steps += 1
+        self._ends.append(time.perf_counter())
+        if self.steps == 1:
+            self._waited_s = self.tiering.ledger.waited_s
+            self.sink.recording = True
+        if self.steps < STEPS:
+            return False
+        self._waited_s = self.tiering.ledger.waited_s - self._waited_s
+        mover = self.tiering.mover  # still recording: the last step's deletes are queued on the writer
+        deadline = time.perf_counter() + IDLE_WAIT_S
+        while not (mover.writer.idle() and mover.reader.idle()) and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        self.sink.recording = False
+        return True
+
+    def close(self) -> None:
+        self.tiering.close()
+        if spans.active is self.sink:
+            spans.active = self._previous
+
+    def measured(self) -> DiskBeside | None:
+        """None when the script ended before the last timed step, or the timed steps moved nothing."""
+        if self.steps < STEPS:
+            return None
+        found = curves(self.sink.spans)
+        busy_s = sum(end - start for lane, _, start, end, _ in self.sink.spans if lane in LANES)
+        if found is None or busy_s <= 0:
+            return None
+        lost_s = self._ends[-1] - self._ends[0] - (STEPS - 1) * self.clean_step_s - self._waited_s
+        return DiskBeside(read=found[0], write=found[1], stretch=round(max(0.0, lost_s) / busy_s, 3))
+
+
+def schedule(layers: list[Layer]) -> list[Eviction]:
+    """Every layer with a movable storage evicts all it saved and is fetched when the next layer's backward starts."""
+    out = []
+    for layer, after in zip(layers, layers[1:]):
+        if any(size >= MIN_TENSOR_BYTES for size in layer.saved_storages_bytes):
+            out.append(Eviction(layer=layer.name, evict_bytes=layer.saved_bytes, prefetch_at_s=0.0,
+                                prefetch_after=after.name))
+    return out
+
+
+def curves(recorded: list[spans.Span]) -> tuple[list[CurvePoint], list[CurvePoint]] | None:
+    times: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for lane, name, start, end, args in recorded:
+        kind = name.split(" ", 1)[0]
+        if lane in LANES and kind in ("evict", "prefetch", "delete") and args.get("bytes"):
+            times[kind][args["bytes"]].append(end - start)
+    median = {kind: {size: statistics.median(ts) for size, ts in by_size.items()} for kind, by_size in times.items()}
+    writes, reads, deletes = median.get("evict", {}), median.get("prefetch", {}), median.get("delete", {})
+    if not writes or not reads:
+        return None
+    any_delete = statistics.median(deletes.values()) if deletes else 0.0
+    read = [CurvePoint(size_bytes=size, time_s=measured(t + deletes.get(size, any_delete)))
+            for size, t in sorted(reads.items())]
+    write = [CurvePoint(size_bytes=size, time_s=measured(t)) for size, t in sorted(writes.items())]
+    return read, write
