@@ -91,6 +91,12 @@ def _summary(profile, output: Path) -> None:
                               f"clips gradients: {'yes' if t.clips_grad else 'no'}")
     table.add_row("tiers", ", ".join(f"{tier.name} ({tier.kind}, {SIZE.format_short(tier.capacity_bytes)})"
                                      for tier in profile.machine.tiers))
+    for tier in profile.machine.tiers:
+        if tier.write_beside_compute and tier.write_cpu is not None:
+            writes = ", ".join(f"{SIZE.format_short(p.size_bytes)} {TIME.format_short(p.time_s)}"
+                               for p in tier.write_beside_compute)
+            table.add_row(f"{tier.name} beside compute", f"writes {writes}; a busy worker costs {tier.write_cpu:.0%} "
+                                                         f"of a streaming thread's slowdown")
     table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
     Console().print(table)
 
