@@ -73,8 +73,8 @@ def nvme_tier(profile: Profile) -> Tier | None:
 
 
 def rates(profile: Profile, device: str) -> Rates:
-    """Adam per channel on the AXDIMM; the host's measured fused AdamW (or the script's own step) on the host, on
-    its own lane when a GPU computes, on the compute lane when the CPU does both; the script's step on the GPU."""
+    """Adam per channel on the AXDIMM; on the host as the runtime drives it (or at the script's own step's rate,
+    for older profiles), on its driver thread's lane; the script's step on the GPU."""
     m, t = profile.machine, profile.training
     step_rate = profile.model.num_params / t.optimizer_step_s if t.optimizer_step_s > 0 else float("inf")
     nvme = nvme_tier(profile)
@@ -86,9 +86,12 @@ def rates(profile: Profile, device: str) -> Rates:
         return Rates(adam_params_per_s=x.adam_beside_compute_params_per_s if beside else x.adam_params_per_s,
                      launch_s=x.launch_beside_compute_s if beside else x.launch_s, lanes=lanes, nvme_read=read,
                      nvme_write=write)
-    if device == "host":
-        rate = m.cpu.adam_params_per_s or step_rate
-        return Rates(adam_params_per_s=rate, lanes=["host adam"] if m.gpu else [], nvme_read=read, nvme_write=write)
+    if device == "host":  # the runtime's driver thread: its own lane, beside compute where the CPU computes
+        c = m.cpu
+        beside = m.gpu is None and c.adam_beside_compute_params_per_s is not None
+        rate = (c.adam_beside_compute_params_per_s if beside else c.adam_params_per_s) or step_rate
+        launch = (c.adam_launch_beside_compute_s if beside else c.adam_launch_s) or 0.0
+        return Rates(adam_params_per_s=rate, launch_s=launch, lanes=["host adam"], nvme_read=read, nvme_write=write)
     return Rates(adam_params_per_s=step_rate, lanes=[])
 
 

@@ -47,9 +47,8 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
 def cpu_share(profile: Profile, plan: Plan, optimizer_lanes: list[str]) -> dict[str, float]:
     """Share of a core the worker behind each background lane keeps busy while it works. Disk workers mostly wait
     for the device (the profile measures how much); unmeasured ones count as busy all the time, as a memory copy
-    is. Emulated AXDIMM channels are host threads running Adam (the profile measures their share when the CPU
-    computes); a hardware AXDIMM computes on its own device (the host Adam lane exists only beside a GPU, whose
-    compute it does not slow, but it is a busy host thread)."""
+    is. Emulated AXDIMM channels and the host optimizer's driver are host threads running Adam (the profile measures
+    their share when the CPU computes); a hardware AXDIMM computes on its own device."""
     m, acts, opt = profile.machine, plan.activations, plan.optimizer
     out: dict[str, float] = {}
     slow = next((t for t in m.tiers if acts and t.name == acts.slow), None)
@@ -59,8 +58,11 @@ def cpu_share(profile: Profile, plan: Plan, optimizer_lanes: list[str]) -> dict[
     if nvme is not None:
         out["nvme read"], out["nvme write"] = _share(nvme.read_cpu), _share(nvme.write_cpu)
     on_device = opt is not None and opt.device == "axdimm" and m.axdimm is not None and m.axdimm.backend == "hardware"
-    channel = m.axdimm.cpu if m.axdimm is not None else None
-    out.update(dict.fromkeys(optimizer_lanes, 0.0 if on_device else _share(channel)))
+    if opt is not None and opt.device == "host":
+        worker = m.cpu.adam_cpu
+    else:
+        worker = m.axdimm.cpu if m.axdimm is not None else None
+    out.update(dict.fromkeys(optimizer_lanes, 0.0 if on_device else _share(worker)))
     return out
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from hetero.kernels.adam import Hyperparameters
+from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.units import measured
 from hetero.profile import dha
 from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 from hetero.run.devices.axdimm import EmulatedAxdimm
-from hetero.run.states import AxdimmHome, ChannelDriver
+from hetero.run.states import AxdimmHome, ChannelDriver, Driver, HostHome
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
@@ -67,8 +67,9 @@ def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier]
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
                 "layers.*.bp_grad_host": gone} | copies
-    on_gpu = {f"machine.{f}": ON_GPU for f in ("cpu.background_slowdown", "axdimm.cpu", "axdimm.adam_beside_compute",
-                                                "axdimm.launch_beside_compute")}
+    on_gpu = {f"machine.{f}": ON_GPU for f in ("cpu.background_slowdown", "cpu.adam_cpu", "cpu.adam_beside_compute",
+                                                "cpu.adam_launch_beside_compute", "axdimm.cpu",
+                                                "axdimm.adam_beside_compute", "axdimm.launch_beside_compute")}
     return on_gpu | copies | disk | dha.unmeasured(list(layers))
 
 
@@ -82,9 +83,13 @@ MEMORY_BESIDE = "copies within memory are not measured beside compute: planned a
 
 def measure_cpu(gpu: bool = False) -> Cpu:
     """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured."""
+    slowdown = None if gpu else measured(background_slowdown())
+    adam = host_adam(slowdown)
     return Cpu(model=_cpu_model(), cores=len(os.sched_getaffinity(0)),
-               dram_bandwidth_bytes_per_s=measured(copy_bandwidth()), adam_params_per_s=measured(adam_rate()),
-               background_slowdown=None if gpu else measured(background_slowdown()))
+               dram_bandwidth_bytes_per_s=measured(copy_bandwidth()), adam_params_per_s=measured(adam.rate),
+               adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
+               adam_beside_compute_params_per_s=_measured(adam.beside_rate),
+               adam_launch_beside_compute_s=_measured(adam.beside_launch_s))
 
 
 def _cpu_model() -> str:
@@ -102,13 +107,47 @@ def copy_bandwidth(nbytes: int = 256 * MiB) -> float:
     return 2 * nbytes / median_time(lambda: dst.copy_(src), repeats=5)
 
 
-def adam_rate(numel: int = 8 * 2**20) -> float:
-    """Parameters/s of torch's fused AdamW on the host, all cores (the `host` optimizer device)."""
-    param = torch.nn.Parameter(torch.ones(numel))
-    param.grad = torch.full_like(param, 1e-3)
-    opt = torch.optim.AdamW([param], fused=True)
-    opt.step()  # allocates and touches the states
-    return numel / median_time(opt.step, repeats=5)
+UPDATE_SIZES = (4096, 4 * 2**20)  # parameters per update, small and large: a fixed cost plus a rate
+
+
+@dataclass(frozen=True, slots=True)
+class Updates:
+    """Adam updates as the runtime drives them: a fixed cost per update and a rate, alone; with the CPU computing,
+    the same beside compute and each worker's share of a streaming worker's slowdown of it."""
+
+    launch_s: float
+    rate: float
+    cpu: float | None = None
+    beside_launch_s: float | None = None
+    beside_rate: float | None = None
+
+
+def time_updates(jobs: dict[int, list[Callable[[], None]]], slowdown: float | None) -> Updates:
+    """`jobs[n]`: one update of n parameters per worker, each waiting for its own end. Alone on the first worker;
+    with `slowdown` (the CPU computes) on every worker at once beside compute, as backward runs them."""
+    sizes = tuple(jobs)
+    launch, rate = fixed_and_rate(sizes, [median_time(jobs[n][0], repeats=11) for n in sizes])
+    if not slowdown:
+        return Updates(launch_s=launch, rate=rate)
+    beside = [beside_compute(jobs[n]) for n in sizes]
+    beside_launch, beside_rate = fixed_and_rate(sizes, [b.work_s for b in beside])
+    return Updates(launch_s=launch, rate=rate, cpu=share(beside[-1].compute, slowdown, len(jobs[sizes[-1]])),
+                   beside_launch_s=beside_launch, beside_rate=beside_rate)
+
+
+def host_adam(slowdown: float | None = None) -> Updates:
+    """The `host` optimizer device as the runtime drives it: hetero's Adam kernel on one driver thread, the caller
+    waiting for the update."""
+    driver, kernel = Driver("host-adam"), AdamKernel()
+    try:
+        return time_updates({n: [_update(HostHome(driver, kernel, torch.zeros(n)), driver, n)] for n in UPDATE_SIZES},
+                            slowdown)
+    finally:
+        driver.close()
+
+
+def _measured(value: float | None) -> float | None:
+    return None if value is None else measured(value)
 
 
 def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
@@ -283,28 +322,24 @@ def share(compute: float, slowdown: float, workers: int = 1) -> float:
     return round(min(1.0, max(0.0, (compute - 1) / (slowdown - 1) / workers)), 3) if slowdown > 1 else 0.0
 
 
-def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = (4096, 4 * 2**20),
-                   slowdown: float | None = None) -> Axdimm:
+def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = UPDATE_SIZES, slowdown: float | None = None) -> Axdimm:
     """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it (the
     channel's driver thread copies the gradient in, switches the arbiter and launches the kernel; the caller waits for
     its status), at a small and a large size: a fixed cost per update plus a rate. With `slowdown` (the CPU
     computes), the same with every channel updating at once beside compute, as backward runs them."""
-    hp = Hyperparameters(decoupled_weight_decay=True)
-    # 16 bytes per parameter (value, gradient, two moments); channel 0 holds a home of each size twice
-    with EmulatedAxdimm(channel_capacity_bytes=2 * 16 * sum(sizes) + 8192, channels=channels) as device:
+    # 16 bytes per parameter (value, gradient, two moments); each channel holds a home of each size
+    with EmulatedAxdimm(channel_capacity_bytes=16 * sum(sizes) + 8192, channels=channels) as device:
         drivers = [ChannelDriver(device, c) for c in range(channels)]
         try:
-            alone = fixed_and_rate(sizes, [median_time(_update(drivers[0], n, hp), repeats=11) for n in sizes])
-            beside = [beside_compute([_update(d, n, hp) for d in drivers]) for n in sizes] if slowdown else None
+            timed = time_updates({n: [_update(AxdimmHome(d, torch.zeros(n)), d, n) for d in drivers] for n in sizes},
+                                 slowdown)
         finally:
             for d in drivers:
                 d.close()
-    launch, rate = fixed_and_rate(sizes, [b.work_s for b in beside]) if beside else (None, None)
     return Axdimm(backend="emulated", channels=channels, channel_capacity_bytes=emulated_channel_capacity(channels),
-                  adam_params_per_s=measured(alone[1]), launch_s=measured(alone[0]),
-                  cpu=share(beside[1].compute, slowdown, channels) if beside else None,
-                  adam_beside_compute_params_per_s=measured(rate) if beside else None,
-                  launch_beside_compute_s=measured(launch) if beside else None)
+                  adam_params_per_s=measured(timed.rate), launch_s=measured(timed.launch_s), cpu=timed.cpu,
+                  adam_beside_compute_params_per_s=_measured(timed.beside_rate),
+                  launch_beside_compute_s=_measured(timed.beside_launch_s))
 
 
 def fixed_and_rate(sizes: tuple[int, int], times: list[float]) -> tuple[float, float]:
@@ -313,8 +348,8 @@ def fixed_and_rate(sizes: tuple[int, int], times: list[float]) -> tuple[float, f
     return max(0.0, times[0] - sizes[0] / rate), rate
 
 
-def _update(driver: ChannelDriver, numel: int, hp: Hyperparameters) -> Callable[[], None]:
-    home, grad = AxdimmHome(driver, torch.zeros(numel)), torch.full((numel,), 1e-3)
+def _update(home: AxdimmHome | HostHome, driver: Driver, numel: int) -> Callable[[], None]:
+    grad, hp = torch.full((numel,), 1e-3), Hyperparameters(decoupled_weight_decay=True)
 
     def update() -> None:
         home.update(grad, hp, step=1)

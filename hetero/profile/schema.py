@@ -65,11 +65,22 @@ class Cpu:
     model: str = doc("Processor model name.")
     cores: int = doc("Cores this process may run on.", ge=1)
     dram_bandwidth_bytes_per_s: float = doc("Host memory copy bandwidth with all cores.", unit=RATE)
-    adam_params_per_s: float | None = doc("Fused AdamW throughput on the host with all cores.", unit=PARAM_RATE)
+    adam_params_per_s: float | None = doc("Adam throughput of the `host` optimizer device as the runtime drives it "
+                                          "(hetero's kernel on one driver thread).", unit=PARAM_RATE)
+    adam_launch_s: float | None = doc("Fixed cost of one parameter's update there, whatever its size: handing it "
+                                      "to the driver and waiting for it; null: not measured (older profiles).",
+                                      unit=TIME, ge=0, default=None)
     background_slowdown: float | None = doc(
         "Compute time on all cores while one host worker thread streams memory, over compute time alone (1: workers "
         "do not slow compute); null: not measured. Without a GPU the planner stretches compute by it while "
-        "evictions, prefetches and emulated-AXDIMM updates run beside it.", ge=1, default=None)
+        "evictions, prefetches and AXDIMM or host Adam updates run beside it.", ge=1, default=None)
+    adam_cpu: float | None = doc("How much the host Adam driver slows compute on the cores while it updates, as a "
+                                 "share of `background_slowdown`; null: not measured (a GPU computes): taken as 1.",
+                                 ge=0, le=1, default=None)
+    adam_beside_compute_params_per_s: float | None = doc(
+        "`adam` while the model computes on all cores; null: not measured (a GPU computes): `adam` holds.",
+        unit=PARAM_RATE, default=None)
+    adam_launch_beside_compute_s: float | None = doc("`adam_launch` the same way.", unit=TIME, ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,7 +8,7 @@ from hetero.errors import HeteroError
 from hetero import files
 from hetero.plan import axdimm, tiering
 from hetero.plan.schema import StatePlacement
-from hetero.plan.solve import PlanOptions, plan, predict
+from hetero.plan.solve import PlanOptions, build, plan, predict
 from hetero.profile.schema import Profile
 from tests.plan.synthetic import GiB, curve, gpu_profile
 
@@ -115,3 +115,18 @@ def test_where_the_cpu_computes_workers_are_timed_as_measured_beside_compute(rep
     alone = axdimm.rates(profile, "axdimm")
     assert (alone.adam_params_per_s, alone.launch_s) == (x.adam_params_per_s, x.launch_s)
     assert tiering.curves(profile, disk.name)[1].times == tuple(p.time_s for p in disk.read)
+
+
+def test_host_adam_runs_on_its_driver_lane_and_slows_cpu_compute_as_measured(repo):
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    c = profile.machine.cpu
+    r = axdimm.rates(profile, "host")
+    assert r.lanes == ["host adam"]
+    assert (r.adam_params_per_s, r.launch_s) == (c.adam_beside_compute_params_per_s, c.adam_launch_beside_compute_s)
+    hosted = plan(profile, PlanOptions(reserve=0.5, optimizer_device="host"))
+    costs, ch = build(profile, hosted)
+    assert ch.cpu_share["host adam"] == c.adam_cpu
+    assert all(u.lane == 0 for layer in ch.updates for u in layer)  # never on the compute lane
+    spans = predict(profile, hosted, record=True).spans
+    assert any(s.lane == "host adam" for s in spans) and not any(s.lane == "compute" and "adam" in s.name
+                                                                 for s in spans)

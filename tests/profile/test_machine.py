@@ -35,6 +35,13 @@ def test_emulated_channels_are_measured_beside_compute_only_when_the_cpu_compute
     assert alone.cpu is None and alone.adam_beside_compute_params_per_s is None and alone.adam_params_per_s > 0
 
 
+def test_host_adam_is_timed_on_its_driver_as_the_runtime_runs_it_and_beside_compute_when_the_cpu_computes():
+    beside = machine.host_adam(slowdown=2.0)
+    assert beside.rate > 1e6 and beside.launch_s >= 0 and 0 <= beside.cpu <= 1 and beside.beside_rate > 1e6
+    alone = machine.host_adam()
+    assert alone.cpu is None and alone.beside_rate is None and alone.beside_launch_s is None
+
+
 def test_a_worker_that_only_waits_does_not_slow_compute_nor_is_slowed():
     beside = machine.beside_compute([lambda: time.sleep(0.001)])
     assert 1 <= beside.compute < 1.5 and 0.001 <= beside.work_s < 0.005  # a streaming worker: about 2
@@ -49,13 +56,14 @@ def test_a_worker_that_computes_shares_the_cores_with_compute():
 
 def test_with_a_gpu_the_slowdown_is_left_null_and_said_why(monkeypatch):
     monkeypatch.setattr(machine, "copy_bandwidth", lambda: 1e10)
-    monkeypatch.setattr(machine, "adam_rate", lambda: 1e9)
+    monkeypatch.setattr(machine, "host_adam", lambda slowdown: machine.Updates(launch_s=1e-4, rate=1e9))
     monkeypatch.setattr(machine, "background_slowdown", lambda: pytest.fail("measured beside a GPU"))
-    assert machine.measure_cpu(gpu=True).background_slowdown is None
+    cpu = machine.measure_cpu(gpu=True)
+    assert cpu.background_slowdown is None and cpu.adam_cpu is None and cpu.adam_beside_compute_params_per_s is None
     dram = Tier(name="dram", kind="dram", capacity_bytes=2**30, read=[], write=[])
     nvme = Tier(name="nvme0", kind="nvme", capacity_bytes=2**30, path="/tmp")
     reasons = machine.unmeasured(torch.device("cuda"), [], [dram, nvme])
-    for field in ("cpu.background_slowdown", "axdimm.cpu", "axdimm.adam_beside_compute", "tiers.nvme0.read_cpu",
+    for field in ("cpu.background_slowdown", "cpu.adam_cpu", "cpu.adam_beside_compute", "axdimm.cpu", "axdimm.adam_beside_compute", "tiers.nvme0.read_cpu",
                   "tiers.nvme0.write_beside_compute"):
         assert reasons[f"machine.{field}"] == machine.ON_GPU
     assert not any(key.startswith("machine.tiers.dram") for key in reasons)  # no curves: HBM-like
