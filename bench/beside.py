@@ -19,11 +19,11 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hetero.kernels.adam import Hyperparameters  # noqa: E402
-from hetero.profile.machine import _update, beside_compute, median_time  # noqa: E402
+from hetero.profile.timing import beside_compute, median_time  # noqa: E402
+from hetero.profile.updates import update_job  # noqa: E402
 from hetero.run.devices.axdimm import EmulatedAxdimm  # noqa: E402
 from hetero.run.devices.nvme import NvmeStore  # noqa: E402
-from hetero.run.states import ChannelDriver  # noqa: E402
+from hetero.run.states import AxdimmHome, ChannelDriver  # noqa: E402
 
 MiB = 2**20
 
@@ -51,12 +51,12 @@ def main() -> None:
             store.write_async("x", data).wait()
             row(table, f"disk read {mib}MiB", lambda: store.read_async("x", out).wait())
             row(table, f"disk write {mib}MiB", lambda: store.write_async("x", data).wait())
-    hp = Hyperparameters(decoupled_weight_decay=True)
     with EmulatedAxdimm(channel_capacity_bytes=64 * MiB, channels=1) as device:
         driver = ChannelDriver(device, 0)
         try:
             for numel in (1024, 2**20):
-                row(table, f"AXDIMM update {numel} params", _update(driver, numel, hp))
+                update = update_job(AxdimmHome(driver, torch.zeros(numel)), driver, numel)
+                row(table, f"AXDIMM update {numel} params", update)
         finally:
             driver.close()
     Console(width=120).print(table)

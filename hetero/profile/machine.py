@@ -12,21 +12,20 @@ import re
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.units import measured
 from hetero.profile import dha
 from hetero.profile.tier_steps import DiskBeside
+from hetero.profile.timing import beside_compute, median_time, share
+from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, time_updates, update_job
 from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 from hetero.run.devices.axdimm import EmulatedAxdimm
-from hetero.run.states import AxdimmHome, ChannelDriver, Driver, HostHome
+from hetero.run.states import AxdimmHome, ChannelDriver
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
@@ -88,8 +87,8 @@ def measure_cpu(gpu: bool = False) -> Cpu:
     return Cpu(model=_cpu_model(), cores=len(os.sched_getaffinity(0)),
                dram_bandwidth_bytes_per_s=measured(copy_bandwidth()), adam_params_per_s=measured(adam.rate),
                adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
-               adam_beside_compute_params_per_s=_measured(adam.beside_rate),
-               adam_launch_beside_compute_s=_measured(adam.beside_launch_s))
+               adam_beside_compute_params_per_s=measured_or_none(adam.beside_rate),
+               adam_launch_beside_compute_s=measured_or_none(adam.beside_launch_s))
 
 
 def _cpu_model() -> str:
@@ -107,49 +106,6 @@ def copy_bandwidth(nbytes: int = 256 * MiB) -> float:
     return 2 * nbytes / median_time(lambda: dst.copy_(src), repeats=5)
 
 
-UPDATE_SIZES = (4096, 4 * 2**20)  # parameters per update, small and large: a fixed cost plus a rate
-
-
-@dataclass(frozen=True, slots=True)
-class Updates:
-    """Adam updates as the runtime drives them: a fixed cost per update and a rate, alone; with the CPU computing,
-    the same beside compute and each worker's share of a streaming worker's slowdown of it."""
-
-    launch_s: float
-    rate: float
-    cpu: float | None = None
-    beside_launch_s: float | None = None
-    beside_rate: float | None = None
-
-
-def time_updates(jobs: dict[int, list[Callable[[], None]]], slowdown: float | None) -> Updates:
-    """`jobs[n]`: one update of n parameters per worker, each waiting for its own end. Alone on the first worker;
-    with `slowdown` (the CPU computes) on every worker at once beside compute, as backward runs them."""
-    sizes = tuple(jobs)
-    launch, rate = fixed_and_rate(sizes, [median_time(jobs[n][0], repeats=11) for n in sizes])
-    if not slowdown:
-        return Updates(launch_s=launch, rate=rate)
-    beside = [beside_compute(jobs[n]) for n in sizes]
-    beside_launch, beside_rate = fixed_and_rate(sizes, [b.work_s for b in beside])
-    return Updates(launch_s=launch, rate=rate, cpu=share(beside[-1].compute, slowdown, len(jobs[sizes[-1]])),
-                   beside_launch_s=beside_launch, beside_rate=beside_rate)
-
-
-def host_adam(slowdown: float | None = None) -> Updates:
-    """The `host` optimizer device as the runtime drives it: hetero's Adam kernel on one driver thread, the caller
-    waiting for the update."""
-    driver, kernel = Driver("host-adam"), AdamKernel()
-    try:
-        return time_updates({n: [_update(HostHome(driver, kernel, torch.zeros(n)), driver, n)] for n in UPDATE_SIZES},
-                            slowdown)
-    finally:
-        driver.close()
-
-
-def _measured(value: float | None) -> float | None:
-    return None if value is None else measured(value)
-
-
 def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
     """Compute time on all cores while one host thread streams memory, over compute time alone: how much the
     runtime's worker threads (evictions, prefetches, emulated AXDIMM channels) slow training without a GPU. They
@@ -158,59 +114,6 @@ def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
     src = torch.ones(buffer_bytes // 4)
     dst = torch.zeros_like(src)
     return beside_compute([lambda: dst.copy_(src)]).compute
-
-
-@dataclass(frozen=True, slots=True)
-class Beside:
-    """Compute and workers sharing the cores."""
-
-    compute: float  # a GEMM loop's time with the workers beside it over alone (>= 1)
-    work_s: float  # the workers' median call beside the GEMM loop
-
-
-def beside_compute(works: list[Callable[[], object]], target_s: float = 0.06, pairs: int = 5) -> Beside:
-    """A loop of GEMMs of about `target_s` with torch's default threads, alone and then while one thread per entry
-    of `works` repeats it, `pairs` times over (about 0.6 s). The slowdown is the median of the pairs' ratios: a
-    shared VM drifts by 10-20% within minutes, so alone and beside are timed next to each other, never as one best
-    of each. Noise can make it read below 1, but a worker never speeds compute up."""
-    a, b = torch.ones(512, 1024), torch.ones(1024, 1024)
-    count = max(1, round(target_s / median_time(lambda: a @ b, repeats=3, min_s=0)))
-
-    def gemms() -> tuple[float, float]:
-        start = time.perf_counter()
-        for _ in range(count):
-            a @ b
-        return start, time.perf_counter()
-
-    ratios, inside = [], []
-    for _ in range(pairs):
-        start, end = gemms()
-        alone = end - start
-        (start, end), calls = _while_working(works, gemms)
-        ratios.append((end - start) / alone)
-        inside += [e - s for s, e in calls if start <= s and e <= end] or [max(e - s for s, e in calls)]
-    return Beside(compute=max(1.0, statistics.median(ratios)), work_s=statistics.median(inside))
-
-
-def _while_working(works: list[Callable[[], object]], job: Callable[[], object]) -> tuple[object, list]:
-    """`job()` while one thread per entry of `works` repeats it; its result and the workers' (start, end) calls."""
-    stop, calls = threading.Event(), []
-
-    def loop(work: Callable[[], object]) -> None:
-        while not stop.is_set():
-            start = time.perf_counter()
-            work()
-            calls.append((start, time.perf_counter()))
-
-    workers = [threading.Thread(target=loop, args=(w,), name="hetero-profile-worker", daemon=True) for w in works]
-    for w in workers:
-        w.start()
-    try:
-        return job(), calls
-    finally:
-        stop.set()
-        for w in workers:
-            w.join()
 
 
 def numa_nodes() -> list[NumaNode]:
@@ -316,12 +219,6 @@ def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurveP
     return cpu, cpu, points["read"], points["write"]
 
 
-def share(compute: float, slowdown: float, workers: int = 1) -> float:
-    """(compute slowdown beside `workers` workers - 1) / (slowdown beside one streaming worker - 1), per worker,
-    clamped to [0, 1]."""
-    return round(min(1.0, max(0.0, (compute - 1) / (slowdown - 1) / workers)), 3) if slowdown > 1 else 0.0
-
-
 def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = UPDATE_SIZES, slowdown: float | None = None) -> Axdimm:
     """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it (the
     channel's driver thread copies the gradient in, switches the arbiter and launches the kernel; the caller waits for
@@ -331,31 +228,15 @@ def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = UPDATE_SIZES, slo
     with EmulatedAxdimm(channel_capacity_bytes=16 * sum(sizes) + 8192, channels=channels) as device:
         drivers = [ChannelDriver(device, c) for c in range(channels)]
         try:
-            timed = time_updates({n: [_update(AxdimmHome(d, torch.zeros(n)), d, n) for d in drivers] for n in sizes},
+            timed = time_updates({n: [update_job(AxdimmHome(d, torch.zeros(n)), d, n) for d in drivers] for n in sizes},
                                  slowdown)
         finally:
             for d in drivers:
                 d.close()
     return Axdimm(backend="emulated", channels=channels, channel_capacity_bytes=emulated_channel_capacity(channels),
                   adam_params_per_s=measured(timed.rate), launch_s=measured(timed.launch_s), cpu=timed.cpu,
-                  adam_beside_compute_params_per_s=_measured(timed.beside_rate),
-                  launch_beside_compute_s=_measured(timed.beside_launch_s))
-
-
-def fixed_and_rate(sizes: tuple[int, int], times: list[float]) -> tuple[float, float]:
-    """(fixed seconds, units per second) of a line through two (size, time) points."""
-    rate = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
-    return max(0.0, times[0] - sizes[0] / rate), rate
-
-
-def _update(home: AxdimmHome | HostHome, driver: Driver, numel: int) -> Callable[[], None]:
-    grad, hp = torch.full((numel,), 1e-3), Hyperparameters(decoupled_weight_decay=True)
-
-    def update() -> None:
-        home.update(grad, hp, step=1)
-        driver.drain()
-
-    return update
+                  adam_beside_compute_params_per_s=measured_or_none(timed.beside_rate),
+                  launch_beside_compute_s=measured_or_none(timed.beside_launch_s))
 
 
 def emulated_channel_capacity(channels: int) -> int:
@@ -413,26 +294,3 @@ def _gpu_curve(device: torch.device, to_device: bool) -> list[CurvePoint]:
                 times.append(start.elapsed_time(end) / 1e3)
         points.append(CurvePoint(size_bytes=size, time_s=measured(statistics.median(times[1:]))))
     return points
-
-
-# -- timing --------------------------------------------------------------------------------------------------------
-
-
-def median_time(fn: Callable[[], object], repeats: int = 7, min_s: float = 2e-4) -> float:
-    """Median seconds of one call; fast calls are batched until a batch takes at least `min_s`."""
-    fn()
-    batch = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        if time.perf_counter() - start >= min_s or batch >= 2**16:
-            break
-        batch *= 4
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        times.append((time.perf_counter() - start) / batch)
-    return statistics.median(times)

@@ -32,6 +32,12 @@ from hetero.run.tiering import ActivationTiering
 from hetero.units import measured
 
 
+STEPS = 4  # the first creates the store's files and buffers; the others are timed
+MIN_TENSOR_BYTES = 64 * 1024  # the smallest size the profile times a disk trip at (machine.BESIDE_SIZES)
+IDLE_WAIT_S = 10.0  # at most this long for the last deletes to finish after the timed steps
+LANES = ("evict", "prefetch")  # the writer's (evictions, deletes) and the reader's spans
+
+
 @dataclass(frozen=True, slots=True)
 class DiskBeside:
     """What the timed steps measured."""
@@ -39,11 +45,6 @@ class DiskBeside:
     read: list[CurvePoint]  # by storage size, each read with the delete of its file (the writer's, right after)
     write: list[CurvePoint]
     stretch: float  # compute seconds the steps lost per second a disk worker was busy (>= 0)
-
-STEPS = 4  # the first creates the store's files and buffers; the others are timed
-MIN_TENSOR_BYTES = 64 * 1024  # the smallest size the profile times a disk trip at (machine.BESIDE_SIZES)
-IDLE_WAIT_S = 10.0  # at most this long for the last deletes to finish after the timed steps
-LANES = ("evict", "prefetch")  # the writer's (evictions, deletes) and the reader's spans
 
 
 class TierSteps:

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from hetero.profile import machine
+from hetero.profile import machine, timing, updates
 from hetero.profile.schema import CurvePoint, Tier
 from hetero.profile.tier_steps import DiskBeside
 
@@ -36,27 +36,27 @@ def test_emulated_channels_are_measured_beside_compute_only_when_the_cpu_compute
 
 
 def test_host_adam_is_timed_on_its_driver_as_the_runtime_runs_it_and_beside_compute_when_the_cpu_computes():
-    beside = machine.host_adam(slowdown=2.0)
+    beside = updates.host_adam(slowdown=2.0)
     assert beside.rate > 1e6 and beside.launch_s >= 0 and 0 <= beside.cpu <= 1 and beside.beside_rate > 1e6
-    alone = machine.host_adam()
+    alone = updates.host_adam()
     assert alone.cpu is None and alone.beside_rate is None and alone.beside_launch_s is None
 
 
 def test_a_worker_that_only_waits_does_not_slow_compute_nor_is_slowed():
-    beside = machine.beside_compute([lambda: time.sleep(0.001)])
+    beside = timing.beside_compute([lambda: time.sleep(0.001)])
     assert 1 <= beside.compute < 1.5 and 0.001 <= beside.work_s < 0.005  # a streaming worker: about 2
 
 
 def test_a_worker_that_computes_shares_the_cores_with_compute():
     a = torch.ones(256, 256)
-    alone = machine.median_time(lambda: a @ a)
-    beside = machine.beside_compute([lambda: a @ a for _ in range(2)])
+    alone = timing.median_time(lambda: a @ a)
+    beside = timing.beside_compute([lambda: a @ a for _ in range(2)])
     assert beside.compute > 1.1 and beside.work_s > 1.1 * alone
 
 
 def test_with_a_gpu_the_slowdown_is_left_null_and_said_why(monkeypatch):
     monkeypatch.setattr(machine, "copy_bandwidth", lambda: 1e10)
-    monkeypatch.setattr(machine, "host_adam", lambda slowdown: machine.Updates(launch_s=1e-4, rate=1e9))
+    monkeypatch.setattr(machine, "host_adam", lambda slowdown: updates.Updates(launch_s=1e-4, rate=1e9))
     monkeypatch.setattr(machine, "background_slowdown", lambda: pytest.fail("measured beside a GPU"))
     cpu = machine.measure_cpu(gpu=True)
     assert cpu.background_slowdown is None and cpu.adam_cpu is None and cpu.adam_beside_compute_params_per_s is None
