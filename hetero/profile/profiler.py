@@ -86,7 +86,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         disk_beside = session.close()
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
         raise _ended_early(result.exit_code, session.steps_done, options)
-    summary = session.summary or summarize(session.profiler)
+    summary = session.summary  # set once the measured steps ended, which the check above ensures
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),

@@ -59,8 +59,7 @@ class TierSteps:
         self.clean_step_s = clean_step_s
         self._previous: spans.Sink | None = None
         self.steps = 0
-        self._ends: list[float] = []  # the end of the warm step, then of each timed one
-        self._waited_s = 0.0  # the ledger's total wait at the warm step's end
+        self._ends: list[tuple[float, float]] = []  # (time, the ledger's total wait) at each step's end
 
     @property
     def useful(self) -> bool:
@@ -74,13 +73,10 @@ class TierSteps:
     def step_ended(self) -> bool:
         """Count an optimizer step; true once the last timed one has ended."""
         self.steps += 1
-        self._ends.append(time.perf_counter())
-        if self.steps == 1:
-            self._waited_s = self.tiering.ledger.waited_s
-            self.sink.recording = True
+        self._ends.append((time.perf_counter(), self.tiering.ledger.waited_s))
+        self.sink.recording = True  # from the warm step's end
         if self.steps < STEPS:
             return False
-        self._waited_s = self.tiering.ledger.waited_s - self._waited_s
         mover = self.tiering.mover  # still recording: the last step's deletes are queued on the writer
         deadline = time.perf_counter() + IDLE_WAIT_S
         while not (mover.writer.idle() and mover.reader.idle()) and time.perf_counter() < deadline:
@@ -101,7 +97,8 @@ class TierSteps:
         busy_s = sum(end - start for lane, _, start, end, _ in self.sink.spans if lane in LANES)
         if found is None or busy_s <= 0:
             return None
-        lost_s = self._ends[-1] - self._ends[0] - (STEPS - 1) * self.clean_step_s - self._waited_s
+        (first, waited_first), (last, waited_last) = self._ends[0], self._ends[-1]
+        lost_s = last - first - (STEPS - 1) * self.clean_step_s - (waited_last - waited_first)
         return DiskBeside(read=found[0], write=found[1], stretch=round(max(0.0, lost_s) / busy_s, 3))
 
 
