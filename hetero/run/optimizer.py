@@ -3,9 +3,10 @@ the plan puts them (AXDIMM channels, host memory, NVMe) and its updates run ther
 
 The classes subclass torch's, so argument parsing, defaults, param groups, LR schedulers and `isinstance` checks
 are torch's own; only `step`, `state_dict` and `load_state_dict` differ, and `state_dict()` is torch's format.
-With `overlap_backward`, a post-accumulate-grad hook launches each parameter's update as soon as its gradient is
-final (on the last micro-batch of the step), so updates run while backward continues; the parameters themselves
-change only in `step()`, as with torch.
+With `overlap_backward`, each parameter's update is launched as soon as its gradient is final and synchronized:
+from its post-accumulate-grad hook on the last micro-batch of the step, or, for a parameter of a DDP model, when
+DDP's bucket holding it has been all-reduced (`DdpSync`), from the averaged gradient. Updates thus run while
+backward continues; the parameters themselves change only in `step()`, as with torch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.plan.schema import OptimizerPlan
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.bootstrap import StopScript
+from hetero.run.ddp_sync import DdpSync
 from hetero.run.devices.nvme import NvmeStore
 from hetero.units import SIZE
 from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome, NvmeStaging
@@ -116,6 +118,7 @@ class Offloaded:
     micro_batches = 1
     overlap = False
     on_first_use = None  # callable(optimizer): the runtime binds parameter names before the first update
+    synced = None  # callable(param) -> bool: DDP averages its gradient, and `bucket_synced` launches its update
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -151,17 +154,26 @@ class Offloaded:
             type(self).on_first_use(self)
         slot = self._slots[p]
         slot.grads_seen += 1
-        if slot.grads_seen == self.micro_batches and slot.home is not None:
-            self._launch(p, slot)
+        if slot.grads_seen == self.micro_batches and slot.home is not None and not type(self).synced(p):
+            self._launch(p, slot, p.grad)
 
-    def _launch(self, p: torch.nn.Parameter, slot: Slot) -> None:
+    def bucket_synced(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """DDP averaged these gradients: launch the updates of those whose last micro-batch this was. The
+        post-accumulate-grad hook (which counts micro-batches) runs inside AccumulateGrad, before DDP's own
+        post-hook marks the parameter ready, so the count is current when the bucket completes."""
+        for p, grad in zip(params, grads):
+            slot = self._slots.get(p)
+            if slot is not None and slot.home is not None and slot.grads_seen == self.micro_batches:
+                self._launch(p, slot, grad)
+
+    def _launch(self, p: torch.nn.Parameter, slot: Slot, grad: torch.Tensor) -> None:
         ready = None
-        if p.grad.is_cuda:
+        if grad.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
         slot.step += 1
         slot.launched = True
-        slot.home.update(p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step, ready)
+        slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step, ready)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -180,7 +192,7 @@ class Offloaded:
                 slot.step += 1
                 spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
             else:
-                self._launch(p, slot)
+                self._launch(p, slot, p.grad)
         if spilled:
             self._placement.staging.update_all(spilled)
         self._placement.drain()
@@ -251,8 +263,8 @@ _TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # before any ru
 class OptimizerOffload:
     """The plan's `optimizer` section: the script's Adam/AdamW become offloaded ones for the run."""
 
-    def __init__(self, plan: OptimizerPlan):
-        self.plan = plan
+    def __init__(self, plan: OptimizerPlan, ddp: DdpSync):
+        self.plan, self.ddp = plan, ddp
         self.optimizers: list[Offloaded] = []
         self.names: dict[torch.nn.Parameter, str] | None = None
 
@@ -275,7 +287,10 @@ class OptimizerOffload:
             return __init__
 
         settings = {"placement_for": staticmethod(lambda: Placement(self.plan)), "overlap": self.plan.overlap_backward,
-                    "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use)}
+                    "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use),
+                    "synced": staticmethod(self.ddp.synced)}
+        if self.plan.overlap_backward:
+            self.ddp.listen(self)
         for name, base in _TORCH.items():
             cls = type(name, (Offloaded, base), dict(settings, __module__=__name__, __qualname__=name))
             patches.set(torch.optim, name, type(name, (cls,), {"__init__": track(cls), "__module__": __name__}))
@@ -283,6 +298,10 @@ class OptimizerOffload:
             for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
                 for name in ("clip_grad_norm_", "clip_grad_value_"):
                     patches.set(owner, name, _refuse_clipping)
+
+    def bucket_synced(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        for opt in self.optimizers:
+            opt.bucket_synced(params, grads)
 
     def bind(self, model: torch.nn.Module) -> None:
         self.names = {p: name for name, p in model.named_parameters()}

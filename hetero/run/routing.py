@@ -51,6 +51,7 @@ from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.capture import fingerprint, unwrap
 from hetero.profile.layers import CpuClock, CudaClock
 from hetero.run.bootstrap import StopScript
+from hetero.run.ddp_sync import DdpSync
 from hetero.run.launch import check_routing
 from hetero.run.spans import span as record_span
 from hetero.units import SIZE, TIME
@@ -253,44 +254,35 @@ def _checked(fut: torch.futures.Future, buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def _hook(state, bucket):  # unannotated: DDP rejects the string annotations `from __future__` would make
-    return state(bucket)
-
-
 class GradientRouting:
-    """Registers the routed hook on every DDP model of the planned model, right after DDP builds it (the hook must
-    be in place before the first backward; the runtime's capture only sees the inner model, at its first forward)."""
+    """Routes the all-reduce of every DDP model of the planned model, chosen right after DDP builds it (the hook
+    must be in place before the first backward; the runtime's capture only sees the inner model, at its first
+    forward). `DdpSync` owns DDP's one hook; routing supplies the all-reduce it runs."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, ddp: DdpSync):
         assert plan.routing is not None
-        self.plan, self.routing = plan, plan.routing
+        self.plan, self.routing, self.ddp = plan, plan.routing, ddp
         self.syncs: list[Sync] = []
         self.skipped: list[str] = []
 
     def install(self, patches, need_model: Callable[[object], None]) -> None:
-        original = DistributedDataParallel.__init__
+        self.ddp.on_build(self._attach)
 
-        def __init__(ddp: DistributedDataParallel, *args, **kwargs) -> None:
-            original(ddp, *args, **kwargs)
-            self._attach(ddp)
-
-        patches.set(DistributedDataParallel, "__init__", __init__)
-
-    def _attach(self, ddp: DistributedDataParallel) -> None:
+    def _attach(self, ddp: DistributedDataParallel) -> tuple[Sync, Callable[[Sync, object], object]] | None:
         if fingerprint(unwrap(ddp)) != self.plan.source.model_fingerprint:
             self.skipped.append(f"a DDP model of {type(unwrap(ddp)).__name__} that is not the planned model")
-            return
+            return None
         world = dist.get_world_size()
         if dist.get_world_size(ddp.process_group) != world:
             self.skipped.append("a DDP model over a subgroup of the ranks")
-            return
+            return None
         try:
             check_routing(self.routing, world)
         except HeteroError as e:
             raise StopScript(e) from None  # raised inside the script: its `except Exception` must not hide it
         sync = Sync(self.routing, make_paths(self.routing, world), ForwardOrder(ddp.module), world)
-        ddp.register_comm_hook(sync, _hook)
         self.syncs.append(sync)
+        return sync, Sync.__call__
 
     def bind(self, model: nn.Module) -> None:
         pass  # everything happens at DDP construction, before the capture sees the model

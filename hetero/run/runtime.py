@@ -49,17 +49,19 @@ class Mechanism(Protocol):
 
 def mechanisms(plan: Plan) -> list[Mechanism]:
     """The mechanisms this plan asks for."""
+    from hetero.run.ddp_sync import DdpSync
     from hetero.run.optimizer import OptimizerOffload
     from hetero.run.routing import GradientRouting
     from hetero.run.shadow import shadow_model
     from hetero.run.tiering import ActivationTiering
 
+    ddp = DdpSync()  # DDP's one communication hook, shared by routing and the optimizer's overlapped updates
     found: list[Mechanism] = [*shadow_model(plan)]  # bound first: the others see parameters where the plan puts them
     if plan.optimizer is not None and plan.optimizer.device != "gpu":
-        found.append(OptimizerOffload(plan.optimizer))
+        found.append(OptimizerOffload(plan.optimizer, ddp))
     found += [ActivationTiering(plan.activations)] if plan.activations is not None else []
-    found += [GradientRouting(plan)] if plan.routing is not None else []
-    return found
+    found += [GradientRouting(plan, ddp)] if plan.routing is not None else []
+    return found + [ddp]
 
 
 class Runtime:

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from hetero.plan.schema import Budget, Plan, Predicted, RoutingPlan, Source
 from hetero.profile.capture import fingerprint
 from hetero.run.bootstrap import StopScript
-from hetero.run.routing import (BANDWIDTH, LATENCY, PRIORITY, Message, drift, first_layers, messages,
+from hetero.run.routing import (BANDWIDTH, GradientRouting, LATENCY, PRIORITY, Message, drift, first_layers, messages,
                                 predicted_sync_s, ring_through, union_s)
 from hetero.run.runtime import Runtime
 
@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, peers: tuple[int, int], rdzv: str, out: str) 
     train(DDP(reference, bucket_cap_mb=0.01), rank)  # small buckets: the hook sees several per step
     with Runtime(routed_plan(routed, latency_peer=peers[0], bandwidth_peer=peers[1]), script=__file__) as runtime:
         train(DDP(routed, bucket_cap_mb=0.01), rank)
-    routing = runtime.mechanisms[-1]
+    routing = next(m for m in runtime.mechanisms if isinstance(m, GradientRouting))
     torch.save({"reference": _state(reference), "routed": _state(routed), "moved": routing.syncs[0].moved,
                 "summary": runtime.summary()}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
