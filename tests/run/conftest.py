@@ -1,15 +1,17 @@
 import pytest
 
 from hetero.kernels import dha
-from hetero.kernels.standin import StandInDevice, StandInDevices
+from hetero.kernels.standin import StandInDevice, StandInDevices, strict_parameters
 
 
 @pytest.fixture
 def stand_ins(monkeypatch) -> StandInDevices:
-    """The stand-in `cuda:0` and `cuda:1` in place of the GPUs, for every GPU code path."""
+    """The stand-in `cuda:0` and `cuda:1` in place of the GPUs, for every GPU code path; parameters may not change
+    device while they are in use."""
     devices = StandInDevices()
     monkeypatch.setattr(dha, "devices", devices)
-    return devices
+    with strict_parameters(devices):
+        yield devices
 
 
 @pytest.fixture
