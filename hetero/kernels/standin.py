@@ -59,7 +59,8 @@ class StandInDevice:
         self.index = index
         self.name = f"cuda:{index}"
         self.streams = {COPY: Queue(), D2H: Queue()}
-        self.allocations: list[int] = []
+        self.allocations: list[int] = []  # device buffers' sizes
+        self.pinned_sizes: list[int] = []  # pinned host buffers' sizes, as asked for
         self.log: list[tuple[str, str]] = []
         self.ops: list[tuple[str, str]] = []  # (stream, what) of every copy and kernel issued
         self.host_storages: set[int] = set()
@@ -72,6 +73,7 @@ class StandInDevice:
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned_sizes.append(nbytes)
         self.host_storages.add(out.untyped_storage()._cdata)
         return out
 

@@ -4,13 +4,15 @@ every device the run uses is the one the model is on, whichever was current when
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from hetero.kernels.standin import COMPUTE, D2H
 from hetero.run.runtime import Runtime
 from hetero.run.states import GradientSource
 from tests.run.plans import optimizer_plan
-from tests.run.test_shadow import STEPS, compare, gpt, layer_plan, train
+from tests.run.test_shadow import STEPS, compare, gpt, layer_plan, shadow_of, train
 
 
 def run_plan(device: str, overlap: bool, grad: str = "gpu", model=None):
@@ -39,6 +41,19 @@ def check_downloads(dev, model) -> None:
 def test_gpu_gradients_come_down_on_the_download_stream(stand_in, device, overlap):
     model = run_plan(device, overlap)
     check_downloads(stand_in, model)
+
+
+def test_optimizer_states_are_pinned_at_their_exact_size(stand_in):
+    """Master, m, v and the gradient's landing place: four fp32 buffers of each parameter's size, not blocks rounded
+    up to a power of two by torch's pinned allocator."""
+    model = gpt()
+    plan = layer_plan(model, "mixed", "gpu")
+    with Runtime(plan, script=__file__) as runtime:
+        train(model, steps=1)
+        layers = sum(st.host.nbytes for st in shadow_of(runtime).layers)
+    states = [4 * p.numel() for p in model.parameters() for _ in range(4)]
+    assert Counter(states) <= Counter(stand_in.pinned_sizes)
+    assert sum(stand_in.pinned_sizes) == sum(states) + layers  # and the shadow model's host copies, nothing else
 
 
 def test_host_gradients_are_read_in_place(stand_in):
