@@ -9,8 +9,9 @@ and its inputs are ready.
 Optimizer states spilled to NVMe are simulated as the runtime handles them (hetero.run.states.NvmeStaging): read,
 updated and written back inside `optimizer.step()`, after backward, in parameter (forward) order, through two
 staging slots that alternate, slot k on channel k: the next tensor's read overlaps the current update, a slot is
-read into only once its previous tensor was written out, and the step returns once every write is done. The planners call `simulate`
-hundreds of times, so it records spans only when asked.
+read into only once its previous tensor was written out, and the step returns once every write is done.
+
+The planners call `simulate` hundreds of times, so it records spans only when asked.
 
 Without a GPU the background lanes are host threads on the cores compute uses, so compute slows while they work
 (`_Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the

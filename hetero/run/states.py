@@ -203,7 +203,8 @@ class HostHome:
 class NvmeStaging:
     """States kept in NVMe files between steps (the AXDIMM paper's overflow, §5.3), updated at `step()` through two
     staging slots on the update device: while one slot's tensor is updated the next one is read into the other, and
-    an updated tensor is written out (leaves) before its slot takes the next (updated tensors leave first)."""
+    an updated tensor is written out (leaves) before its slot takes the next (updated tensors leave first). This is
+    the schedule hetero.plan.simulate predicts; a change here changes the plan's predictions."""
 
     def __init__(self, store, slots: list, largest: int):
         self.store = store
