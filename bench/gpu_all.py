@@ -102,8 +102,8 @@ def environment() -> dict[str, str]:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (no CUDA device)"
-    return {"device": device, "driver": _driver(), "torch": torch.__version__, "CUDA (torch's)": str(torch.version.cuda),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {"device": device, "driver": _driver(), "torch": torch.__version__,
+            "CUDA (torch's)": str(torch.version.cuda), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def _driver() -> str:
