@@ -63,7 +63,7 @@ class StandInDevice:
         self.pinned_sizes: list[int] = []  # pinned host buffers' sizes, as asked for
         self.log: list[tuple[str, str]] = []
         self.ops: list[tuple[str, str]] = []  # (stream, what) of every copy and kernel issued
-        self.host_storages: set[int] = set()
+        self.host_storages: dict[int, torch.UntypedStorage] = {}  # held: a freed one's address is never reused
         self.mapped: dict[int, torch.Tensor] = {}  # alias storage -> the host tensor it views
         self.lock = threading.RLock()
 
@@ -74,7 +74,7 @@ class StandInDevice:
     def pinned(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)
         self.pinned_sizes.append(nbytes)
-        self.host_storages.add(out.untyped_storage()._cdata)
+        self.host_storages[out.untyped_storage()._cdata] = out.untyped_storage()
         return out
 
     def alias(self, host: torch.Tensor) -> torch.Tensor:

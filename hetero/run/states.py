@@ -150,7 +150,7 @@ class AxdimmHome:
         self.device.set_arbiter(self.channel, "normal")
         with spans.timed(f"axdimm ch{self.channel} host", "gradient in", grad.numel() * FP32):
             # straight from the GPU into the channel's (pinned) memory, on the device's download stream
-            self.device.memcpy(buffer, grad, grad.numel() * FP32,
+            self.device.memcpy(buffer, flat(grad), grad.numel() * FP32,
                                through=lambda dst, src: self.source.copy_into(dst, src, ready))
         self.device.set_arbiter(self.channel, "acceleration")
         self.device.run_adam_async(master, exp_avg, exp_avg_sq, buffer, hyperparameters=hp, step=step,

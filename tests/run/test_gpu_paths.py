@@ -43,6 +43,19 @@ def test_gpu_gradients_come_down_on_the_download_stream(stand_in, device, overla
     check_downloads(stand_in, model)
 
 
+def test_spilled_states_gradients_come_down_the_same_way(stand_in, tmp_path):
+    """Updated inside step() through the staging slots (hetero.run.states.NvmeStaging)."""
+    ref_model, model = gpt(), gpt()
+    ref = train(ref_model)
+    plan = layer_plan(model, "mixed", "gpu")
+    spilled = ("h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "h.1.mlp.c_proj.weight")
+    plan.optimizer = optimizer_plan(model, device="axdimm", nvme=spilled, nvme_path=str(tmp_path)).optimizer
+    with Runtime(plan, script=__file__):
+        out = train(model)
+    compare(model, ref_model, out, ref)
+    check_downloads(stand_in, model)
+
+
 def test_optimizer_states_are_pinned_at_their_exact_size(stand_in):
     """Master, m, v and the gradient's landing place: four fp32 buffers of each parameter's size, not blocks rounded
     up to a power of two by torch's pinned allocator."""
