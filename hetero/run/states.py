@@ -42,7 +42,9 @@ class GradientSource:
         self.link = dha.devices.of(param)  # the parameter's GPU, the one its gradients are made on; None: host
 
     def ready(self, grad: torch.Tensor, ready=None):
-        """On the thread that made `grad` final: an event after its producer (None for a host gradient)."""
+        """On the thread that made `grad` final: an event after its producer. On a GPU it is recorded here, on the
+        current stream of the parameter's own device (the caller's `ready`, recorded on the current device's stream,
+        is not used there); for a host parameter the caller's is passed through."""
         if self.link is None:
             return ready
         event = self.link.event("gradient ready")
