@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: test demo docs clean
+.PHONY: test demo docs clean gpu-check
 
 # Where the system Python already imports torch (GPU machines), the venv sees it and keeps it.
 $(VENV)/.installed: pyproject.toml
@@ -21,6 +21,10 @@ test: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py
+
+# Every GPU test and benchmark, results into docs/gpu-results.md; refuses (exit 2) without CUDA.
+gpu-check: $(VENV)/.installed
+	$(BIN)/python bench/gpu_all.py
 
 docs: $(VENV)/.installed
 	$(BIN)/python -m hetero.docs docs/plan-format.md

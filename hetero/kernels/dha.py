@@ -1,6 +1,6 @@
-"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the two devices
-the shadow model drives (the CUDA GPU, and a CPU stand-in that the tests run everywhere). Memory is handled as flat
-bytes; `carve` views a parameter in them.
+"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU device the
+shadow model and the optimizer's gradient copies drive (hetero.kernels.standin stands in for it in the tests).
+Memory is handled as flat bytes; `carve` views a parameter in them.
 
 The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
 `torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` costs a
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -150,10 +148,12 @@ def carve(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class Device(Protocol):
-    """Memory and ordering for the shadow model. `compute` is the stream the model runs on (where a call happens);
-    `copy` is one dedicated stream serving copies in the order they are issued."""
+    """Memory and ordering for the shadow model and the optimizer's gradient copies, on one device. `compute` is the
+    stream the model runs on (where a call happens); `copy` is one dedicated stream serving host-to-device copies in
+    the order they are issued; `download` copies device to host on a second side stream, never on `compute`."""
 
     kind: str
+    name: str
 
     def pinned(self, nbytes: int) -> torch.Tensor: ...
     def alias(self, host: torch.Tensor) -> torch.Tensor: ...
@@ -167,19 +167,33 @@ class Device(Protocol):
     def synchronize(self, event: Any) -> None: ...
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> Any:
+        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written);
+        the returned event completes when `dst` holds the bytes. The caller's thread does not wait."""
+
+    def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor over the same bytes when `t` views pinned memory through `alias`, else None."""
+
+
+NO_CUDA = HeteroError("the plan places layers on a GPU (its `layers` section), but this machine has no CUDA device",
+                      hint="run it on the GPU machine it was planned for, or plan again here: hetero profile, then "
+                           "hetero plan", exit_code=STALE_PLAN)
+
 
 class CudaDevice:
-    """The GPU: DHA views of pinned memory, GPU buffers, and one copy stream for the whole run."""
+    """One GPU: DHA views of pinned memory, GPU buffers, a copy stream (host to device) and a download stream (device
+    to host) for the whole run, both on this device whatever the thread's current device is."""
 
     kind = "cuda"
 
     def __init__(self, index: int | None = None):
         if not torch.cuda.is_available():
-            raise HeteroError("the plan places layers on a GPU (its `layers` section), but this machine has no "
-                              "CUDA device", hint="run it on the GPU machine it was planned for, or plan again "
-                              "here: hetero profile, then hetero plan", exit_code=STALE_PLAN)
+            raise NO_CUDA
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.name = str(self.device)
         self.stream = torch.cuda.Stream(self.device)
+        self.d2h = torch.cuda.Stream(self.device)
+        self.mapped: dict[int, tuple[int, torch.Tensor]] = {}  # alias storage -> (its device address, host tensor)
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         return pinned_host(nbytes)
@@ -187,7 +201,9 @@ class CudaDevice:
     def alias(self, host: torch.Tensor) -> torch.Tensor:
         if host.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return map_host(host, self.device)
+        view = map_host(host, self.device)
+        self.mapped[view.untyped_storage()._cdata] = (view.data_ptr(), host)
+        return view
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -200,6 +216,23 @@ class CudaDevice:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event) -> torch.cuda.Event:
+        # Not on the compute stream (a driver thread's current stream is the legacy default one, where the script
+        # computes): the copy would queue behind every backward kernel issued so far and delay the next ones.
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        src.record_stream(self.d2h)  # its memory is not reused before the copy has read it
+        return done
+
+    def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
+        entry = self.mapped.get(t.untyped_storage()._cdata)
+        if entry is None or t.untyped_storage().data_ptr() != entry[0]:  # a DFGB swap lent this storage GPU memory
+            return None
+        return carve(entry[1], t.data_ptr() - entry[0], t)
 
     def record_copy(self, event: torch.cuda.Event) -> None:
         event.record(self.stream)
@@ -220,73 +253,41 @@ class CudaDevice:
         dst.copy_(src)  # on the compute stream, after the kernel that produced src
 
 
-@dataclass(eq=False, slots=True)
-class Mark:
-    """A stand-in event: how many copies must have run when it completes."""
+class CudaDevices:
+    """The GPUs of this process, one `CudaDevice` each, opened when first needed: by the device a model's or a
+    parameter's tensors are on, never by the current device at some earlier moment (a torchrun worker calls
+    `torch.cuda.set_device(local_rank)` after hetero's runtime was made)."""
 
-    name: str
-    at: int = 0
-
-
-class StandInDevice:
-    """The CPU standing in for the GPU, with the same ordering rules made strict: the copy stream is a queue that
-    runs only when something waits for it, and each copy poisons its destination (NaN) when issued, so a layer that
-    computes before waiting for its copy computes garbage. Views alias host memory through their own storage, as
-    CUDA views do. `log` records every ordering operation, `allocations` every buffer."""
-
-    kind = "stand-in"
+    kind = "cuda"
 
     def __init__(self):
-        self.queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-        self.issued = self.done = 0
-        self.allocations: list[int] = []
-        self.log: list[tuple[str, str]] = []
+        self.opened: dict[int, CudaDevice] = {}
 
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def check(self) -> None:
+        if not torch.cuda.is_available():
+            raise NO_CUDA
 
-    def alias(self, host: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(host.numpy())  # a second storage over the same bytes, holding `host`
+    def open(self, device: torch.device) -> CudaDevice:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index not in self.opened:
+            self.opened[index] = CudaDevice(index)
+        return self.opened[index]
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        self.allocations.append(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def of(self, t: torch.Tensor) -> CudaDevice | None:
+        """The device of a CUDA tensor, None for a host one."""
+        return self.open(t.device) if t.is_cuda else None
 
-    def event(self, name: str) -> Mark:
-        return Mark(name)
+    def for_model(self, model: torch.nn.Module) -> CudaDevice:
+        """The GPU the model's parameters are on (the current one while they are still on the host)."""
+        where = next((p.device for p in model.parameters() if p.is_cuda), torch.device("cuda"))
+        return self.open(where)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.fill_(255)  # all-ones bytes read as NaN in every float format
-        self.queue.append((dst, src))
-        self.issued += 1
+    def is_host(self, t: torch.Tensor) -> bool:
+        return not t.is_cuda
 
-    def record_copy(self, event: Mark) -> None:
-        event.at = self.issued
-        self.log.append(("record_copy", event.name))
 
-    def record_compute(self, event: Mark) -> None:
-        event.at = 0  # compute work runs when issued: nothing is pending behind it
-        self.log.append(("record_compute", event.name))
-
-    def copy_waits(self, event: Mark) -> None:
-        self.log.append(("copy_waits", event.name))
-
-    def compute_waits(self, event: Mark) -> None:
-        self.log.append(("compute_waits", event.name))
-        self._run(event.at)
-
-    def synchronize(self, event: Mark) -> None:
-        self.log.append(("synchronize", event.name))
-        self._run(event.at)
-
-    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def _run(self, until: int) -> None:
-        while self.done < until:
-            dst, src = self.queue.popleft()
-            dst.copy_(src)
-            self.done += 1
+# Where the GPU code paths find their devices; the tests put hetero.kernels.standin.StandInDevices here.
+devices: CudaDevices = CudaDevices()
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,9 +2,11 @@
 
 On the AXDIMM, parameters go to its channels round-robin (§5.2), each channel within its capacity, so both channels'
 Adam kernels work while the link feeds the other. What does not fit goes to NVMe (§5.3): the parameters updated
-last in the iteration (the first layers, since backward runs in reverse), whose reads have the whole forward and
-most of the backward to arrive. They are staged through space kept free on the channels, and a staged tensor that
-has been updated leaves first to make room for the next (the paper's eviction rule). `host` and `gpu` put every
+last in the iteration (the first layers, since backward runs in reverse). The runtime reads, updates and writes
+them back inside `optimizer.step()`, after backward, in parameter order, through two staging slots kept free on
+the channels (an updated tensor is written out before its slot takes the next one): the next tensor's read
+overlaps the current update, and the simulator predicts exactly that (hetero.plan.simulate), not reads hidden
+behind forward and backward. `host` and `gpu` put every
 state in host or GPU memory (host overflowing to NVMe the same way).
 """
 
@@ -183,7 +185,8 @@ def states(params: list[Param], placement: Placement) -> list[StatePlacement]:
 
 def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, rates: Rates) -> list[list[Update]]:
     """Each layer's updates for the simulator: a channel's lane for AXDIMM states (NVMe-staged ones take turns over
-    the channels), the compute lane when `rates.lanes` is empty."""
+    the channels; the simulator runs them on the staging slots' channels), the compute lane when `rates.lanes` is
+    empty."""
     out: list[list[Update]] = [[] for _ in range(n_layers)]
     where = {s.param: s for s in placed}
     turn = 0

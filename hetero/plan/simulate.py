@@ -2,21 +2,26 @@
 activation evict/prefetch, sync), each lane serving its tasks in the order they are issued.
 
 Every lane here has a fixed issue order (GFGB copies in forward order, then DFGB copies in backward order, then
-prefetches as backward progresses; gradients in backward order; updates in gradient order), so the simulation is one
-pass over the layers: a task starts when its lane is free and its inputs are ready. The planners call `simulate`
-hundreds of times, so it records spans only when asked.
+prefetches as backward progresses; gradients in backward order; updates in gradient order, then the NVMe-spilled
+ones in the optimizer's order), so the simulation is one pass over the layers: a task starts when its lane is free
+and its inputs are ready.
+
+Optimizer states spilled to NVMe are simulated as the runtime handles them (hetero.run.states.NvmeStaging): read,
+updated and written back inside `optimizer.step()`, after backward, in parameter (forward) order, through two
+staging slots that alternate, slot k on channel k: the next tensor's read overlaps the current update, a slot is
+read into only once its previous tensor was written out, and the step returns once every write is done.
+
+The planners call `simulate` hundreds of times, so it records spans only when asked.
 
 Without a GPU the background lanes are host threads on the cores compute uses, so compute slows while they work
 (`_Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
 layers before it, prefetches its own and earlier backward starts triggered, updates of the layers before it. A task
-issued later but starting earlier (optimizer states read from NVMe during the forward, a prefetch timed by the clock)
-does not slow the compute it overlaps.
+issued later but starting earlier (a prefetch timed by the clock) does not slow the compute it overlaps.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from hetero.plan.model import GPU, Choices, Costs, Update, timed
@@ -69,8 +74,7 @@ class _State:
     pf_end: list[float] = field(default_factory=list)
     issued: list[bool] = field(default_factory=list)
     ready: list[float] = field(default_factory=list)
-    staged: deque = field(default_factory=deque)
-    staged_bytes: int = 0
+    spilled: list[tuple[int, Update]] = field(default_factory=list)  # (layer, update) left for step()
     opt_end: float = 0.0
     stall: float = 0.0
     nvme_late: float = 0.0
@@ -195,6 +199,8 @@ def _backward(st: _State) -> float:
         t = max([c, *st.ready])  # clipping needs every gradient before the first update
         for i in costs.bp_order:
             c = _updates(st, i, t, c)
+    if st.spilled:
+        c = _spilled_updates(st, max([c, *st.ready]), c)
     if ch.step_s:
         c = st.compute(max([c, *st.ready]), ch.step_s)
     return c
@@ -223,37 +229,47 @@ def _prefetch(st: _State, i: int, at: float) -> None:
 def _updates(st: _State, i: int, ready: float, c: float) -> float:
     """Run layer i's parameter updates; the compute lane's new end (host Adam without a GPU shares the cores)."""
     for u in st.ch.updates[i]:
-        t = ready
-        if u.nvme_bytes:  # late only where the update could otherwise have started
-            staged = _stage(st, u, i)
-            st.nvme_late += max(0.0, staged - max(t, c if u.lane < 0 else st.free[st.ch.lanes[u.lane]]))
-            t = max(t, staged)
-        if u.lane < 0:
-            start = max(c, t)
-            end = c = st.compute(start, u.update_s)
-            if st.record:
-                st.span("compute", "adam", i, start, end)
-            st.free["compute"] = c
-        else:
-            end = st.run(st.ch.lanes[u.lane], "adam", i, t, u.update_s)
         if u.nvme_bytes:
-            done = st.run("nvme write", "write states", i, end, u.write_s)
-            st.staged.append((min(u.nvme_bytes, st.ch.staging_bytes), done))
-            st.staged_bytes += st.staged[-1][0]
+            st.spilled.append((i, u))
+            continue
+        end, c = _adam(st, i, u.lane, ready, c, u.update_s)
         st.opt_end = max(st.opt_end, end)
     return c
 
 
-def _stage(st: _State, u: Update, i: int) -> float:
-    """Read states from NVMe as early as staging space allows; space is freed by updated states being written
-    back, oldest first (AXDIMM §5.3: tensors already updated this iteration leave first)."""
-    need = min(u.nvme_bytes, st.ch.staging_bytes)
-    freed_at = 0.0
-    while st.staged and st.staged_bytes + need > st.ch.staging_bytes:
-        size, done = st.staged.popleft()
-        st.staged_bytes -= size
-        freed_at = max(freed_at, done)
-    return st.run("nvme read", "read states", i, freed_at, u.read_s)
+def _adam(st: _State, i: int, lane: int, ready: float, c: float, duration: float) -> tuple[float, float]:
+    """One update on `lane` (-1: the compute lane) once `ready`: its end, and the compute lane's new end."""
+    if lane >= 0:
+        return st.run(st.ch.lanes[lane], "adam", i, ready, duration), c
+    start = max(c, ready)
+    end = c = st.compute(start, duration)
+    if st.record:
+        st.span("compute", "adam", i, start, end)
+    st.free["compute"] = c
+    return end, c
+
+
+def _spilled_updates(st: _State, step: float, c: float) -> float:
+    """The NVMe-spilled updates inside `step()` from `step` on (see the module docstring); the compute lane's end."""
+    jobs = sorted(st.spilled, key=lambda job: job[0])  # the optimizer's order: its parameters, forward order
+    st.spilled = []
+    slot_free = [step, step]  # when each slot's last tensor was written out
+    lanes = len(st.ch.lanes)
+    reads = {0: st.run("nvme read", "read states", jobs[0][0], step, jobs[0][1].read_s)}
+    t = step  # where the step's loop is
+    for j, (i, u) in enumerate(jobs):
+        if j + 1 < len(jobs):  # the next tensor's read, issued before this one's update
+            nxt = jobs[j + 1]
+            reads[j + 1] = st.run("nvme read", "read states", nxt[0], max(t, slot_free[(j + 1) % 2]), nxt[1].read_s)
+        lane = (j % 2) % lanes if lanes else -1
+        free = st.free[st.ch.lanes[lane]] if lane >= 0 else c
+        read = reads.pop(j)
+        st.nvme_late += max(0.0, read - max(t, free))  # the update waits for its states
+        end, c = _adam(st, i, lane, max(t, read), c, u.update_s)
+        slot_free[j % 2] = st.run("nvme write", "write states", i, end, u.write_s)
+        st.opt_end = max(st.opt_end, end)
+        t = end
+    return c
 
 
 @dataclass(slots=True)

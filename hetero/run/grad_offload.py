@@ -12,9 +12,8 @@ A post-accumulate hook checks that `.grad` really is the host view (autograd clo
 script may have set `.grad` itself) and moves it there if not, so the invariant holds whatever the op. Gradients
 in host memory carry no graph: double backward (`create_graph=True`) through them is not supported.
 
-For `optimizer.step()` the shadow model points the parameters at their host copies, and `to_host` then makes
-`.grad` the host buffer itself (a CPU tensor): the offloaded optimizer reads it with a host memcpy. `to_device`
-undoes that after the step.
+The gradients stay device views across `optimizer.step()` (a parameter and its gradient never change device, see
+hetero.run.shadow): an optimizer on the host reads the host bytes behind them (`Device.host_view`) without a copy.
 """
 
 from __future__ import annotations
@@ -99,17 +98,6 @@ class HostGrads:
             self.device.write(slot.alias, p.grad.detach())
             p.grad = slot.view()
             self.counts["fallback"] += 1
-
-    def to_host(self) -> None:
-        """For the step (parameters already on their host copies): `.grad` is the host buffer itself."""
-        for slot in self.slots.values():
-            if slot.param.grad is not None and same_memory(slot.param.grad, slot.alias):
-                slot.param.grad = slot.host
-
-    def to_device(self) -> None:
-        for slot in self.slots.values():
-            if slot.param.grad is slot.host:
-                slot.param.grad = slot.view()
 
     def close(self) -> None:
         for h in self.handles:

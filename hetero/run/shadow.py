@@ -19,9 +19,12 @@ Micro-batches after the first keep the device copy: the weights do not change wi
 
 The step boundary. Before the step, the host waits for the compute stream (kernels reading host views, gradients
 written into host memory) and for the copy stream (copies reading the host copies), switches DFGB storage back, and
-points every placed parameter at its host copy (gradients kept in host memory too, hetero.run.grad_offload): the
-optimizer's `copy_back` then updates the CPU model with a host memcpy, DHA layers in place. After the step the
-parameters point at their device storage again and the copies above are issued. Nothing synchronizes the device
+points GFGB parameters at the device view of their host copy, so that in `step()` every placed parameter (and every
+host gradient, hetero.run.grad_offload) is a device view of pinned host memory: the optimizer finds the host bytes
+behind it (`Device.host_view`) and updates the CPU model with a host memcpy, DHA layers in place. A parameter never
+changes device: `p.data = x` across devices resets the parameter's gradient accumulator in autograd, and DDP's
+reducer hooks live on the old one (no all-reduce from the second step). After the step the GFGB parameters point at
+their device buffers again and the copies above are issued. Nothing synchronizes the device
 inside a step. Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them;
 other code reading weights outside the model's forward must synchronize first.
 """
@@ -37,14 +40,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
-from hetero.kernels.dha import CudaDevice, Device, carve, offsets
+from hetero.kernels import dha
+from hetero.kernels.dha import Device, carve, offsets
 from hetero.plan.schema import LayerPlan, Plan
 from hetero.profile.layers import _tensors
 from hetero.profile.schema import ROOT_LAYER
 from hetero.run.grad_offload import HostGrads
 from hetero.units import SIZE
-
-open_device = CudaDevice  # the tests run the same code on hetero.kernels.dha.StandInDevice
 
 
 # -- the pure part: plan -> storage per parameter and the stream plan ---------------------------------------------
@@ -114,7 +116,7 @@ def shadow_model(plan: Plan) -> list[ShadowModel]:
     GPU (gfgb, grad gpu) under an optimizer that updates there."""
     if not plan.layers:
         return []
-    device = open_device()  # a plan with layers needs the GPU it was made for
+    dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
     if plan.optimizer is None or plan.optimizer.device == "gpu":
         moved = [e for e in plan.layers if e.mode != "gfgb" or e.grad != "gpu"]
         if not moved:
@@ -123,7 +125,7 @@ def shadow_model(plan: Plan) -> list[ShadowModel]:
                           "updates on the GPU: DHA and host gradients need the master weights in host memory",
                           hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
                           exit_code=INVALID_FILE)
-    return [ShadowModel(plan, device)]
+    return [ShadowModel(plan)]
 
 
 # -- the mechanism ------------------------------------------------------------------------------------------------
@@ -138,7 +140,7 @@ class LayerState:
     params: list[nn.Parameter]
     offsets: list[int]
     host: torch.Tensor  # pinned: the CPU model the optimizer writes
-    alias: torch.Tensor | None  # device view of `host` (dha, dfgb)
+    alias: torch.Tensor  # device view of `host`: what dha and dfgb compute on, and every mode's data in step()
     gpu: torch.Tensor | None  # device buffer (gfgb, dfgb)
     ready: Any  # event: the layer's latest copy is done
     forward_end: Any  # event: its forward ended (dfgb)
@@ -146,7 +148,7 @@ class LayerState:
     on_gpu: bool = False  # dfgb: storage switched to the device copy
 
     def compute(self) -> torch.Tensor:
-        return self.gpu if self.alias is None else self.alias
+        return self.gpu if self.spec.mode == "gfgb" else self.alias
 
     def point(self, flat: torch.Tensor) -> None:
         for p, offset in zip(self.params, self.offsets):
@@ -168,7 +170,7 @@ def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> Lay
         gpu = device.buffer(total) if spec.mode != "dha" else None
         if gpu is not None:
             gpu.copy_(host)
-    st = LayerState(spec, params, where, host, device.alias(host) if spec.mode != "gfgb" else None, gpu,
+    st = LayerState(spec, params, where, host, device.alias(host), gpu,
                     device.event(f"ready {spec.name}"), device.event(f"forward {spec.name}"))
     st.point(st.compute())
     return st
@@ -177,13 +179,13 @@ def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> Lay
 class ShadowModel:
     """The plan's `layers` section, carried out on a device (the GPU, or the CPU stand-in in tests)."""
 
-    def __init__(self, plan: Plan, device: Device):
-        self.plan, self.device = plan, device
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.device: Device | None = None  # the model's own GPU, opened at bind
         self.layers: list[LayerState] = []
         self.grads: HostGrads | None = None
         self.pending: list[LayerState] = []  # DFGB layers whose forward ran and whose copy is not issued yet
-        self.copied = device.event("copies")  # after the last copy issued
-        self.boundary = device.event("step")
+        self.copied = self.boundary = None  # events: after the last copy issued; the step boundary
         self.ids: set[int] = set()
         self.handles: list = []
 
@@ -200,6 +202,9 @@ class ShadowModel:
                               hint="use a newer torch, or change the plan's dfgb layers to dha", exit_code=STALE_PLAN)
         modules, params = dict(model.named_modules()), dict(model.named_parameters())
         sched = schedule(self.plan.layers, list(modules), list(params))
+        # Here, not when the runtime was made: a torchrun worker picks its GPU (set_device, model.to) in between.
+        self.device = dha.devices.for_model(model)
+        self.copied, self.boundary = self.device.event("copies"), self.device.event("step")
         for spec in sched.layers:
             st = place(self.device, spec, [params[n] for n in spec.params])
             self.layers.append(st)
@@ -261,17 +266,15 @@ class ShadowModel:
             if st.on_gpu:
                 st.swap()
             st.copied = False
-            st.point(st.host)
-        if self.grads is not None:
-            self.grads.to_host()
+            if st.spec.mode == "gfgb":
+                st.point(st.alias)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):
             return
         for st in self.layers:
-            st.point(st.compute())
-        if self.grads is not None:
-            self.grads.to_device()
+            if st.spec.mode == "gfgb":
+                st.point(st.gpu)
         self.device.record_compute(self.boundary)
         self.device.copy_waits(self.boundary)  # the last step's kernels are done with the device buffers
         for st in self.layers:

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hetero.errors import HeteroError
+from hetero.kernels import dha
 from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.run import spans
 from hetero.run.devices.axdimm import AxdimmDevice
@@ -29,6 +30,56 @@ def flat(t: torch.Tensor) -> torch.Tensor:
                           hint="train in float32, or set `optimizer: {device: gpu}` in the plan to keep the "
                                "script's optimizer")
     return t.detach().view(-1)
+
+
+class GradientSource:
+    """Where a home reads a gradient from. A gradient on a GPU comes down on the device's download stream, which
+    waits for the gradient's ready event (recorded on the compute stream by the thread that made it final), into
+    pinned memory, non-blocking; the driver thread waits for the copy's own event and never holds up compute. A
+    device view of pinned host memory (a `grad: host` layer's gradient) is read in place."""
+
+    def __init__(self, param: torch.Tensor):
+        self.link = dha.devices.of(param)  # the parameter's GPU, the one its gradients are made on; None: host
+
+    def ready(self, grad: torch.Tensor, ready=None):
+        """On the thread that made `grad` final: an event after its producer. On a GPU it is recorded here, on the
+        current stream of the parameter's own device (the caller's `ready`, recorded on the current device's stream,
+        is not used there); for a host parameter the caller's is passed through."""
+        if self.link is None:
+            return ready
+        event = self.link.event("gradient ready")
+        self.link.record_compute(event)
+        return event
+
+    def in_host(self, grad: torch.Tensor, ready) -> torch.Tensor | None:
+        """`grad` itself or the host tensor it views, once the kernels writing it are done; None when on a GPU."""
+        host = grad if self.link is None else self.link.host_view(grad)
+        if host is not None and ready is not None:
+            self.link.synchronize(ready) if self.link is not None else ready.synchronize()
+        return host
+
+    def download(self, dst: torch.Tensor, grad: torch.Tensor, ready) -> None:
+        """Copy a GPU gradient into host `dst` (pinned), returning once it is there; see the class."""
+        self.link.synchronize(self.link.download(dst, grad, ready))
+
+    def copy_into(self, dst: torch.Tensor, grad: torch.Tensor, ready) -> None:
+        host = self.in_host(grad, ready)
+        if host is None:
+            self.download(dst, grad, ready)
+        else:
+            dst.copy_(host)
+
+    def host_data(self, param: torch.Tensor) -> torch.Tensor:
+        """Where `copy_back` writes: the host bytes behind a parameter's device view, else its data."""
+        host = self.link.host_view(param.data) if self.link is not None else None
+        return flat(param.data if host is None else host)
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        """fp32 host memory for `numel` values, pinned when a GPU reads or writes it. Exact: torch's pinned allocator
+        would round each block up to a power of two, while the plan counts exact bytes."""
+        if self.link is None:
+            return torch.empty(numel)
+        return self.link.pinned(numel * FP32).view(torch.float32)
 
 
 class Driver:
@@ -69,6 +120,7 @@ class AxdimmHome:
 
     def __init__(self, driver: ChannelDriver, param: torch.Tensor):
         self.driver, self.device, self.channel = driver, driver.device, driver.channel
+        self.source = GradientSource(param)
         self.numel = param.numel()
         self.buffers = [self.device.malloc(self.numel * FP32, self.channel) for _ in range(4)]  # master, m, v, grad
         self.load(flat(param), torch.zeros(self.numel), torch.zeros(self.numel))
@@ -87,6 +139,7 @@ class AxdimmHome:
             self.device.memcpy(dst, src, master.numel() * FP32)
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+        ready = self.source.ready(grad, ready)
         self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
 
     def quiesce(self) -> None:
@@ -95,18 +148,18 @@ class AxdimmHome:
 
     def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
         """Copy the gradient in and launch the kernel; on the driver thread."""
-        if ready is not None:
-            ready.synchronize()  # the gradient's producer (a CUDA stream) has finished writing it
         master, exp_avg, exp_avg_sq, buffer = self._regions(grad.numel())
         self.device.set_arbiter(self.channel, "normal")
         with spans.timed(f"axdimm ch{self.channel} host", "gradient in", grad.numel() * FP32):
-            self.device.memcpy(buffer, flat(grad), grad.numel() * FP32)
+            # straight from the GPU into the channel's (pinned) memory, on the device's download stream
+            self.device.memcpy(buffer, flat(grad), grad.numel() * FP32,
+                               through=lambda dst, src: self.source.copy_into(dst, src, ready))
         self.device.set_arbiter(self.channel, "acceleration")
         self.device.run_adam_async(master, exp_avg, exp_avg_sq, buffer, hyperparameters=hp, step=step,
                                    channel=self.channel)
 
     def copy_back(self, param: torch.Tensor) -> None:
-        self.device.memcpy(flat(param.data), self._regions(param.numel())[0], param.numel() * FP32)
+        self.device.memcpy(self.source.host_data(param), self._regions(param.numel())[0], param.numel() * FP32)
 
 
 class HostHome:
@@ -114,9 +167,9 @@ class HostHome:
 
     def __init__(self, driver: Driver, kernel: AdamKernel, param: torch.Tensor):
         self.driver, self.kernel = driver, kernel
-        pin = param.is_cuda
-        self.buffers = [torch.empty(param.numel(), pin_memory=pin) for _ in range(3)]  # master, m, v
-        self.grad = torch.empty(param.numel(), pin_memory=pin) if param.is_cuda else None
+        self.source = GradientSource(param)
+        self.buffers = [self.source.buffer(param.numel()) for _ in range(3)]  # master, m, v
+        self.grad = self.source.buffer(param.numel()) if self.source.link is not None else None  # from the GPU
         self.load(flat(param), torch.zeros(param.numel()), torch.zeros(param.numel()))
 
     def load(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
@@ -128,30 +181,32 @@ class HostHome:
             dst.copy_(src[:master.numel()])
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+        ready = self.source.ready(grad, ready)
         self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
 
     def quiesce(self) -> None:
         """Nothing to wait for: the host kernel finishes before run_update returns."""
 
     def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
-        if ready is not None:
-            ready.synchronize()
-        n, g = grad.numel(), flat(grad)
-        if self.grad is not None:  # a GPU gradient comes down to pinned memory first
-            self.grad[:n].copy_(g)
+        n = grad.numel()
+        g = self.source.in_host(grad, ready)
+        if g is None:
+            self.source.download(self.grad[:n], flat(grad), ready)
             g = self.grad[:n]
+        g = flat(g)
         master, exp_avg, exp_avg_sq = (b[:n] for b in self.buffers)
         with spans.timed("host adam", "adam", 4 * n * FP32):
             self.kernel(master, g, exp_avg, exp_avg_sq, hyperparameters=hp, step=step)
 
     def copy_back(self, param: torch.Tensor) -> None:
-        flat(param.data).copy_(self.buffers[0][:param.numel()])
+        self.source.host_data(param).copy_(self.buffers[0][:param.numel()])
 
 
 class NvmeStaging:
     """States kept in NVMe files between steps (the AXDIMM paper's overflow, §5.3), updated at `step()` through two
     staging slots on the update device: while one slot's tensor is updated the next one is read into the other, and
-    an updated tensor is written out (leaves) before its slot takes the next (updated tensors leave first)."""
+    an updated tensor is written out (leaves) before its slot takes the next (updated tensors leave first). This is
+    the schedule hetero.plan.simulate predicts; a change here changes the plan's predictions."""
 
     def __init__(self, store, slots: list, largest: int):
         self.store = store
@@ -184,12 +239,13 @@ class NvmeStaging:
 
     def _update(self, slot: int, key: str, param, grad, hp: Hyperparameters, step: int) -> None:
         home, n = self.slots[slot], param.numel()
+        ready = home.source.ready(grad)  # here: the driver thread's current stream is not the compute stream
         master, exp_avg, exp_avg_sq = (b[:n] for b in self.bounce[slot])
 
         def staged() -> None:  # one job on the slot's driver, the only thread switching its channel
             home.quiesce()
             home.load(master, exp_avg, exp_avg_sq)
-            home.run_update(grad, hp, step)
+            home.run_update(grad, hp, step, ready)
             home.quiesce()
             home.copy_back(param)
             home.store(master, exp_avg, exp_avg_sq)

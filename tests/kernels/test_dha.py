@@ -5,7 +5,8 @@ import gc
 import pytest
 import torch
 
-from hetero.kernels.dha import StandInDevice, carve, map_host, offsets, pinned_host, same_memory
+from hetero.kernels.dha import carve, map_host, offsets, pinned_host, same_memory
+from hetero.kernels.standin import StandInDevice
 
 MiB = 2**20
 

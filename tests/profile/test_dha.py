@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.kernels.dha import StandInDevice
+from hetero.kernels.standin import StandInDevice
 from hetero.profile.dha import FIELDS, RootInputs, measure_layers, unmeasured
 from hetero.profile.layers import CpuClock, select_layers
 from hetero.profile.schema import Layer

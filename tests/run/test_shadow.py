@@ -14,10 +14,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
-from hetero.kernels.dha import StandInDevice, same_memory
+from hetero.kernels.dha import same_memory
+from hetero.kernels.standin import StandInDevice
 from hetero.plan.schema import LayerPlan, Plan
 from hetero.profile.layers import select_layers
-from hetero.run import shadow
 from hetero.run.bootstrap import StopScript
 from hetero.run.runtime import Runtime
 from hetero.run.shadow import ShadowModel, schedule
@@ -85,13 +85,6 @@ def layer_plan(model: nn.Module, mode: str, grad: str, overlap: bool = True, acc
                    for i, n in enumerate(names)]
     plan.omitted.pop("layers")
     return plan
-
-
-@pytest.fixture
-def stand_in(monkeypatch) -> StandInDevice:
-    device = StandInDevice()
-    monkeypatch.setattr(shadow, "open_device", lambda: device)
-    return device
 
 
 def shadow_of(runtime: Runtime) -> ShadowModel:

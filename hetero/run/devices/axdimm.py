@@ -31,6 +31,7 @@ import torch
 
 from hetero.errors import HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters
+from hetero.kernels.dha import pinned_host
 from hetero.run import spans
 from hetero.run.devices.nvme import Handle
 
@@ -75,7 +76,7 @@ class AxdimmDevice(Protocol):
 
     def malloc(self, nbytes: int, channel: int) -> Allocation: ...
     def free(self, allocation: Allocation) -> None: ...
-    def memcpy(self, dst: Buffer, src: Buffer, nbytes: int) -> None: ...
+    def memcpy(self, dst: Buffer, src: Buffer, nbytes: int, *, through=None) -> None: ...
     def set_arbiter(self, channel: int, mode: Mode | str) -> None: ...
     def mode(self, channel: int) -> Mode: ...
 
@@ -162,14 +163,19 @@ class EmulatedAxdimm:
             size = -(-max(allocation.nbytes, 1) // _ALIGN) * _ALIGN
             ch.holes = _coalesce(sorted(ch.holes + [(allocation.offset, size)]))
 
-    def memcpy(self, dst: Buffer, src: Buffer, nbytes: int) -> None:
-        """Copy `nbytes` between host (or GPU) tensors and allocations, either way; channels involved must be normal."""
+    def memcpy(self, dst: Buffer, src: Buffer, nbytes: int, *, through=None) -> None:
+        """Copy `nbytes` between host (or GPU) tensors and allocations, either way; channels involved must be normal.
+        `through(dst_bytes, src_bytes)` moves the bytes when given (a GPU gradient comes down on a side stream that
+        waits for its producer, not on the caller's current stream), and returns once they are there."""
         channels = sorted({b.channel for b in (dst, src) if isinstance(b, Allocation)})
         with contextlib.ExitStack() as held:  # lock in channel order: two copies never wait on each other
             for c in channels:
                 held.enter_context(self._channel(c).cond)
             dst_bytes, src_bytes = self._bytes(dst, nbytes, "memcpy"), self._bytes(src, nbytes, "memcpy")
-            dst_bytes.copy_(src_bytes)
+            if through is None:
+                dst_bytes.copy_(src_bytes)
+            else:
+                through(dst_bytes, src_bytes)
 
     def view(self, allocation: Allocation, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only: a real AXDIMM
@@ -284,8 +290,10 @@ def _coalesce(holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _arena(nbytes: int) -> torch.Tensor:
     arena = None
     if torch.cuda.is_available():
-        with contextlib.suppress(RuntimeError):  # pinning many GiB can fail; plain memory still emulates the DIMM
-            arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # exact size (torch's pinned allocator would round up to a power of two); pinning many GiB can fail, and
+        # plain memory still emulates the DIMM
+        with contextlib.suppress(RuntimeError):
+            arena = pinned_host(nbytes)
     if arena is None:
         arena = torch.empty(nbytes, dtype=torch.uint8)
     arena.zero_()  # first touch now: in this VM it is slow, and it must not land inside the first step

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from hetero.kernels.dha import pinned_host
 from hetero.run.devices.nvme import NvmeStore
 
 _GRANULE = 64 << 10  # sizes round up to this: a step's shapes recur exactly, so classes match with little waste
@@ -38,10 +39,13 @@ def size_class(nbytes: int) -> int:
 class HostPool:
     """Reusable host buffers by size class, pinned or plain. Fresh memory is slow to touch for the first time (page
     faults, and pinning maps every page), so each buffer is touched once and handed out again; a buffer comes back
-    once the copy that last used it has finished (its event), or, from `recycle`, once nothing else views it."""
+    once the copy that last used it has finished (its event), or, from `recycle`, once nothing else views it.
+    `allocated_bytes` is what the pool holds: pinned buffers are allocated at their class's exact size
+    (hetero.kernels.dha.pinned_host), not by torch's pinned allocator, which rounds each up to a power of two."""
 
-    def __init__(self, pinned: bool = False) -> None:
+    def __init__(self, pinned: bool = False, allocate_pinned=pinned_host) -> None:
         self.pinned = pinned
+        self.allocate_pinned = allocate_pinned  # nbytes -> uint8 pinned tensor of exactly nbytes
         self._free: dict[int, list[tuple[torch.UntypedStorage, torch.cuda.Event | None]]] = defaultdict(list)
         self._lock = threading.RLock()  # re-entered by finalizers that recycle while it is held
         self.allocated_bytes = 0
@@ -54,7 +58,7 @@ class HostPool:
             if entry is None:
                 self.allocated_bytes += size
         if entry is None:
-            fresh = torch.empty(size, dtype=torch.uint8, pin_memory=True) if self.pinned else \
+            fresh = self.allocate_pinned(size).zero_() if self.pinned else \
                 torch.zeros(size, dtype=torch.uint8)  # zeros: the first touch happens here, on a worker thread
             storage = fresh.untyped_storage()
         else:

@@ -13,6 +13,7 @@ import torch
 from hetero.errors import HeteroError
 from hetero.plan.schema import ActivationPlan
 from hetero.run.devices.evictions import Worker
+from hetero.kernels.standin import StandInDevice
 from hetero.run.devices.host_pool import CudaHostTier, HostPool, size_class
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier, open_tier
@@ -117,6 +118,24 @@ def test_a_buffer_is_reused_only_once_nothing_views_it():
     assert pool.recycle(a) and pool.idle_bytes == 128 << 10
     b = pool.take(120_000)
     assert b.data_ptr() == a.data_ptr() and pool.allocated_bytes == 128 << 10 and pool.idle_bytes == 0
+
+
+def test_pinned_buffers_are_allocated_at_their_class_size():
+    """Not by torch's pinned allocator, which would hold 256 KiB for this 192 KiB class (a power of two)."""
+    device = StandInDevice()
+    pool = HostPool(pinned=True, allocate_pinned=device.pinned)
+    a = pool.take(150_000)
+    assert a.numel() == 150_000 and device.pinned_sizes == [3 * (64 << 10)] == [pool.allocated_bytes]
+    assert device.is_host(a)
+
+
+@pytest.mark.gpu
+def test_pinned_pool_bypasses_torchs_rounding_allocator():
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    pool = HostPool(pinned=True)
+    a = pool.take(150_000)
+    assert a.is_pinned() and pool.allocated_bytes == a.untyped_storage().nbytes() == 3 * (64 << 10)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
 
 
 @pytest.mark.gpu

@@ -1,0 +1,20 @@
+import pytest
+
+from hetero.kernels import dha
+from hetero.kernels.standin import StandInDevice, StandInDevices, strict_parameters
+
+
+@pytest.fixture
+def stand_ins(monkeypatch) -> StandInDevices:
+    """The stand-in `cuda:0` and `cuda:1` in place of the GPUs, for every GPU code path; parameters may not change
+    device while they are in use."""
+    devices = StandInDevices()
+    monkeypatch.setattr(dha, "devices", devices)
+    with strict_parameters(devices):
+        yield devices
+
+
+@pytest.fixture
+def stand_in(stand_ins) -> StandInDevice:
+    """cuda:0, where a model that was not moved anywhere is."""
+    return stand_ins.all[0]

@@ -1,0 +1,88 @@
+"""The shadow model under DistributedDataParallel: 2 gloo ranks, each on its own stand-in device, training with a
+shadow-model plan (DHA, GFGB and DFGB layers, gradients on the device or in host memory, with and without routed
+sync) must equal plain DDP, and the replicas must stay bit for bit equal. The stand-in's strict parameters make a
+parameter that changes device at the step boundary an error, as it is in effect on CUDA (its gradient accumulator
+is replaced, DDP's hooks with it, and from the second step no all-reduce fires).
+
+Updates overlapped with backward are left out: the optimizer's post-accumulate-grad hook runs before DDP's hook on
+the gradient accumulator, so an overlapped update reads the rank's own gradient, not the average (an optimizer
+matter, hetero.run.optimizer, found here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hetero.kernels import dha
+from hetero.kernels.standin import StandInDevices, strict_parameters
+from hetero.run.runtime import Runtime
+from tests.run.test_routing import routed_plan
+from tests.run.test_shadow import batch, compare, gpt, layer_plan
+
+STEPS = 4
+WORLD = 2
+
+
+def train(ddp: DDP, rank: int) -> list[float]:
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    vocab, length = ddp.module.wte.num_embeddings, ddp.module.wpe.num_embeddings
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, rank, vocab, length)  # each rank its own data: the average matters
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _worker(rank: int, grad: str, overlap: bool, routed: bool, rdzv: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=WORLD)
+    devices = dha.devices = StandInDevices()
+    reference, model = gpt(), gpt()
+    ref = train(DDP(reference), rank)
+    plan = layer_plan(model, "mixed", grad, overlap)
+    if routed:
+        plan.routing = routed_plan(model, threshold=1024, shard=4096, dual_sync=8192).routing
+        plan.omitted.pop("routing")
+    with strict_parameters(devices), Runtime(plan, script=__file__):
+        devices.set_device(rank)  # as a torchrun worker: after the runtime was made
+        losses = train(DDP(devices.to(model, rank)), rank)
+    used = [bool(d.log) for d in devices.all]
+    torch.save({"ref": (ref, _params(reference)), "run": (losses, _params(model)), "used": used},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _as_model(params: dict[str, torch.Tensor]) -> nn.Module:
+    model = gpt()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("grad, overlap, routed", [("gpu", False, False), ("host", False, False),
+                                                   ("gpu", False, True), ("host", False, True)])
+def test_shadow_model_ranks_train_as_plain_ddp(tmp_path, grad, overlap, routed):
+    mp.spawn(_worker, args=(grad, overlap, routed, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for rank, result in enumerate(results):
+        assert result["used"] == [d == rank for d in range(WORLD)]  # each rank on its own device only
+        (ref_losses, ref_params), (losses, params) = result["ref"], result["run"]
+        compare(_as_model(params), _as_model(ref_params), losses, ref_losses)
+    for name, p in results[0]["run"][1].items():
+        assert torch.equal(results[1]["run"][1][name], p), name  # the replicas stay in step, bit for bit

@@ -1,0 +1,69 @@
+"""`make gpu-check` (bench/gpu_all.py) on a machine without a GPU: it refuses to run or write; its pieces' command
+lines are accepted by the benchmarks they call; the runner records success, failure and time-outs with their output;
+and the results file keeps what it had around the section it replaces."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+spec = importlib.util.spec_from_file_location("gpu_all", REPO / "bench" / "gpu_all.py")
+gpu_all = sys.modules["gpu_all"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(gpu_all)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_nothing_runs_and_nothing_is_written(tmp_path, capsys):
+    out = tmp_path / "gpu-results.md"
+    assert gpu_all.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == gpu_all.NO_CUDA and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_every_piece_fits_a_device_call_and_its_benchmarks_accept_their_arguments(tmp_path):
+    pieces = gpu_all.pieces(sys.executable, tmp_path)
+    assert [p.name for p in pieces] == ["tests", "offload-compare", "offload-capacity", "tiering", "peak-memory"]
+    assert all(p.limit_s < 600 for p in pieces)
+    for piece in pieces:
+        for command in piece.commands:
+            if command[1].startswith("bench/"):
+                assert (REPO / command[1]).exists()
+                cut = command.index("--") if "--" in command else len(command)
+                done = subprocess.run([*command[:cut], "--help"], cwd=REPO, capture_output=True, text=True,
+                                      timeout=120)
+                assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+
+def test_the_runner_records_each_outcome_with_its_output():
+    python = sys.executable
+    ok = gpu_all.run_piece(gpu_all.Piece("ok", "ok", ((python, "-c", "print('| a | b |')"),
+                                                      (python, "-c", "print('second')"))))
+    assert ok.status == "ok" and "| a | b |" in ok.output and "second" in ok.output and "$ python -c" in ok.output
+    failed = gpu_all.run_piece(gpu_all.Piece("bad", "bad", ((python, "-c", "import sys; print('why'); sys.exit(3)"),
+                                                            (python, "-c", "print('never')"))))
+    assert failed.status == "failed (exit 3)" and "why" in failed.output and "never" not in failed.output
+    slow = gpu_all.run_piece(gpu_all.Piece("slow", "slow", ((python, "-c", "import time; time.sleep(30)"),),
+                                           limit_s=1))
+    assert slow.status == "timed out after 1 s" and slow.seconds < 30
+
+
+def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path):
+    path = tmp_path / "gpu-results.md"
+    path.write_text("# GPU results\n\nHow to run it.\n")
+    env = gpu_all.environment()
+    assert env["torch"] == torch.__version__ and set(env) == {"device", "driver", "torch", "CUDA (torch's)", "date"}
+    piece = gpu_all.Piece("ok", "A table", ((sys.executable, "-c", "print(1)"),))
+    first = gpu_all.Outcome(piece, "ok", 1.0, "first ```table```")
+    gpu_all.write(path, gpu_all.section(env, [first]))
+    gpu_all.write(path, gpu_all.section(env, [gpu_all.Outcome(piece, "ok", 2.0, "second")]))
+    text = path.read_text()
+    assert text.startswith("# GPU results\n\nHow to run it.\n")
+    assert text.count(gpu_all.BEGIN) == 1 and "second" in text and "first" not in text
+    assert f"| torch | {torch.__version__} |" in text and "### A table" in text and "`ok`: ok, 2 s" in text
