@@ -61,7 +61,8 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
         found.append(OptimizerOffload(plan.optimizer, ddp))
     found += [ActivationTiering(plan.activations)] if plan.activations is not None else []
     found += [GradientRouting(plan, ddp)] if plan.routing is not None else []
-    return found + [ddp]
+    overlapped = plan.optimizer is not None and plan.optimizer.device != "gpu" and plan.optimizer.overlap_backward
+    return found + ([ddp] if overlapped or plan.routing is not None else [])
 
 
 class Runtime:
