@@ -32,8 +32,14 @@ def plan(
     dram_budget: str | None = typer.Option(None, "--dram-budget", help="Host memory the plan may use, e.g. 8GiB "
                                                                        "(default: what the profile measured)."),
     optimizer_device: str | None = typer.Option(None, "--optimizer-device", metavar="axdimm|host|gpu",
-                                                help="Where Adam runs (default: axdimm if the profile has one, "
-                                                     "else host)."),
+                                                help="Where Adam runs (default: a real AXDIMM if the profile has "
+                                                     "one, else host)."),
+    emulate: str | None = typer.Option(None, "--emulate", metavar="axdimm",
+                                       help="Place optimizer states on the emulated AXDIMM (host DRAM and worker "
+                                            "threads: for tests and demonstrations, never faster or smaller)."),
+    tier_activations: bool = typer.Option(False, "--tier-activations",
+                                          help="Evict saved activations even where the plan finds it saves no "
+                                               "memory the process pays for (host memory without a GPU)."),
     slow_tier: str | None = typer.Option(None, "--slow-tier", metavar="NAME",
                                          help="Tier saved activations are evicted to (a tier name in the profile)."),
     stay_time: str = typer.Option("1ms", "--stay-time", help="Least time an evicted tensor stays in the slow tier."),
@@ -52,7 +58,10 @@ def plan(
     else:
         profile = profile or Path("profile.yaml")
         prof = files.load(profile, expect=Profile)
-    options = PlanOptions(profile_path=str(profile), reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory,
+    if emulate not in (None, "axdimm"):
+        raise HeteroError(f"--emulate {emulate}: only axdimm can be emulated", hint="--emulate axdimm",
+                          exit_code=USAGE)
+    options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, profile_path=str(profile), reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory,
                                                                                                   "--gpu-memory"),
                           dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
@@ -121,6 +130,9 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
                                  f"{SIZE.format_short(out.routing.shard_bytes)}")
     for section, reason in out.omitted.items():
         table.add_row(section, f"none: {reason}")
+    if not (out.layers or out.optimizer or out.activations or out.routing):
+        table.add_row("plan", "plain training: nothing hetero can do here saves memory or time (`hetero run` "
+                              "runs the script as it is)")
     (Console() if sys.stdout.isatty() else Console(width=160)).print(table)
 
 

@@ -30,7 +30,7 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
     ps = axdimm.params(profile)
     rates = axdimm.rates(profile, opt.device) if opt else None
     updates = axdimm.updates(ps, opt.states, n, rates) if opt else [[] for _ in range(n)]
-    host = next((t.name for t in profile.machine.tiers if t.kind == "dram"), profile.machine.tiers[0].name)
+    host = host_tier(profile)
     static = _static(profile, plan, ps, host)
     choices = Choices(
         modes=modes, grads=grads, evict_bytes=evicted, trigger=trigger, prefetch_at_s=at, updates=updates,
@@ -42,6 +42,17 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
         slow=acts.slow if acts else None, static_bytes=static,
         cpu_share=cpu_share(profile, plan, rates.lanes if rates else []))
     return profiled, timed(profiled, choices)
+
+
+def host_tier(profile: Profile) -> str:
+    """The name of the host-memory tier."""
+    return next((t.name for t in profile.machine.tiers if t.kind == "dram"), profile.machine.tiers[0].name)
+
+
+def host_static_bytes(profile: Profile, plan: Plan) -> int:
+    """Bytes host memory holds for the whole iteration under `plan`, activations aside."""
+    host = host_tier(profile)
+    return _static(profile, plan, axdimm.params(profile), host).get(host, 0)
 
 
 def cpu_share(profile: Profile, plan: Plan, optimizer_lanes: list[str]) -> dict[str, float]:
@@ -91,7 +102,8 @@ def _static(profile: Profile, plan: Plan, ps: list[axdimm.Param], host: str) -> 
     tier_of = {s.param: s.tier for s in opt.states} if opt else {}
     for p in ps:
         tier = tier_of.get(p.name)
-        size = axdimm.state_bytes(p)
+        # without a GPU the host update reads the parameter's own `.grad` (counted with the model): no gradient buffer
+        size = axdimm.state_bytes(p) - (4 * p.num_params if tier == "host" and not gpu else 0)
         if tier == "host" or (tier == "axdimm" and m.axdimm.backend == "emulated"):
             out[host] += size
         elif tier == "gpu":

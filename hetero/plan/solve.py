@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from hetero import files
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, gradient_offload, memferry, routing, simulate, tiering
-from hetero.plan.choices import build, sync_times
+from hetero.plan import axdimm, footprint, gradient_offload, memferry, routing, simulate, tiering
+from hetero.plan.choices import build, host_tier, sync_times
 from hetero.plan.model import GPU, Choices, Costs
 from hetero.plan.schema import (
     ActivationPlan,
@@ -46,7 +46,9 @@ class PlanOptions:
     reserve: float = 0.5
     gpu_memory_bytes: int | None = None
     dram_budget_bytes: int | None = None
-    optimizer_device: str | None = None  # default: axdimm when the profile has one, else host
+    optimizer_device: str | None = None  # default: a real AXDIMM when the profile has one, else host
+    emulate: bool = False  # --emulate axdimm: the emulated AXDIMM may hold states (tests and demonstrations)
+    tier_activations: bool = False  # --tier-activations: schedule evictions even where they save no process memory
     slow_tier: str | None = None
     stay_time_s: float = 1e-3
     previous: Plan | None = None  # --from: its pinned entries are kept
@@ -128,10 +130,17 @@ def _gpu_budget(gpu: Gpu | None, o: PlanOptions) -> tuple[int, int]:
 
 
 def _device(profile: Profile, o: PlanOptions) -> OptimizerDevice:
+    """An emulated AXDIMM lives in host DRAM and shares the host's cores: never the default, only asked for."""
     m = profile.machine
-    device = o.optimizer_device or ("axdimm" if m.axdimm else "host")
+    usable = m.axdimm is not None and (m.axdimm.backend != "emulated" or o.emulate)
+    device = o.optimizer_device or ("axdimm" if usable else "host")
     if device not in ("axdimm", "host", "gpu"):
         raise HeteroError(f"--optimizer-device {device}: not a device", hint="use axdimm, host or gpu", exit_code=USAGE)
+    if o.emulate and (m.axdimm is None or device != "axdimm"):
+        raise HeteroError("--emulate axdimm, but " + ("the profile has no emulated AXDIMM" if m.axdimm is None else
+                                                      f"--optimizer-device is {device}"),
+                          hint="drop one of the two options" if m.axdimm else "re-run `hetero profile`",
+                          exit_code=USAGE)
     if device == "axdimm" and m.axdimm is None:
         raise HeteroError("--optimizer-device axdimm, but the profile has no AXDIMM",
                           hint="use --optimizer-device host", exit_code=USAGE)
@@ -225,6 +234,9 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerP
     overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if not overlap else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
+    if ctx.gpu is None and device == "host" and ctx.options.optimizer_device is None:
+        omitted["optimizer"] = _host_saves_nothing(ctx)
+        return None
     if device == "gpu":
         return OptimizerPlan(kind=training.optimizer, device="gpu", overlap_backward=overlap, micro_batches=micro,
                              states=[StatePlacement(param=p.name, tier="gpu") for p in ctx.params],
@@ -234,11 +246,32 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerP
     nvme = NvmeOverflow(path=ctx.nvme.path or ctx.nvme.name, size_bytes=placement.nvme_bytes) \
         if placement.nvme_bytes else None
     ax = ctx.profile.machine.axdimm
-    return OptimizerPlan(kind=training.optimizer, device=device, backend=ax.backend if device == "axdimm" else None,
-                         channels=ax.channels if device == "axdimm" else None, overlap_backward=overlap,
-                         micro_batches=micro, nvme=nvme,
-                         states=axdimm.states(ctx.params, placement),
-                         why=f"{placement.why}; Adam at {axdimm.rate_text(rates)}; {overlap_why}")
+    out = OptimizerPlan(kind=training.optimizer, device=device, backend=ax.backend if device == "axdimm" else None,
+                        channels=ax.channels if device == "axdimm" else None, overlap_backward=overlap,
+                        micro_batches=micro, nvme=nvme,
+                        states=axdimm.states(ctx.params, placement),
+                        why=f"{placement.why}; Adam at {axdimm.rate_text(rates)}; {overlap_why}")
+    if device == "axdimm" and ax.backend == "emulated":
+        added = footprint.added_host_bytes(ctx.profile, _with_optimizer(ctx, out))
+        out.why += (f"; emulated (--emulate axdimm): its channels are host DRAM, {SIZE.format_short(added)} more "
+                    "there than plain training, for tests and demonstrations")
+    return out
+
+
+def _with_optimizer(ctx: Context, optimizer: OptimizerPlan) -> Plan:
+    return Plan(source=Source(profile="", profile_sha256="", model_fingerprint=""),
+                budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None, reserve=ctx.options.reserve), layers=[],
+                optimizer=optimizer, activations=None, routing=None,
+                predicted=Predicted(iteration_s=0.0, peak_bytes={}))
+
+
+def _host_saves_nothing(ctx: Context) -> str:
+    n = sum(p.num_params for p in ctx.params)
+    states, master = footprint.ADAM_STATE_BYTES_PER_PARAM * n, 4 * n
+    return (f"without a GPU the script's {ctx.profile.training.optimizer} already keeps its states in host memory "
+            f"({SIZE.format_short(states)}); hetero's host Adam would add {SIZE.format_short(master)} of fp32 master "
+            "copies there and save nothing, so the script's own optimizer stays (--optimizer-device host uses "
+            f"hetero's, at {axdimm.rate_text(ctx.rates('host'))})")
 
 
 def _placement(ctx: Context, device: str) -> axdimm.Placement:
@@ -257,6 +290,9 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
     both."""
     if ctx.slow is None:
         omitted["activations"] = f"the profile has no tier slower than {ctx.fast} with measured transfer times"
+        return []
+    if ctx.gpu is None and not (pins.evictions or ctx.options.tier_activations or _dram_forces(ctx)):
+        omitted["activations"] = _tiering_saves_nothing(ctx)
         return []
     evict, prefetch = ctx.tier_curves(ctx.slow)
     layers = ctx.profile.layers
@@ -277,6 +313,24 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
                                   stay_time_s=ctx.options.stay_time_s,
                                   min_tensor_bytes=min_tensor, schedule=schedule, why=rule))
     return out
+
+
+def _dram_forces(ctx: Context) -> bool:
+    """A DRAM budget that plain training's measured peak exceeds (or that cannot be checked against one)."""
+    memory = ctx.profile.memory
+    budget = ctx.options.dram_budget_bytes
+    return budget is not None and (memory is None or memory.dram_peak_bytes > budget)
+
+
+def _tiering_saves_nothing(ctx: Context) -> str:
+    saved = max((x.saved_bytes for x in ctx.profile.layers), default=0)
+    total = sum(x.saved_bytes for x in ctx.profile.layers)
+    fits = "" if ctx.options.dram_budget_bytes is None else \
+        f"plain training's measured peak fits --dram-budget {SIZE.format_short(ctx.options.dram_budget_bytes)}; "
+    return (f"{fits}saved activations ({SIZE.format_short(total)} per step, {SIZE.format_short(saved)} in the "
+            "largest layer) live in host memory, whose allocator keeps the memory evicted tensors free for the next "
+            "ones: the process's peak would barely fall while every step waits on the disk (--tier-activations "
+            "schedules them anyway)")
 
 
 def _tier_path(profile: Profile, name: str) -> str | None:
@@ -408,6 +462,11 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     peak = {tier.name: 0 for tier in profile.machine.tiers} | ({GPU: 0} if profile.machine.gpu else {})
     for tier, used in result.peak_bytes.items():
         peak[tier] = peak.get(tier, 0) + used
+    if profile.memory is not None:
+        host = host_tier(profile)
+        fast = plan.activations.fast if plan.activations else (GPU if profile.machine.gpu else host)
+        peak[host] = footprint.dram_peak_bytes(profile, plan, peak[host],
+                                               result.act_peak_bytes if fast == host else 0)
     act = None
     if plan.activations is not None and any(e.evict_bytes for e in plan.activations.schedule):
         act = ActivationPrediction(avg_fast_bytes=result.act_avg_bytes, peak_fast_bytes=result.act_peak_bytes,

@@ -23,7 +23,8 @@ from hetero.profile import dha, machine, peers, tier_steps
 from hetero.profile.capture import Capture, fingerprint
 from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
-from hetero.profile.schema import Layer, ModelInfo, Profile, Training
+from hetero.profile.schema import Layer, Memory, ModelInfo, Profile, Training
+from hetero.run import process_memory
 from hetero.run.bootstrap import StopScript, run_script
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -58,7 +59,7 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
         return None
     measured_machine = machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside)
     return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
-                   unmeasured=machine.unmeasured(run.device, run.layers, measured_machine.tiers))
+                   memory=run.memory, unmeasured=machine.unmeasured(run.device, run.layers, measured_machine.tiers))
 
 
 def save(profile: Profile, output: Path, script: str) -> None:
@@ -72,6 +73,7 @@ class ScriptMeasurement:
     layers: list[Layer]
     device: torch.device
     disk_beside: tier_steps.DiskBeside | None  # the disk timed beside the script's training
+    memory: Memory  # the whole process's peaks by the end of the measured steps
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -91,7 +93,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
-                             layers=layers, device=session.device, disk_beside=disk_beside)
+                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory)
 
 
 class _Session:
@@ -106,6 +108,7 @@ class _Session:
         self.device = torch.device("cpu")
         self.steps_done = 0
         self.summary: Summary | None = None  # the measured steps', once they are all done
+        self.memory: Memory | None = None  # the process's peaks once the measured steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
         self._start = self._previous_end = None
@@ -143,6 +146,7 @@ class _Session:
         elif self.steps_done == total:
             self.profiler.detach()
             self.summary = summarize(self.profiler)
+            self.memory = _memory(self.device)  # before the disk steps, which train under hetero's tiering
             if not self._start_tier_steps():
                 raise StopScript()
 
@@ -183,6 +187,13 @@ class _Session:
             optimizer_step_s=measured(sum(clock.seconds(s, e) for s, e, _ in self.step_marks) / steps),
             overhead=round(self.profiler.hook_s / (iteration * steps), 4),
         )
+
+
+def _memory(device: torch.device) -> Memory:
+    gpu = process_memory.gpu_peak(device)
+    return Memory(dram_peak_bytes=process_memory.dram_peak_bytes(),
+                  gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
+                  gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)
 
 
 def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:

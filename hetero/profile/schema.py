@@ -231,6 +231,19 @@ class Layer:
 
 
 @dataclass(kw_only=True, slots=True)
+class Memory:
+    """What the whole process held while the script trained as it is (under the profiler's hooks): what plain
+    training costs, interpreter, libraries and allocator slack included."""
+
+    dram_peak_bytes: int = doc("Peak resident memory (the kernel's high-water mark, VmHWM) by the end of the "
+                               "measured steps.", unit=SIZE, ge=0)
+    gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
+                                               unit=SIZE, ge=0, default=None)
+    gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
+                                              "a GPU.", unit=SIZE, ge=0, default=None)
+
+
+@dataclass(kw_only=True, slots=True)
 class Profile:
     """profile.yaml: the machine and the model as `hetero profile` measured them."""
 
@@ -238,6 +251,8 @@ class Profile:
     training: Training = doc("How the script trains.")
     machine: Machine = doc("The machine.")
     layers: list[Layer] = doc("Layers in forward order.")
+    memory: Memory | None = doc("The whole process's peaks under plain training; null in profiles made before "
+                                "hetero measured them.", default=None)
     unmeasured: dict[str, str] = doc("Why each null field is null, by path (`machine.gpu`, `layers.*.fp_dha`).",
                                      default_factory=dict)
 

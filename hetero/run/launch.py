@@ -209,7 +209,24 @@ def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, 
             result = run_script(script, launch.argv[1:])
         for line in runtime.summary() if leader else []:  # the summary may read the plan's path from the env
             print(f"hetero: {line}", file=sys.stderr)
+    if leader and result.exit_code == 0:
+        print(f"hetero: {_memory_line(loaded, plan_path)}", file=sys.stderr)
     return result.exit_code
+
+
+def _memory_line(plan: Plan, plan_path: Path) -> str:
+    """This process's peak host memory beside plain training's (the profile's) and the plan's prediction."""
+    from hetero.plan.choices import host_tier
+    from hetero.run import process_memory
+
+    path = find_profile(plan, plan_path)
+    try:
+        profile = files.load(path, expect=Profile) if path is not None else None
+    except FileProblems:
+        profile = None
+    plain = profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None
+    predicted = plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None
+    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain)
 
 
 def profile_workers(script: str, args: list[str], options: object, output: Path, torchrun: Torchrun,

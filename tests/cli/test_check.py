@@ -26,8 +26,8 @@ GOLDEN = {
         f"error: bad.yaml:{line('  device: axdimm')}:11: optimizer.device: 'axdim' is not one of axdimm, host or gpu (did you mean 'axdimm'?)",
     ),
     "negative size": (
-        PLAN.replace("dram_budget: 8GiB", "dram_budget: -8GiB"),
-        f"error: bad.yaml:{line('dram_budget: 8GiB')}:41: budget.dram_budget: negative size '-8GiB' (a size is >= 0)",
+        PLAN.replace("dram_budget: null", "dram_budget: -8GiB"),
+        f"error: bad.yaml:{line('dram_budget: null')}:41: budget.dram_budget: negative size '-8GiB' (a size is >= 0)",
     ),
     "bad unit": (
         PLAN.replace("stay_time: 1ms", "stay_time: 1mss"),

@@ -8,6 +8,7 @@ import pytest
 from hetero import files
 from hetero.cli.main import main
 from hetero.profile.schema import Profile
+from hetero.run import process_memory
 from tests.conftest import REPO
 from tests.profile import scripts
 
@@ -38,6 +39,8 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     axdimm = profile.machine.axdimm
     assert axdimm.backend == "emulated" and axdimm.channels == 2 and axdimm.adam_params_per_s > 1e7
     assert 0 < axdimm.launch_s < 0.05  # thread hand-offs and mode switches: tens to hundreds of microseconds
+    assert 100 * 2**20 < profile.memory.dram_peak_bytes <= process_memory.dram_peak_bytes()  # torch alone is more
+    assert profile.memory.gpu_allocated_peak_bytes is None
     assert 0 <= profile.training.overhead < 0.5
 
 

@@ -48,6 +48,7 @@ def test_runs_the_script_with_the_offloaded_optimizer(workdir, capfd):
     out, err = capfd.readouterr()
     assert "done hetero.run.optimizer" in out
     assert "optimizer states: 26.1KiB on emulated AXDIMM (2 channels), 1.5KiB on NVMe" in err
+    assert "hetero: dram peak " in err  # no profile beside the plan: no plain figure to compare with
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
 
 
@@ -102,3 +103,18 @@ def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
     assert result.returncode == 130, result.stderr
     assert result.stderr.rstrip().endswith("error: interrupted")
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
+
+
+def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_plains(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    script = scripts.write(tmp_path, TRAIN)
+    assert main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(tmp_path / "disk"), script, "12"]) == 0
+    assert main(["plan"]) == 0
+    plan = files.load("plan.yaml")
+    assert (plan.optimizer, plan.activations) == (None, None)
+    capfd.readouterr()
+    assert main(["run", script, "3"]) == 0
+    out, err = capfd.readouterr()
+    assert "done torch.optim" in out  # the script's own optimizer
+    line = next(x for x in err.splitlines() if x.startswith("hetero: dram peak "))
+    assert "x plain's" in line and "(profile); predicted" in line

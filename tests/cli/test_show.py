@@ -36,4 +36,4 @@ def test_show_json_is_the_parsed_file_in_base_units(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data == files.to_data(files.load(path))
     assert data["activations"]["stay_time_s"] == 0.001
-    assert data["budget"]["dram_budget_bytes"] == 8 * 2**30
+    assert data["budget"]["reserve"] == 0.5 and data["budget"]["dram_budget_bytes"] is None

@@ -62,10 +62,10 @@ def test_nvme_reads_and_their_waits_in_the_simulated_iteration():
         x.params, x.num_params = {"weight": 8 * 2**20}, 2 * 2**20
     profile.machine.axdimm.channel_capacity_bytes = 128 * 2**20  # 32 MiB of states each: room for six of twenty
     profile.machine.axdimm.adam_params_per_s = 4e9  # Adam keeps up: staging slots free up as gradients arrive
-    slow = predict(profile, plan(profile, PlanOptions()))
+    slow = predict(profile, plan(profile, PlanOptions(emulate=True)))
     nvme = profile.machine.tiers[1]
     nvme.read, nvme.write = curve(100e9, 80e-6), curve(100e9, 60e-6)
-    p = plan(profile, PlanOptions())
+    p = plan(profile, PlanOptions(emulate=True))
     opt = p.optimizer
     assert opt.device == "axdimm" and opt.nvme.size_bytes > 0 and opt.nvme.path == "/tmp/hetero-nvme"
     on_nvme = [s.param for s in opt.states if s.tier == "nvme"]

@@ -29,7 +29,7 @@ def handworked(repo) -> Profile:
 
 
 def test_cpu_plan_has_no_gpu_sections_and_says_why(cpu):
-    p = plan(cpu, PlanOptions(profile_path=EXAMPLE))
+    p = plan(cpu, PlanOptions(profile_path=EXAMPLE, emulate=True, tier_activations=True))
     assert p.layers == [] and p.routing is None
     assert p.omitted == {"routing": ONE_PROCESS, "layers": NO_GPU}
     assert (p.optimizer.device, p.optimizer.backend, p.optimizer.channels) == ("axdimm", "emulated", 2)
@@ -46,8 +46,8 @@ def test_cpu_plan_has_no_gpu_sections_and_says_why(cpu):
 
 def test_the_example_plan_is_what_hetero_plan_writes(cpu, repo):
     """Regenerate with: hetero plan --profile plans/gpt-tiny-cpu.profile.yaml -o plans/gpt-tiny-cpu.plan.yaml
-    --dram-budget 8GiB"""
-    fresh = plan(cpu, PlanOptions(profile_path=EXAMPLE, dram_budget_bytes=8 * GiB))
+    --emulate axdimm --tier-activations"""
+    fresh = plan(cpu, PlanOptions(profile_path=EXAMPLE, emulate=True, tier_activations=True))
     assert files.load(repo / "plans/gpt-tiny-cpu.plan.yaml", expect=Plan) == fresh
 
 
@@ -94,7 +94,7 @@ def test_option_errors_name_the_value_and_the_fix(handworked, options, message, 
 
 def test_no_axdimm_and_unsupported_optimizers(cpu):
     cpu.machine.axdimm = None
-    assert plan(cpu, PlanOptions()).optimizer.device == "host"
+    assert plan(cpu, PlanOptions(optimizer_device="host")).optimizer.device == "host"
     with pytest.raises(HeteroError, match="no AXDIMM"):
         plan(cpu, PlanOptions(optimizer_device="axdimm"))
     cpu.training.optimizer = "other"
@@ -104,7 +104,7 @@ def test_no_axdimm_and_unsupported_optimizers(cpu):
 
 def test_clipping_keeps_updates_after_backward_and_accumulation_is_recorded(cpu):
     cpu.training.clips_grad, cpu.training.grad_accumulation = True, 4
-    opt = plan(cpu, PlanOptions()).optimizer
+    opt = plan(cpu, PlanOptions(optimizer_device="host")).optimizer
     assert (opt.overlap_backward, opt.micro_batches) == (False, 4)
     assert "clip_grad_norm_ needs every gradient" in opt.why
 

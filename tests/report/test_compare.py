@@ -72,7 +72,8 @@ def test_an_edited_plan_is_compared_with_its_own_simulation_not_the_planners_pre
         replace(e, evict_bytes=0) for e in plan.activations.schedule]))  # tiering switched off by hand
     by = {r.entry: r for r in compare(synthetic_run(kept, profile), kept, profile)}
     assert by["iteration"].error == 0 and by["peak dram"].error == 0
-    assert by["peak dram"].predicted > plan.predicted.peak_bytes["dram"]  # the activations stay in DRAM
+    # evicting from host memory does not lower the process's peak (the allocator keeps what evicted tensors free)
+    assert by["peak dram"].predicted == plan.predicted.peak_bytes["dram"]
 
 
 def test_without_the_profile_only_the_iteration_and_memory_are_compared():

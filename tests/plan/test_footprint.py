@@ -1,0 +1,76 @@
+"""The whole process's host memory in a plan, and the rules that keep a plan from costing memory for nothing."""
+
+import pytest
+
+from hetero import files
+from hetero.errors import HeteroError
+from hetero.plan.solve import PlanOptions, plan
+from hetero.profile.schema import Memory, Profile
+from tests.plan.synthetic import GiB, gpu_profile
+
+MiB = 2**20
+PLAIN_PEAK = 900 * MiB
+
+
+@pytest.fixture
+def cpu(repo) -> Profile:
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    profile.memory = Memory(dram_peak_bytes=PLAIN_PEAK)
+    return profile
+
+
+def params(profile: Profile) -> int:
+    return sum(x.num_params for x in profile.layers)
+
+
+def test_without_a_gpu_the_default_plan_runs_plain_and_predicts_plains_peak(cpu):
+    p = plan(cpu, PlanOptions())
+    assert (p.optimizer, p.activations, p.routing, p.layers) == (None, None, None, [])
+    assert "save nothing" in p.omitted["optimizer"] and "allocator keeps" in p.omitted["activations"]
+    assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK
+
+
+def test_hosts_adam_without_a_gpu_adds_its_master_copies(cpu):
+    p = plan(cpu, PlanOptions(optimizer_device="host"))
+    assert p.optimizer.device == "host"
+    assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK + 4 * params(cpu)  # m and v move; the fp32 master is new
+
+
+def test_the_emulated_axdimm_is_opt_in_and_counted_in_host_memory(cpu):
+    assert cpu.machine.axdimm.backend == "emulated"
+    assert plan(cpu, PlanOptions()).optimizer is None  # never the default
+    p = plan(cpu, PlanOptions(emulate=True))
+    assert (p.optimizer.device, p.optimizer.backend) == ("axdimm", "emulated")
+    added = 8 * params(cpu)  # master, m, v and the gradient buffer on its channels, less the script's m and v
+    assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK + added
+    assert "host DRAM" in p.optimizer.why
+    with pytest.raises(HeteroError, match="--emulate axdimm, but --optimizer-device is host"):
+        plan(cpu, PlanOptions(emulate=True, optimizer_device="host"))
+
+
+def test_evicting_from_host_memory_does_not_lower_the_predicted_process_peak(cpu):
+    p = plan(cpu, PlanOptions(tier_activations=True))
+    assert any(e.evict_bytes for e in p.activations.schedule)
+    assert p.predicted.activations.peak_fast_bytes < p.predicted.activations.peak_fast_untiered_bytes
+    assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK
+
+
+def test_a_dram_budget_plain_training_fits_keeps_plain_and_one_it_does_not_is_refused(cpu):
+    assert plan(cpu, PlanOptions(dram_budget_bytes=2 * GiB)).activations is None
+    with pytest.raises(HeteroError, match="over the budget"):  # evictions would not lower the process's peak
+        plan(cpu, PlanOptions(dram_budget_bytes=PLAIN_PEAK // 2))
+
+
+def test_with_a_gpu_host_memory_gains_what_the_plan_moves_there():
+    profile = gpu_profile(12, seed=3)
+    profile.memory = Memory(dram_peak_bytes=PLAIN_PEAK)
+    p = plan(profile, PlanOptions(optimizer_device="host"))
+    assert p.optimizer.device == "host" and p.activations is not None  # saving GPU memory is what they are for
+    assert p.predicted.peak_bytes["dram"] > PLAIN_PEAK + 16 * params(profile)  # states, plus evicted activations
+
+
+def test_a_real_axdimm_is_the_default():
+    profile = gpu_profile(6, seed=1, axdimm=True)
+    assert plan(profile, PlanOptions()).optimizer.device == "host"  # emulated
+    profile.machine.axdimm.backend = "hardware"
+    assert plan(profile, PlanOptions()).optimizer.device == "axdimm"
