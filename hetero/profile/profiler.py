@@ -73,7 +73,7 @@ class ScriptMeasurement:
     layers: list[Layer]
     device: torch.device
     disk_beside: tier_steps.DiskBeside | None  # the disk timed beside the script's training
-    memory: Memory  # the whole process's peaks by the end of the measured steps
+    memory: Memory  # the whole process's peaks by the end of the warm-up steps
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -108,7 +108,7 @@ class _Session:
         self.device = torch.device("cpu")
         self.steps_done = 0
         self.summary: Summary | None = None  # the measured steps', once they are all done
-        self.memory: Memory | None = None  # the process's peaks once the measured steps are done
+        self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
         self._start = self._previous_end = None
@@ -142,11 +142,11 @@ class _Session:
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
         if self.steps_done == warmup:
+            self.memory = _memory(self.device)  # the warm-up steps ran untouched: plain training's own peaks
             self.profiler.attach()
         elif self.steps_done == total:
             self.profiler.detach()
             self.summary = summarize(self.profiler)
-            self.memory = _memory(self.device)  # before the disk steps, which train under hetero's tiering
             if not self._start_tier_steps():
                 raise StopScript()
 

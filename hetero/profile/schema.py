@@ -232,11 +232,11 @@ class Layer:
 
 @dataclass(kw_only=True, slots=True)
 class Memory:
-    """What the whole process held while the script trained as it is (under the profiler's hooks): what plain
-    training costs, interpreter, libraries and allocator slack included."""
+    """What the whole process held while the script trained as it is (its warm-up steps, before the profiler's
+    hooks): what plain training costs, interpreter, libraries and allocator slack included."""
 
     dram_peak_bytes: int = doc("Peak resident memory (the kernel's high-water mark, VmHWM) by the end of the "
-                               "measured steps.", unit=SIZE, ge=0)
+                               "warm-up steps, which run without the profiler's hooks.", unit=SIZE, ge=0)
     gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
