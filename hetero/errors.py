@@ -43,11 +43,11 @@ class Problem:
 class FileProblems(HeteroError):
     """A file failed validation; carries every problem found, not just the first."""
 
-    def __init__(self, problems: list[Problem]):
+    def __init__(self, problems: list[Problem], hint: str | None = None):
         assert problems, "FileProblems needs at least one problem"
         first = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        super().__init__(f"{first}{more}", hint=None, exit_code=INVALID_FILE)
+        super().__init__(f"{first}{more}", hint=hint, exit_code=INVALID_FILE)
         self.problems = problems
 
 

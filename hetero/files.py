@@ -118,6 +118,22 @@ def kind_of(path: str | os.PathLike) -> str | None:
     return kind.value if isinstance(kind, yaml.ScalarNode) else None
 
 
+def line_of(path: str | os.PathLike, key: str) -> int | None:
+    """The 1-based line of the value at dotted `key` (`optimizer.nvme.path`) in the file at `path`; None when the
+    file cannot be read or has no such key (a default the file left out)."""
+    try:
+        node = _compose(_read_text(Path(path), str(path)), str(path))
+    except FileProblems:
+        return None
+    for part in key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+        if node is None:
+            return None
+    return node.start_mark.line + 1
+
+
 def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     if not isinstance(root, yaml.MappingNode):
         raise FileProblems([_problem(name, root.start_mark, "expected a mapping with apiVersion and kind at the top")])

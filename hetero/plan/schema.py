@@ -70,6 +70,9 @@ class NvmeOverflow:
     path: str = doc("Directory for the state files (created 0600, removed at exit).")
     size_bytes: int = doc("Bytes of states placed there.", unit=SIZE)
 
+    def problems(self) -> list[tuple[str, str]]:
+        return [("path", "empty path (give a directory)")] if not self.path.strip() else []
+
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerPlan:
@@ -133,6 +136,8 @@ class ActivationPlan:
         out = unique_names(self.schedule, "schedule", "layer")
         if self.fast == self.slow:
             out.append(("slow", f"slow tier {self.slow!r} is the fast tier"))
+        if self.slow_path is not None and not self.slow_path.strip():
+            out.append(("slow_path", "empty path (give a directory, or null for the system temp directory)"))
         return out
 
 

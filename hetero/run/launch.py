@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetero import files
-from hetero.errors import FAILURE, INTERRUPTED, STALE_PLAN, USAGE, FileProblems, HeteroError
+from hetero.errors import FAILURE, INTERRUPTED, STALE_PLAN, USAGE, FileProblems, HeteroError, Problem
 from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.schema import Profile
 from hetero.run.bootstrap import check_script, run_script, script_argv
+from hetero.run.devices.workdir import PlanPathError
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
@@ -204,7 +205,7 @@ def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, 
     launch = build(script, args, plan_path, allow_stale)
     record = Outputs(trace=trace.path, steps=trace.steps, plan_path=str(plan_path), script=script) \
         if trace is not None and leader else None
-    with _environment(launch.env):
+    with _environment(launch.env), _plan_lines(plan_path):
         with Runtime(loaded, script=script, allow_stale=allow_stale, record=record) as runtime:
             result = run_script(script, launch.argv[1:])
         for line in runtime.summary() if leader else []:  # the summary may read the plan's path from the env
@@ -287,6 +288,16 @@ def _profile_here(script: str, args: list[str], request: dict) -> int:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def _plan_lines(plan_path: Path):
+    """A directory the plan names that cannot be used is the plan's problem: exit 3 at its file:line."""
+    try:
+        yield
+    except PlanPathError as e:
+        problem = Problem(str(plan_path), e.message, files.line_of(plan_path, e.field))
+        raise FileProblems([problem], hint=e.hint) from None
 
 
 @contextlib.contextmanager
