@@ -36,17 +36,22 @@ class ScriptResult:
 
 
 def script_argv(script: str, args: list[str]) -> list[str]:
-    """`sys.argv` the script sees: its path, then its arguments, without a `--` that only separated them."""
-    if args[:1] == ["--"]:
-        args = args[1:]
+    """`sys.argv` the script sees: its path, then its arguments exactly as given after it (a `--` too, as
+    `python script.py -- x` would pass it; hetero's own options all come before the script)."""
     return [script, *args]
 
 
 def check_script(script: str) -> Path:
+    """The script's path; a HeteroError (exit 2) when it is not a file hetero can read."""
     path = Path(script)
+    hint = "give the path of a Python training script, e.g. examples/train_gpt.py"
     if not path.is_file():
-        hint = "give the path of a Python training script, e.g. examples/train_gpt.py"
         raise HeteroError(f"no such script: {script}", hint=hint, exit_code=USAGE)
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as e:
+        raise HeteroError(f"cannot read the script {script}: {e.strerror}", hint=hint, exit_code=USAGE) from None
     return path
 
 

@@ -210,6 +210,9 @@ def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, 
             result = run_script(script, launch.argv[1:])
         for line in runtime.summary() if leader else []:  # the summary may read the plan's path from the env
             print(f"hetero: {line}", file=sys.stderr)
+    if runtime.model is None and result.exit_code == 0 and leader:
+        print(f"hetero: warning: the plan was never applied: {script} ended without an optimizer step, "
+              "so hetero never saw its model", file=sys.stderr)
     return result.exit_code
 
 

@@ -40,7 +40,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def test_build_starts_torchrun_with_the_worker_entry_and_the_scripts_own_arguments(tmp_path):
-    launch = build("train.py", ["--", "--lr", "3"], tmp_path / "plan.yaml", allow_stale=True, torchrun=Torchrun(2))
+    launch = build("train.py", ["--lr", "3"], tmp_path / "plan.yaml", allow_stale=True, torchrun=Torchrun(2))
     assert launch.command == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
                               "--max-restarts", "0", "--monitor-interval", "0.1", "--standalone",
                               "-m", "hetero.run.bootstrap", "train.py", "--lr", "3"]
