@@ -3,7 +3,7 @@
 A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
 directly but into a directory of its own made inside it:
 
-    <base>/hetero-<kind>-<pid>-<random>        kind: activations | states; mode 0700, owned by the user
+    <base>/hetero-<kind>-<pid>-<random>        kind: activations | states | profile; mode 0700, owned by the user
 
 Contracts:
 - The name is unpredictable and the directory is made with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700):
@@ -33,8 +33,8 @@ from pathlib import Path
 
 from hetero.errors import INVALID_FILE, HeteroError
 
-KINDS = ("activations", "states")
-_NAME = re.compile(r"^hetero-(?:activations|states)-(\d+)(?:-|$)")  # also the older hetero-<kind>-<pid>
+KINDS = ("activations", "states", "profile")  # evicted activations, optimizer states, `hetero profile`'s disk probe
+_NAME = re.compile(r"^hetero-(?:activations|states|profile)-(\d+)(?:-|$)")  # also the older hetero-<kind>-<pid>
 
 
 class PlanPathError(HeteroError):
