@@ -33,6 +33,7 @@ class StopScript(BaseException):
 class ScriptResult:
     exit_code: int
     stopped: bool  # ended by StopScript rather than by running to its end
+    error: str = ""  # the last line of the script's traceback, or of what it passed to sys.exit; "" if none
 
 
 def script_argv(script: str, args: list[str]) -> list[str]:
@@ -69,10 +70,11 @@ def run_script(script: str, args: list[str]) -> ScriptResult:
             raise stop.error from None
         return ScriptResult(0, stopped=True)
     except SystemExit as e:
-        return ScriptResult(_exit_code(e), stopped=False)
+        message = "" if e.code is None or isinstance(e.code, int) else str(e.code)
+        return ScriptResult(_exit_code(e), stopped=False, error=message)
     except Exception as e:
         _print_script_traceback(e, path)
-        return ScriptResult(1, stopped=False)
+        return ScriptResult(1, stopped=False, error=traceback.format_exception_only(type(e), e)[-1].strip())
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
