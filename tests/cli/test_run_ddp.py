@@ -116,3 +116,18 @@ def test_profile_with_two_workers_measures_the_link_between_them(workdir):
     assert [p.size_bytes for p in peer.transfer] == [4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20, 64 * 2**20]
     assert peer.transfer[-1].time_s > peer.transfer[0].time_s > 0
     assert profile.training.steps_measured == 1
+
+
+@pytest.mark.timeout(120)
+def test_profile_with_a_failing_worker_says_which_rank_failed_and_passes_its_code(workdir, capfd):
+    script = scripts.write(workdir, scripts.LOOP.replace("model = Net()", "import torch.distributed as dist\n"
+                                                         "dist.init_process_group('gloo')\n"
+                                                         "if dist.get_rank() == 1: sys.exit('no data for rank 1')\n"
+                                                         "model = torch.nn.parallel.DistributedDataParallel(Net())"))
+    assert main(["profile", "--nproc-per-node", "2", "--steps", "1", "--warmup", "1", script]) == 1
+    err = capfd.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert errors[0].startswith("error: rank 1 exited with 1: the script exited with code 1 after 0 optimizer"), err
+    assert all(x.startswith("error: rank 0 exited with ") for x in errors[1:]), err
+    assert "ChildFailedError" not in err and "torch.distributed.elastic" not in err
+    assert not (workdir / "profile.yaml").exists()
