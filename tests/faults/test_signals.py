@@ -16,6 +16,7 @@ import pytest
 from hetero import files, interrupts
 from hetero.cli.main import main
 from hetero.errors import Interrupted
+from hetero.run.devices.workdir import host
 from tests.cli.test_run import net
 from tests.cli.test_run_ddp import DDP_TRAIN
 from tests.profile import scripts
@@ -84,7 +85,7 @@ def test_a_killed_runs_files_are_swept_by_the_next_run(workdir):
     proc.kill()
     proc.communicate(timeout=60)
     (stale,) = (workdir / "nvme").iterdir()
-    assert stale.name.startswith(f"hetero-activations-{proc.pid}-") and any(stale.iterdir())
+    assert stale.name.startswith(f"hetero-activations-{proc.pid}-{host()}-") and any(stale.iterdir())
     assert main(["run", script, "4", "plain"]) == 0
     assert left(workdir) == []
 

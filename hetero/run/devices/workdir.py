@@ -3,7 +3,8 @@
 A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
 directly but into a directory of its own made inside it:
 
-    <base>/hetero-<kind>-<pid>-<random>        kind: activations | states | profile; mode 0700, owned by the user
+    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile; mode 0700, owned by the user
+                                                 host: 8 hex digits of a hash of this machine's name
 
 Contracts:
 - The name is unpredictable and the directory is made with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700):
@@ -12,9 +13,10 @@ Contracts:
   place.
 - `~` is expanded; an empty base is refused. Parents of the base that did not exist are created (0700) and removed
   again with the work directory when empty.
-- The pid in the name is the owning process. `sweep` removes the work directories of processes that are gone (a run
-  killed with SIGKILL, or one that called `os._exit`), but only those of this user with mode 0700; every run sweeps
-  its base before making its own.
+- The pid and host in the name are the owning process and its machine. `sweep` removes the work directories of this
+  machine's processes that are gone (a run killed with SIGKILL, or one that called `os._exit`), but only those of
+  this user with mode 0700; every run sweeps its base before making its own. A directory shared between machines
+  never loses a live run's files to another machine's sweep.
 
 Errors are `PlanPathError`s: exit 3, naming the plan field, which the launcher turns into the plan's file:line.
 torch is not imported here.
@@ -23,9 +25,12 @@ torch is not imported here.
 from __future__ import annotations
 
 import errno
+import functools
+import hashlib
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -34,7 +39,7 @@ from pathlib import Path
 from hetero.errors import INVALID_FILE, HeteroError
 
 KINDS = ("activations", "states", "profile")  # evicted activations, optimizer states, `hetero profile`'s disk probe
-_NAME = re.compile(r"^hetero-(?:activations|states|profile)-(\d+)(?:-|$)")  # also the older hetero-<kind>-<pid>
+_NAME = re.compile(r"^hetero-(?:activations|states|profile)-(\d+)-([0-9a-f]{8})-")
 
 
 class PlanPathError(HeteroError):
@@ -74,7 +79,7 @@ def create(base: str | None, kind: str, field: str) -> WorkDir:
         _check_base(root, field)
         sweep(root)
         try:
-            path = Path(tempfile.mkdtemp(prefix=f"hetero-{kind}-{os.getpid()}-", dir=root))
+            path = Path(tempfile.mkdtemp(prefix=f"hetero-{kind}-{os.getpid()}-{host()}-", dir=root))
         except OSError as e:
             raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}", HINT) from None
         _check_private(path, field)
@@ -143,7 +148,7 @@ def sweep(root: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _NAME.match(entry.name)
-        if match is None or int(match.group(1)) == os.getpid():
+        if match is None or int(match.group(1)) == os.getpid() or match.group(2) != host():
             continue
         try:
             st = entry.stat(follow_symlinks=False)
@@ -154,6 +159,12 @@ def sweep(root: Path) -> list[Path]:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
+
+
+@functools.cache
+def host() -> str:
+    """This machine, as work directory names carry it: 8 hex digits of a hash of its name."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def alive(pid: int) -> bool:

@@ -31,7 +31,7 @@ def test_each_run_gets_a_new_private_directory_with_an_unpredictable_name(tmp_pa
     a, b = workdir.create(str(tmp_path), "activations", "f"), workdir.create(str(tmp_path), "activations", "f")
     try:
         assert a.path != b.path and a.path.parent == tmp_path
-        assert a.path.name.startswith(f"hetero-activations-{os.getpid()}-") and len(a.path.name) > 30
+        assert a.path.name.startswith(f"hetero-activations-{os.getpid()}-{workdir.host()}-") and len(a.path.name) > 35
         assert mode(a.path) == 0o700 and os.lstat(a.path).st_uid == os.getuid()
     finally:
         a.remove(), b.remove()
@@ -96,25 +96,26 @@ def test_a_file_as_base_is_refused_and_leaves_nothing(tmp_path):
 
 
 def test_sweep_removes_only_this_users_private_directories_of_dead_processes(tmp_path):
-    dead, live = dead_pid(), os.getppid()
-    gone = tmp_path / f"hetero-activations-{dead}-abc"
-    old_style = tmp_path / f"hetero-states-{dead}"
-    running = tmp_path / f"hetero-states-{live}-abc"
-    shared = tmp_path / f"hetero-states-{dead}-open"
-    other = tmp_path / f"not-hetero-{dead}"
-    for d in (gone, old_style, running, shared, other):
+    dead, live, here = dead_pid(), os.getppid(), workdir.host()
+    gone = tmp_path / f"hetero-activations-{dead}-{here}-abc"
+    elsewhere = tmp_path / f"hetero-states-{dead}-{'0' * 8 if here != '0' * 8 else '1' * 8}-abc"  # another machine
+    running = tmp_path / f"hetero-states-{live}-{here}-abc"
+    shared = tmp_path / f"hetero-states-{dead}-{here}-open"
+    other = tmp_path / f"not-hetero-{dead}-{here}-x"
+    for d in (gone, elsewhere, running, shared, other):
         d.mkdir(mode=0o700)
         (d / "hetero-1-2.bin").write_bytes(b"x" * 10)
     os.chmod(shared, 0o755)
-    link = tmp_path / f"hetero-states-{dead}-link"
+    link = tmp_path / f"hetero-states-{dead}-{here}-link"
     link.symlink_to(other)
-    assert sorted(workdir.sweep(tmp_path)) == sorted([gone, old_style])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (running, shared, other, link))
+    assert workdir.sweep(tmp_path) == [gone]
+    kept = (elsewhere, running, shared, other, link)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in kept)
     assert (other / "hetero-1-2.bin").exists()
 
 
 def test_a_new_store_sweeps_its_base_and_removes_its_own_directory_on_close(tmp_path):
-    leftover = tmp_path / f"hetero-activations-{dead_pid()}-xyz"
+    leftover = tmp_path / f"hetero-activations-{dead_pid()}-{workdir.host()}-xyz"
     leftover.mkdir(mode=0o700)
     (leftover / "a.bin").write_bytes(b"x")
     store = NvmeStore.private(str(tmp_path / "new"), "activations", "activations.slow_path", workers=1)
