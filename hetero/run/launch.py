@@ -4,7 +4,8 @@
 process: `run` reads the plan, refuses a stale one, and runs the script here as `python script.py args` would.
 Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile, the plan's ranks), then
 starts `python -m hetero.run.torchrun ... -m hetero.run.bootstrap script args` (torchrun's own engine, quiet about
-failures hetero reports), and every worker runs `worker_main`. torchrun and its workers end when hetero ends. The protocol between hetero and its workers is the environment:
+failures hetero reports), and every worker runs `worker_main`. torchrun and its workers end when hetero ends.
+The protocol between hetero and its workers is the environment:
   HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.run.bootstrap` default to plan.yaml)
   HETERO_ALLOW_STALE  1: run a plan made for another profile or model
   HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
@@ -34,7 +35,7 @@ from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.schema import Profile
 from hetero.run.bootstrap import ScriptResult, check_script, run_script, script_argv
 from hetero.run.devices.workdir import PlanPathError
-from hetero.run.torchrun import EXIT_DIR_ENV, failures, first_failure, report_failures, write_exit
+from hetero.run.torchrun import EXIT_DIR_ENV, failures, report_failures, write_exit
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"

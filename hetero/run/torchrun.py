@@ -5,7 +5,7 @@ torch's own launcher (`torch.distributed.run`), quiet about failures that hetero
   stopping its workers); its workers do the same towards it (launch.worker_main).
 - A failed worker is torchrun's ChildFailedError: instead of its traceback and log lines, each failed rank's exit
   code goes into the exit directory (HETERO_EXIT_DIR) where the worker could not leave it (`os._exit`, a signal),
-  and hetero prints one line per rank (launch.failures).
+  and hetero prints one line per failed rank (report_failures).
 - SIGTERM/SIGINT/SIGHUP (forwarded by hetero) stop the workers as torchrun does, then exit 128 + the signal.
 
 The exit directory's files are `rank<N>`, one line each: `<time ns> <exit code> <last line of the error>`.
@@ -44,12 +44,17 @@ class Failure:
 
 
 def failures(exits: Path) -> list[Failure]:
-    """The ranks that ended with a nonzero code, the first to end first (see hetero.run.torchrun for the files)."""
+    """The ranks that ended with a nonzero code, the first to end first; a file cut short (its worker killed while
+    writing it) is skipped."""
     out = []
     for f in exits.iterdir():
-        at, code, *message = f.read_text().split(" ", 2)
-        if int(code) != 0:
-            out.append(Failure(int(f.name.removeprefix("rank")), int(code), " ".join(message).strip(), int(at)))
+        try:
+            at, code, *message = f.read_text().split(" ", 2)
+            failure = Failure(int(f.name.removeprefix("rank")), int(code), " ".join(message).strip(), int(at))
+        except ValueError:
+            continue
+        if failure.code != 0:
+            out.append(failure)
     return sorted(out, key=lambda f: (f.at_ns, f.rank))
 
 

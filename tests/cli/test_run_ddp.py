@@ -9,7 +9,8 @@ from hetero import files
 from hetero.cli.main import main
 from hetero.errors import HeteroError
 from hetero.profile.schema import Profile
-from hetero.run.launch import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build, first_failure
+from hetero.run.launch import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build
+from hetero.run.torchrun import first_failure
 from tests.cli.test_run import net
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
@@ -131,3 +132,16 @@ def test_profile_with_a_failing_worker_says_which_rank_failed_and_passes_its_cod
     assert all(x.startswith("error: rank 0 exited with ") for x in errors[1:]), err
     assert "ChildFailedError" not in err and "torch.distributed.elastic" not in err
     assert not (workdir / "profile.yaml").exists()
+
+
+def test_one_line_per_failed_rank_first_first_and_a_file_cut_short_is_skipped(tmp_path):
+    from hetero.run.torchrun import failures, report_failures, write_exit
+
+    write_exit(tmp_path, 1, 3, "ValueError: bad\nbatch", at_ns=100)
+    write_exit(tmp_path, 0, 143, "terminated by SIGTERM", at_ns=200)
+    write_exit(tmp_path, 2, 9, "killed by SIGKILL", at_ns=50, replace=True)
+    write_exit(tmp_path, 2, 1, "later news", at_ns=300, replace=False)  # torchrun never overwrites a worker's own
+    (tmp_path / "rank3").write_text("12")  # cut short
+    assert report_failures(failures(tmp_path)) == ["rank 2 exited with 9: killed by SIGKILL",
+                                                   "rank 1 exited with 3: ValueError: bad batch",
+                                                   "rank 0 exited with 143 (after rank 2 failed): terminated by SIGTERM"]

@@ -121,8 +121,9 @@ print("carried on")
     assert "carried on" in out and err.rstrip().endswith("error: interrupted")
 
 
+# Each worker says its pid in one write (the ranks share stdout), then waits; rank 0 says when both have.
 DDP_WAIT = DDP_TRAIN.replace("dist.init_process_group(\"gloo\")", "dist.init_process_group(\"gloo\")\nimport os, time\n"
-                             "os.write(1, f'PID {os.getpid()}\\n'.encode())\ndist.barrier()\n"  # one write: ranks share stdout
+                             "os.write(1, f'PID {os.getpid()}\\n'.encode())\ndist.barrier()\n"
                              "if dist.get_rank() == 0: os.write(1, b'READY\\n')\ntime.sleep(120)")
 
 
