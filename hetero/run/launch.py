@@ -35,7 +35,7 @@ from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.schema import Profile
 from hetero.run.bootstrap import ScriptResult, check_script, run_script, script_argv
 from hetero.run.devices.workdir import PlanPathError
-from hetero.run.torchrun import EXIT_DIR_ENV, failures, report_failures, write_exit
+from hetero.run.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, write_exit
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
@@ -232,10 +232,11 @@ def run_workers(launch: Launch, stdout_to_stderr: bool = False) -> int:
     """Start torchrun and wait; 0, or the exit code of the worker that failed first, after one line per failed
     rank. A signal that ends hetero (Ctrl-C, SIGTERM, SIGHUP) is passed on to torchrun, which stops its workers."""
     with tempfile.TemporaryDirectory(prefix="hetero-exit-") as exits:
-        # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice; it dies with us.
-        proc = subprocess.Popen(launch.command, env=os.environ | launch.env | {EXIT_DIR_ENV: exits},
-                                stdout=2 if stdout_to_stderr else None, start_new_session=True,
-                                preexec_fn=interrupts.die_with_parent)
+        # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice. It dies with us
+        # (hetero.run.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
+        env = os.environ | launch.env | {EXIT_DIR_ENV: exits, PARENT_ENV: str(os.getpid())}
+        proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None,
+                                start_new_session=True)
         try:
             code = proc.wait()
         except Interrupted as e:

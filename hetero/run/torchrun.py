@@ -73,8 +73,11 @@ def report_failures(failed: list[Failure]) -> list[str]:
     return lines
 
 
+PARENT_ENV = "HETERO_PARENT_PID"  # hetero's pid: torchrun ends at once if hetero ended before it started
+
+
 def main(argv: list[str]) -> int:
-    die_with_parent()
+    die_with_parent(int(os.environ[PARENT_ENV]) if os.environ.get(PARENT_ENV) else None)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

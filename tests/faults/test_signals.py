@@ -178,3 +178,19 @@ def test_workers_die_with_a_killed_hetero(workdir):
     proc.kill()
     proc.communicate(timeout=60)
     assert wait_gone(workers)
+
+
+def test_a_second_signal_lets_the_cleanup_finish_and_a_third_forces_the_exit():
+    cleaned = []
+    with interrupts.handled():
+        with pytest.raises(Interrupted) as third:
+            try:
+                signal.raise_signal(signal.SIGTERM)
+                time.sleep(60)
+            except Interrupted:
+                signal.raise_signal(signal.SIGINT)  # impatient: absorbed, the cleanup goes on
+                cleaned.append(True)
+                signal.raise_signal(signal.SIGINT)  # a cleanup that hangs can still be stopped
+                time.sleep(60)
+    assert cleaned == [True] and third.value.signum == signal.SIGINT
+    assert interrupts.exit_code() == 143  # the first signal decides the exit code
