@@ -152,16 +152,20 @@ def kind_of(path: str | os.PathLike) -> str | None:
 
 
 def line_of(path: str | os.PathLike, key: str) -> int | None:
-    """The 1-based line of the value at dotted `key` (`optimizer.nvme.path`) in the file at `path`; None when the
-    file cannot be read or has no such key (a default the file left out)."""
+    """The 1-based line of the value at `key` (`optimizer.nvme.path`, `layers[3].name`) in the file at `path`; None
+    when the file cannot be read or has no such key (a default the file left out)."""
     try:
         node = _compose(_read_text(Path(path), str(path)), str(path))
     except FileProblems:
         return None
-    for part in key.split("."):
-        if not isinstance(node, yaml.MappingNode):
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("[") and isinstance(node, yaml.SequenceNode):
+            index = int(part[1:-1])
+            node = node.value[index] if index < len(node.value) else None
+        elif isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+        else:
             return None
-        node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
         if node is None:
             return None
     return node.start_mark.line + 1
