@@ -10,7 +10,7 @@ Contracts:
 - The name is unpredictable and the directory is made with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700):
   a directory someone else created beforehand is never used. The base itself must be the user's (or root's), and
   if others may write in it, sticky like /tmp, so nobody else can rename our directory away and put theirs in its
-  place.
+  place (writable by the user's own group is fine: umask 002 makes such directories).
 - `~` is expanded; an empty base is refused. Parents of the base that did not exist are created (0700) and removed
   again with the work directory when empty.
 - The pid and host in the name are the owning process and its machine. `sweep` removes the work directories of this
@@ -115,7 +115,7 @@ def _make_parents(root: Path, field: str) -> list[Path]:
 
 
 def _check_base(root: Path, field: str) -> None:
-    """The base must be a directory that only we (or root) control, or a sticky one like /tmp."""
+    """The base must be a directory that only we (or root, or our own group) control, or a sticky one like /tmp."""
     try:
         st = root.stat()
     except OSError as e:
@@ -124,7 +124,9 @@ def _check_base(root: Path, field: str) -> None:
         raise PlanPathError(field, f"{root} is not a directory", HINT)
     if st.st_uid not in (os.getuid(), 0):
         raise PlanPathError(field, f"{root} belongs to another user (uid {st.st_uid})", HINT)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    # Writable by a group other than the user's own (umask 002 makes the user's group-writable dirs) or by all.
+    others = st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != os.getgid())
+    if others and not st.st_mode & stat.S_ISVTX:
         raise PlanPathError(field, f"others may write in {root} (mode {stat.S_IMODE(st.st_mode):04o}) and it is "
                                    "not sticky: they could replace hetero's files", HINT)
 

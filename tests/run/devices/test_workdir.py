@@ -68,6 +68,12 @@ def test_a_base_others_may_write_in_is_refused_unless_sticky(tmp_path):
         workdir.create(str(base), "activations", "f")
     os.chmod(base, 0o1777)  # as /tmp: others cannot rename what is ours
     workdir.create(str(base), "activations", "f").remove()
+    os.chmod(base, 0o770)  # writable by the user's own group (umask 002)
+    workdir.create(str(base), "activations", "f").remove()
+    if os.getuid() == 0:  # root can give the directory to another group
+        os.chown(base, 0, 65534)
+        with pytest.raises(PlanPathError, match="not sticky"):
+            workdir.create(str(base), "activations", "f")
 
 
 def test_home_is_expanded_and_parents_made_for_the_run_are_removed_with_it(tmp_path, monkeypatch):
