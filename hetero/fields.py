@@ -24,6 +24,7 @@ MAX_MICRO_BATCHES = 4096  # gradient accumulation
 MAX_STEPS = 1_000_000  # steps profiled or recorded
 MAX_CORES = 65536  # cores, NUMA nodes
 MAX_LINK = 64  # PCIe generation and lanes
+MAX_LAYERS = 20_000  # layers in a profile (a 175B GPT has ~1,000 modules); `hetero plan` takes ~15 s at the bound
 
 
 def doc(

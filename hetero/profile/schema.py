@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hetero.fields import MAX_CHANNELS, MAX_CORES, MAX_LINK, MAX_MICRO_BATCHES, MAX_RANK, MAX_STEPS, doc, unique_names
+from hetero.fields import (MAX_CHANNELS, MAX_CORES, MAX_LAYERS, MAX_LINK, MAX_MICRO_BATCHES, MAX_RANK, MAX_STEPS, doc,
+                           unique_names)
 from hetero.units import COUNT, PARAM_RATE, RATE, SIZE, TIME
 
 Granularity = Literal["module", "block"]
@@ -243,5 +244,7 @@ class Profile:
                                      default_factory=dict)
 
     def problems(self) -> list[tuple[str, str]]:
-        return unique_names(self.layers, "layers")
+        too_many = [("layers", f"{len(self.layers)} entries, at most {MAX_LAYERS}")] if len(self.layers) > MAX_LAYERS \
+            else []
+        return unique_names(self.layers, "layers") + too_many
 

@@ -162,3 +162,12 @@ def test_mutated_shipped_files_are_exit_0_or_3_never_a_traceback(tmp_path, shipp
             assert cli_code == code and "Traceback" not in err, err
     assert codes[0] > 50 and codes[3] > 400, codes  # the mutations reach both sides
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 200 * 1024  # KiB: nothing expanded
+
+
+def test_a_profile_with_more_layers_than_the_bound_is_refused(tmp_path, monkeypatch):
+    from hetero.profile import schema
+
+    profile = next(p for p in PLANS if p.name.endswith(".profile.yaml"))
+    monkeypatch.setattr(schema, "MAX_LAYERS", 3)  # the shipped profile has more; the real bound is 20,000
+    line = refused(tmp_path, profile.read_text())
+    assert "layers: " in line and " entries, at most 3" in line, line
