@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from hetero.errors import FAILURE, STALE_PLAN, USAGE, FileProblems, HeteroError,
 from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.schema import Profile
 from hetero.run.bootstrap import ScriptResult, check_script, run_script, script_argv
+from hetero.run.devices import workdir
 from hetero.run.devices.workdir import PlanPathError
 from hetero.run.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, write_exit
 
@@ -231,26 +231,34 @@ def profile_workers(script: str, args: list[str], options: object, output: Path,
 def run_workers(launch: Launch, stdout_to_stderr: bool = False) -> int:
     """Start torchrun and wait; 0, or the exit code of the worker that failed first, after one line per failed
     rank. A signal that ends hetero (Ctrl-C, SIGTERM, SIGHUP) is passed on to torchrun, which stops its workers."""
-    with tempfile.TemporaryDirectory(prefix="hetero-exit-") as exits:
-        # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice. It dies with us
-        # (hetero.run.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
-        env = os.environ | launch.env | {EXIT_DIR_ENV: exits, PARENT_ENV: str(os.getpid())}
-        proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None,
-                                start_new_session=True)
-        try:
-            code = proc.wait()
-        except Interrupted as e:
-            _stop(proc, e.signum)
-            raise
-        except BaseException:
-            _stop(proc, signal.SIGTERM)
-            raise
-        if code == 0:
-            return 0
-        failed = failures(Path(exits))
-        for line in report_failures(failed):
-            print(f"error: {line}", file=sys.stderr)
-        return failed[0].code if failed else code
+    work = workdir.create(None, "exit", "TMPDIR")  # private, and swept by a later run if we are killed
+    try:
+        return _run_torchrun(launch, str(work.path), stdout_to_stderr)
+    finally:
+        work.remove()
+
+
+def _run_torchrun(launch: Launch, exits: str, stdout_to_stderr: bool) -> int:
+    """torchrun in its own session, its workers leaving their exit codes in `exits`; see run_workers."""
+    # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice. It dies with us
+    # (hetero.run.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
+    env = os.environ | launch.env | {EXIT_DIR_ENV: exits, PARENT_ENV: str(os.getpid())}
+    proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None,
+                            start_new_session=True)
+    try:
+        code = proc.wait()
+    except Interrupted as e:
+        _stop(proc, e.signum)
+        raise
+    except BaseException:
+        _stop(proc, signal.SIGTERM)
+        raise
+    if code == 0:
+        return 0
+    failed = failures(Path(exits))
+    for line in report_failures(failed):
+        print(f"error: {line}", file=sys.stderr)
+    return failed[0].code if failed else code
 
 
 def _stop(proc: subprocess.Popen, signum: int) -> None:

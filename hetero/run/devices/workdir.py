@@ -3,7 +3,7 @@
 A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
 directly but into a directory of its own made inside it:
 
-    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile; mode 0700, owned by the user
+    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit; mode 0700, owned by the user
                                                  host: 8 hex digits of a hash of this machine's name
 
 Contracts:
@@ -38,8 +38,9 @@ from pathlib import Path
 
 from hetero.errors import INVALID_FILE, HeteroError
 
-KINDS = ("activations", "states", "profile")  # evicted activations, optimizer states, `hetero profile`'s disk probe
-_NAME = re.compile(r"^hetero-(?:activations|states|profile)-(\d+)-([0-9a-f]{8})-")
+# evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes
+KINDS = ("activations", "states", "profile", "exit")
+_NAME = re.compile(r"^hetero-(?:activations|states|profile|exit)-(\d+)-([0-9a-f]{8})-")
 
 
 class PlanPathError(HeteroError):
