@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts.handled():
             code = _run(argv)
-    except Interrupted as e:  # a second signal, while the first one's exception was being handled
+    except Interrupted as e:  # a signal after `_run` returned (a third one, forcing the end of a slow cleanup)
         code = e.exit_code
     interrupted = interrupts.exit_code()
     if interrupted is not None:
