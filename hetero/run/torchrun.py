@@ -4,8 +4,8 @@ torch's own launcher (`torch.distributed.run`), quiet about failures that hetero
 - It ends when hetero ends, however hetero ends (Linux parent-death signal: SIGTERM, which torchrun turns into
   stopping its workers); its workers do the same towards it (launch.worker_main).
 - A failed worker is torchrun's ChildFailedError: instead of its traceback and log lines, each failed rank's exit
-  code goes into the exit directory (HETERO_EXIT_DIR) where the worker could not leave it (`os._exit`, a signal),
-  and hetero prints one line per failed rank (report_failures).
+  code goes into the exit directory (HETERO_EXIT_DIR) where the worker could not leave it (`os._exit`, a signal;
+  such a rank counts as the first to fail), and hetero prints one line per failed rank (report_failures).
 - SIGTERM/SIGINT/SIGHUP (forwarded by hetero) stop the workers as torchrun does, then exit 128 + the signal.
 
 The exit directory's files are `rank<N>`, one line each: `<time ns> <exit code> <last line of the error>`.
@@ -89,7 +89,10 @@ def main(argv: list[str]) -> int:
         exits = os.environ.get(EXIT_DIR_ENV)
         for rank, failure in e.failures.items() if exits else ():
             code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
-            write_exit(exits, rank, code, _signal_note(failure.exitcode), failure.timestamp * 10**9, replace=False)
+            # No file of its own: it died abruptly (os._exit, a signal), a moment torchrun only knows to the second
+            # it noticed. Such a rank is taken to have failed first: its peers' errors (a closed connection) follow
+            # from it.
+            write_exit(exits, rank, code, _signal_note(failure.exitcode), at_ns=0, replace=False)
         return 1
     except SignalException as e:
         return 128 + int(e.sigval)
