@@ -32,8 +32,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 for step in range(int(sys.argv[1])):
     loss = F.cross_entropy(model(torch.randn(64, 16)), torch.randint(4, (64,)))
     if step == 2 and sys.argv[2] == "wait":
-        time.sleep(0.5)  # the evictions are written by now
-        print("READY", flush=True)
+        print("READY", flush=True)  # mid-step: this step's evictions are queued or written
         time.sleep(120)
     loss.backward()
     opt.step(); opt.zero_grad()
@@ -59,6 +58,15 @@ def start(workdir: Path, *args: str) -> subprocess.Popen:
     raise AssertionError(f"the script never got ready: {proc.stderr.read()}")
 
 
+def evicted(workdir: Path, limit_s: float = 60) -> bool:
+    """Whether evicted activations are in files, waiting for the writer up to `limit_s` (a bound for a loaded
+    machine, not a claim about its speed)."""
+    deadline = time.monotonic() + limit_s
+    while not any(name.endswith(".bin") for name in left(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return any(name.endswith(".bin") for name in left(workdir))
+
+
 def left(workdir: Path) -> list[str]:
     nvme = workdir / "nvme"
     return [str(p.relative_to(nvme)) for p in nvme.rglob("*")] if nvme.exists() else []
@@ -70,7 +78,7 @@ def left(workdir: Path) -> list[str]:
                                              (signal.SIGHUP, 129, "error: terminated by SIGHUP")])
 def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, code, said):
     proc = start(workdir, "run", scripts.write(workdir, TRAIN), "50", "wait")
-    assert any(name.endswith(".bin") for name in left(workdir))  # evicted activations are in files
+    assert evicted(workdir)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
@@ -82,6 +90,7 @@ def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, c
 def test_a_killed_runs_files_are_swept_by_the_next_run(workdir):
     script = scripts.write(workdir, TRAIN)
     proc = start(workdir, "run", script, "50", "wait")
+    assert evicted(workdir)
     proc.kill()
     proc.communicate(timeout=60)
     (stale,) = (workdir / "nvme").iterdir()
