@@ -107,7 +107,10 @@ def _make_parents(root: Path, field: str) -> list[Path]:
     made: list[Path] = []
     try:
         for path in missing:
-            path.mkdir(mode=0o700)
+            try:
+                path.mkdir(mode=0o700)
+            except FileExistsError:  # a run beside this one made it meanwhile: it is not ours to remove
+                continue
             made.append(path)
     except OSError as e:
         remove_parents(made)

@@ -146,3 +146,19 @@ def test_a_store_that_cannot_start_is_a_plan_path_error_and_leaves_nothing(tmp_p
         NvmeStore.private(str(tmp_path / "d"), "states", "optimizer.nvme.path")
     assert e.value.exit_code == INVALID_FILE and "no space left" in e.value.message
     assert os.listdir(tmp_path) == []
+
+
+def test_a_base_made_meanwhile_by_a_run_beside_is_used_and_left_to_it(tmp_path, monkeypatch):
+    base = tmp_path / "shared"
+    real_mkdir = type(base).mkdir
+
+    def raced(self, *args, **kwargs):  # the other run creates the directory between our check and our mkdir
+        real_mkdir(self, *args, **kwargs)
+        raise FileExistsError(17, "File exists", str(self))
+
+    monkeypatch.setattr(type(base), "mkdir", raced)
+    work = workdir.create(str(base), "states", "f")
+    monkeypatch.undo()
+    assert work.made == [] and work.path.parent == base
+    work.remove()
+    assert base.is_dir()  # the other run's
