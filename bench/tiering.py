@@ -73,7 +73,7 @@ def _plan(work: Path, script: list[str], args) -> Path:
     hetero = [sys.executable, "-m", "hetero"]
     longer = [] if args.script else ["--steps", "100"]  # the profiler stops the script once it has measured
     _call(hetero + ["profile", "--steps", "3", "--warmup", "1", "--nvme", nvme, "-o", str(work / "profile.yaml"),
-                    *script[:1], "--", *script[1:], *longer])
+                    *script, *longer])
     _call(hetero + ["plan", "--profile", str(work / "profile.yaml"), "-o", str(work / "plan.yaml"),
                     "--optimizer-device", "host", "--stay-time", args.stay_time])
     profile = files.load(work / "profile.yaml", expect=Profile)

@@ -9,7 +9,7 @@ FAILURE = 1
 USAGE = 2
 INVALID_FILE = 3
 STALE_PLAN = 4
-INTERRUPTED = 130
+INTERRUPTED = 130  # Ctrl-C; SIGTERM ends a run with 143 and SIGHUP with 129 (128 + the signal)
 
 
 class HeteroError(Exception):
@@ -43,14 +43,23 @@ class Problem:
 class FileProblems(HeteroError):
     """A file failed validation; carries every problem found, not just the first."""
 
-    def __init__(self, problems: list[Problem]):
+    def __init__(self, problems: list[Problem], hint: str | None = None):
         assert problems, "FileProblems needs at least one problem"
         first = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        super().__init__(f"{first}{more}", hint=None, exit_code=INVALID_FILE)
+        super().__init__(f"{first}{more}", hint=hint, exit_code=INVALID_FILE)
         self.problems = problems
 
 
 class Interrupted(BaseException):
-    """Ctrl-C. A BaseException of our own, so neither a script's `except Exception` nor the CLI framework's
-    KeyboardInterrupt handling swallows it; `finally` blocks still clean up on the way out."""
+    """Ctrl-C, SIGTERM or SIGHUP (hetero.interrupts). A BaseException of our own, so neither a script's
+    `except Exception` nor the CLI framework's KeyboardInterrupt handling swallows it; `finally` blocks still clean
+    up on the way out. The command exits 128 + the signal's number: 130, 143 or 129."""
+
+    def __init__(self, signum: int = 2):  # SIGINT
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -26,12 +27,15 @@ from hetero.fields import FieldSpec, choices, is_optional, is_schema, specs, str
 from hetero.plan.schema import Plan
 from hetero.profile.schema import Profile
 from hetero.report.schema import Run
+from hetero.units import _DIGITS, LIMIT, _cut
 
 API_VERSION = "hetero/v1"
 KINDS: dict[str, type] = {"Profile": Profile, "Plan": Plan, "Run": Run}
 _STR, _INT, _FLOAT, _BOOL, _NULL, _SEQ, _MAP = (
     f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map"))
 _BAD = object()  # a value that failed validation; its problem is already recorded
+MAX_BYTES = 16 << 20  # a profile of a 10,000-layer model is ~3 MiB
+MAX_DEPTH = 32  # hetero's files nest 5 levels deep
 
 
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser when built in: 4-5x faster
@@ -70,13 +74,16 @@ def loads(text: str, name: str = "<string>", expect: type | None = None) -> Any:
 
 def _read_text(path: Path, name: str) -> str:
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_BYTES + 1)  # never more: a file's size may lie (a pipe, /dev/zero)
     except FileNotFoundError:
         raise FileProblems([Problem(name, "no such file")]) from None
     except IsADirectoryError:
         raise FileProblems([Problem(name, "is a directory, not a profile or plan file")]) from None
     except OSError as e:
         raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
+    if len(data) > MAX_BYTES:
+        raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
     nul = data.find(b"\0")
     try:
         text = data.decode("utf-8")
@@ -91,6 +98,7 @@ def _read_text(path: Path, name: str) -> str:
 
 def _compose(text: str, name: str) -> yaml.Node:
     try:
+        _guard(text, name)
         docs = list(yaml.compose_all(text, Loader=_Loader))
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -107,6 +115,31 @@ def _compose(text: str, name: str) -> yaml.Node:
     return docs[0]
 
 
+_OPEN = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+         yaml.FlowSequenceStartToken)
+_CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
+def _guard(text: str, name: str) -> None:
+    """Refuse, from the token stream alone (flat, no recursion, no expansion), what the parser or the reader must
+    never see: a text over MAX_BYTES, nesting deeper than MAX_DEPTH (the parser recurses: 50,000 levels crash it)
+    and anchors or aliases (an alias bomb expands to gigabytes; hetero's files never use them)."""
+    if len(text) > MAX_BYTES:
+        raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
+    depth = 0
+    for token in yaml.scan(text, Loader=_Loader):
+        if isinstance(token, (yaml.AnchorToken, yaml.AliasToken)):
+            what = "anchor" if isinstance(token, yaml.AnchorToken) else "alias"
+            message = f"YAML {what} {_cut(token.value)}: hetero files take no anchors or aliases (write values out)"
+            raise FileProblems([_problem(name, token.start_mark, message)])
+        if isinstance(token, _OPEN):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise FileProblems([_problem(name, token.start_mark, f"nested more than {MAX_DEPTH} levels deep")])
+        elif isinstance(token, _CLOSE):
+            depth -= 1
+
+
 def kind_of(path: str | os.PathLike) -> str | None:
     """The `kind` the file at `path` declares at its top; None when it is not a readable YAML mapping with one."""
     try:
@@ -116,6 +149,26 @@ def kind_of(path: str | os.PathLike) -> str | None:
     top = {k.value: v for k, v in root.value} if isinstance(root, yaml.MappingNode) else {}
     kind = top.get("kind")
     return kind.value if isinstance(kind, yaml.ScalarNode) else None
+
+
+def line_of(path: str | os.PathLike, key: str) -> int | None:
+    """The 1-based line of the value at `key` (`optimizer.nvme.path`, `layers[3].name`) in the file at `path`; None
+    when the file cannot be read or has no such key (a default the file left out)."""
+    try:
+        node = _compose(_read_text(Path(path), str(path)), str(path))
+    except FileProblems:
+        return None
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("[") and isinstance(node, yaml.SequenceNode):
+            index = int(part[1:-1])
+            node = node.value[index] if index < len(node.value) else None
+        elif isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+        else:
+            return None
+        if node is None:
+            return None
+    return node.start_mark.line + 1
 
 
 def _header(root: yaml.Node, name: str, expect: type | None) -> type:
@@ -129,11 +182,11 @@ def _header(root: yaml.Node, name: str, expect: type | None) -> type:
         problems.append(_problem(name, root.start_mark, f"missing key 'apiVersion' (expected 'apiVersion: {API_VERSION}')"))
     elif version.value != API_VERSION:
         problems.append(_problem(name, version.start_mark,
-                                 f"apiVersion: unsupported {version.value!r} (this hetero reads {API_VERSION})"))
+                                 f"apiVersion: unsupported {_cut(version.value)} (this hetero reads {API_VERSION})"))
     if kind is None:
         problems.append(_problem(name, root.start_mark, f"missing key 'kind' (expected {_or(wanted)})"))
     elif kind.value not in wanted:
-        found = f"kind {kind.value!r}" if kind.value in KINDS else f"unknown kind {kind.value!r}"
+        found = f"kind {kind.value!r}" if kind.value in KINDS else f"unknown kind {_cut(kind.value)}"
         problems.append(_problem(name, kind.start_mark, f"kind: {found}, expected {_or(wanted)}"
                                  + _did_you_mean(kind.value, wanted)))
     if problems:
@@ -185,7 +238,7 @@ class _Reader:
     def _unknown(self, key_node: yaml.Node, keys: list[str], path: str) -> str:
         """Record an unknown key; the key it was probably meant to be, or ''."""
         where = f" in {path}" if path else ""
-        message = f"unknown key {key_node.value!r}{where}" + _did_you_mean(key_node.value, keys)
+        message = f"unknown key {_cut(key_node.value)}{where}" + _did_you_mean(key_node.value, keys)
         self.problems.append(_problem(self.name, key_node.start_mark, message))
         return _closest(key_node.value, keys) or ""
 
@@ -195,7 +248,7 @@ class _Reader:
             if not isinstance(key_node, yaml.ScalarNode):
                 self.problem(key_node, path, "keys must be plain words")
             elif key_node.value in seen:
-                self.problem(key_node, path, f"duplicate key {key_node.value!r}")
+                self.problem(key_node, path, f"duplicate key {_cut(key_node.value)}")
             else:
                 seen.add(key_node.value)
                 yield key_node, value_node
@@ -210,7 +263,7 @@ class _Reader:
     def value(self, node: yaml.Node, tp: Any, spec: FieldSpec, path: str, anchor_line: int) -> Any:
         self.nodes[path] = node
         if node.tag not in (_STR, _INT, _FLOAT, _BOOL, _NULL, _SEQ, _MAP):
-            return self.problem(node, path, f"unsupported YAML tag {node.tag!r}")
+            return self.problem(node, path, f"unsupported YAML tag {_cut(node.tag)}")
         if isinstance(node, yaml.ScalarNode) and node.tag == _NULL:
             return None if is_optional(tp) else self.problem(node, path, "must not be null")
         tp = strip_optional(tp)
@@ -244,7 +297,7 @@ class _Reader:
         except ValueError as e:
             return self.problem(node, path, str(e))
         if spec.ge is not None and value < spec.ge or spec.le is not None and value > spec.le:
-            return self.problem(node, path, f"{node.value} is out of range ({_range(spec)})")
+            return self.problem(node, path, f"{_cut(node.value)[1:-1]} is out of range ({_range(spec)})")
         return value
 
     def _why(self, line: int) -> str:
@@ -255,26 +308,36 @@ class _Reader:
 def _convert(node: yaml.ScalarNode, tp: Any, spec: FieldSpec) -> Any:
     text, tag = node.value, node.tag
     if spec.unit is not None:
-        raw = {_INT: int, _FLOAT: float, _BOOL: lambda t: t == "true"}.get(tag, str)(text)
+        raw = {_INT: lambda t: _number(t, int), _FLOAT: lambda t: _number(t, float),
+               _BOOL: lambda t: t == "true"}.get(tag, str)(text)
         return spec.unit.parse(raw)
     if (words := choices(tp)) is not None:
         if text not in words:
-            raise ValueError(f"{text!r} is not one of {_or(words)}" + _did_you_mean(text, words))
+            raise ValueError(f"{_cut(text)} is not one of {_or(words)}" + _did_you_mean(text, words))
         return text
     if tp is bool:
         if tag != _BOOL:
-            raise ValueError(f"expected true or false, got {text!r}")
+            raise ValueError(f"expected true or false, got {_cut(text)}")
         return text == "true"
     if tp is int:
         if tag != _INT:
-            raise ValueError(f"expected a whole number, got {text!r}")
-        return int(text)
+            raise ValueError(f"expected a whole number, got {_cut(text)}")
+        return _number(text, int)
     if tp is float:
         if tag not in (_INT, _FLOAT):
-            raise ValueError(f"expected a number, got {text!r}")
-        return float(text)
+            raise ValueError(f"expected a number, got {_cut(text)}")
+        return _number(text, float)
     assert tp is str, f"unsupported schema type {tp}"
     return text
+
+
+def _number(text: str, tp: type) -> int | float:
+    """`text` (a YAML int or float) as `tp`: finite and within +-LIMIT; its length is checked before converting
+    (Python refuses to convert ints of over 4300 digits with a message about its own settings)."""
+    value = tp(text) if len(text) <= _DIGITS + 8 else math.inf
+    if not math.isfinite(value) or abs(value) > LIMIT:
+        raise ValueError(f"{_cut(text)} is out of range (at most {float(LIMIT):.3e})")
+    return value
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
@@ -452,7 +515,7 @@ def _shape(node: yaml.Node) -> str:
         return "a mapping"
     if isinstance(node, yaml.SequenceNode):
         return "a list"
-    return f"{node.value!r}"
+    return _cut(node.value)
 
 
 def _range(spec: FieldSpec) -> str:

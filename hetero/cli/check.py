@@ -8,17 +8,21 @@ from pathlib import Path
 import typer
 
 from hetero import files
+from hetero.cli import sources
 from hetero.errors import INVALID_FILE, FileProblems
 from hetero.plan.schema import Plan
 from hetero.profile.schema import Profile
 
 
 def check(files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile or plan files.")) -> None:
-    """Validate profile and plan files; print every problem with file:line:col and exit 3 if any."""
+    """Validate profile and plan files; print every problem with file:line:col and exit 3 if any. A plan is also
+    checked against its profile when that is found: every layer and parameter it names must be there."""
     bad = 0
     for path in files_:
         try:
             obj = files.load(path)
+            if isinstance(obj, Plan) and (problems := sources.name_problems(obj, path)):
+                raise FileProblems(problems)
         except FileProblems as e:
             bad += 1
             for problem in e.problems:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 import traceback
 
 import typer
 
-from hetero import __version__
+from hetero import __version__, interrupts
 from hetero.cli import check, plan, profile, report, run, show
-from hetero.errors import INTERRUPTED, FileProblems, HeteroError, Interrupted
+from hetero.errors import FileProblems, HeteroError, Interrupted
 
 app = typer.Typer(
     name="hetero",
@@ -50,33 +48,31 @@ show.register(app)
 
 def main(argv: list[str] | None = None) -> int:
     """Run `hetero` with `argv` (default: sys.argv[1:]) and return its exit code; user errors never show a
-    traceback (`--debug` shows one). Typer itself reports usage errors (exit 2)."""
+    traceback (`--debug` shows one). Typer itself reports usage errors (exit 2). Ctrl-C, SIGTERM and SIGHUP end
+    the command with 130, 143 and 129 once everything is cleaned up, even where a script swallowed the exception."""
     try:
-        with _interrupts():
-            app(args=argv, prog_name="hetero")
+        with interrupts.handled():
+            code = _run(argv)
+    except Interrupted as e:  # a signal after `_run` returned (a third one, forcing the end of a slow cleanup)
+        code = e.exit_code
+    interrupted = interrupts.exit_code()
+    if interrupted is not None:
+        print(f"error: {interrupts.name(interrupted - 128)}", file=sys.stderr)
+        return interrupted
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        app(args=argv, prog_name="hetero")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except HeteroError as e:
         report(e)
         return e.exit_code
-    except Interrupted:
-        print("error: interrupted", file=sys.stderr)
-        return INTERRUPTED
+    except Interrupted as e:
+        return e.exit_code
     return 0
-
-
-@contextlib.contextmanager
-def _interrupts():
-    """Ctrl-C raises Interrupted, which the CLI framework does not turn into 'Aborted!' with exit 1."""
-
-    def handler(signum, frame):
-        raise Interrupted()
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def report(e: HeteroError) -> None:

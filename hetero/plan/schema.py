@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hetero.fields import doc, unique_names
+from hetero.fields import MAX_CHANNELS, MAX_MICRO_BATCHES, MAX_RANK, doc, unique_names
 from hetero.profile.schema import Backend
 from hetero.units import SIZE, TIME
 
@@ -60,7 +60,7 @@ class StatePlacement:
 
     param: str = doc("Qualified parameter name, as in `model.named_parameters()`.")
     tier: StateTier = doc("Device holding the states.")
-    channel: int | None = doc("AXDIMM channel; null unless `tier: axdimm`.", ge=0, default=None)
+    channel: int | None = doc("AXDIMM channel; null unless `tier: axdimm`.", ge=0, le=MAX_CHANNELS - 1, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,6 +70,9 @@ class NvmeOverflow:
     path: str = doc("Directory for the state files (created 0600, removed at exit).")
     size_bytes: int = doc("Bytes of states placed there.", unit=SIZE)
 
+    def problems(self) -> list[tuple[str, str]]:
+        return [("path", "empty path (give a directory)")] if not self.path.strip() else []
+
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerPlan:
@@ -78,10 +81,10 @@ class OptimizerPlan:
     kind: Literal["adam", "adamw"] = doc("The optimizer the script builds.")
     device: OptimizerDevice = doc("Where the update runs: the AXDIMM's channels, the host CPU, or the GPU.")
     backend: Backend | None = doc("AXDIMM backend (`emulated` here); null for host and gpu.", default=None)
-    channels: int | None = doc("AXDIMM channels used; null for host and gpu.", ge=1, default=None)
+    channels: int | None = doc("AXDIMM channels used; null for host and gpu.", ge=1, le=MAX_CHANNELS, default=None)
     overlap_backward: bool = doc("Update each parameter as soon as its gradient is final, during backward.")
     micro_batches: int = doc("Backward passes per optimizer step (the profile's gradient accumulation); "
-                             "overlapped updates launch on the last.", ge=1, default=1)
+                             "overlapped updates launch on the last.", ge=1, le=MAX_MICRO_BATCHES, default=1)
     nvme: NvmeOverflow | None = doc("Overflow tier; null when everything fits.", default=None)
     states: list[StatePlacement] = doc("Placement of every parameter's states.", default_factory=list)
     pinned: bool = doc("Keep this section as written when re-planning.", default=False)
@@ -133,6 +136,8 @@ class ActivationPlan:
         out = unique_names(self.schedule, "schedule", "layer")
         if self.fast == self.slow:
             out.append(("slow", f"slow tier {self.slow!r} is the fast tier"))
+        if self.slow_path is not None and not self.slow_path.strip():
+            out.append(("slow_path", "empty path (give a directory, or null for the system temp directory)"))
         return out
 
 
@@ -142,8 +147,8 @@ class RoutingPlan:
 
     threshold_bytes: int = doc("Tensors up to this size take the latency path, larger ones the bandwidth path.",
                                unit=SIZE)
-    latency_peer: int = doc("Rank whose link has the lowest latency.", ge=0)
-    bandwidth_peer: int = doc("Rank whose link has the highest bandwidth.", ge=0)
+    latency_peer: int = doc("Rank whose link has the lowest latency.", ge=0, le=MAX_RANK)
+    bandwidth_peer: int = doc("Rank whose link has the highest bandwidth.", ge=0, le=MAX_RANK)
     shard_bytes: int = doc("Large tensors are split into shards of this size and pipelined.", unit=SIZE)
     dual_sync_bytes: int = doc("Bytes of the first layers' gradients synchronized directly and first, as the "
                                "next forward needs them first (COARSE's n - m).",

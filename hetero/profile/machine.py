@@ -11,13 +11,13 @@ import os
 import re
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from hetero.errors import USAGE, HeteroError
 from hetero.units import measured
 from hetero.profile import dha
 from hetero.profile.tier_steps import DiskBeside
@@ -159,11 +159,9 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
                  disk_beside: DiskBeside | None = None) -> Tier:
     """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses; beside compute
     as `disk_beside` timed it beside the script's training, else through the same slow tier beside a GEMM loop."""
-    from hetero.run.devices.nvme import NvmeStore
-
-    base = Path(nvme_dir or tempfile.gettempdir())
-    probe = base / f"hetero-profile-{os.getpid()}"  # made and removed by the store
-    with NvmeStore(probe) as store:
+    store = _private_store(nvme_dir)
+    base = store.directory.parent
+    with store:
         write, read = [], []
         for size in HOST_SIZES:
             data, out = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
@@ -171,16 +169,28 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
                 median_time(lambda: store.write("probe", data), repeats=3, min_s=0))))
             read.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.read("probe", out), repeats=3, min_s=0))))
-        free = shutil.disk_usage(probe).free
+        free = shutil.disk_usage(base).free
     if slowdown and disk_beside:
         cpu = share(1 + disk_beside.stretch, slowdown)
         beside = cpu, cpu, disk_beside.read, disk_beside.write
     else:
-        beside = _beside(probe, slowdown) if slowdown else None
+        beside = _beside(base, slowdown) if slowdown else None
     read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
     return Tier(name=NVME_TIER, kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
                 read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read_beside,
                 write_beside_compute=write_beside)
+
+
+def _private_store(nvme_dir: str | None, workers: int = 2):
+    """A store in a private work directory under `nvme_dir` (the temp directory when None), removed on close;
+    a directory that cannot be used is a usage error naming --nvme."""
+    from hetero.run.devices.nvme import NvmeStore
+    from hetero.run.devices.workdir import PlanPathError
+
+    try:
+        return NvmeStore.private(nvme_dir, "profile", "--nvme", workers=workers)
+    except PlanPathError as e:
+        raise HeteroError(e.message, hint=e.hint, exit_code=USAGE) from None
 
 
 def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
@@ -194,7 +204,7 @@ def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurveP
     from hetero.run.devices.slow_tier import NvmeTier
 
     points: dict[str, list[CurvePoint]] = {"read": [], "write": []}
-    tier = NvmeTier("probe", str(directory))
+    tier = NvmeTier("probe", _private_store(str(directory), workers=1))
     try:
         for size in BESIDE_SIZES:
             data, times = torch.ones(size, dtype=torch.uint8), {"read": [], "write": []}

@@ -26,6 +26,7 @@ from hetero.units import measured
 from hetero.profile.schema import Layer, Memory, ModelInfo, Profile, Training
 from hetero.run import process_memory
 from hetero.run.bootstrap import StopScript, run_script
+from hetero.run.devices import workdir
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -46,6 +47,11 @@ class ProfileOptions:
             raise HeteroError(f"--steps {self.steps}: need at least 1 measured step", exit_code=USAGE)
         if self.granularity not in ("module", "block"):
             raise HeteroError(f"--granularity {self.granularity}: expected module or block", exit_code=USAGE)
+        if self.nvme_dir is not None:  # refused now, not after the script ran: a private work dir can be made there
+            try:
+                workdir.create(self.nvme_dir, "profile", "--nvme").remove()
+            except workdir.PlanPathError as e:
+                raise HeteroError(e.message, hint=e.hint, exit_code=USAGE) from None
 
 
 def profile_script(script: str, args: list[str], options: ProfileOptions,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hetero.fields import doc, unique_names
+from hetero.fields import (MAX_CHANNELS, MAX_CORES, MAX_LAYERS, MAX_LINK, MAX_MICRO_BATCHES, MAX_RANK, MAX_STEPS, doc,
+                           unique_names)
 from hetero.units import COUNT, PARAM_RATE, RATE, SIZE, TIME
 
 Granularity = Literal["module", "block"]
@@ -45,10 +46,10 @@ class Training:
     """How the script trains, and the mean cost of one optimizer step."""
 
     optimizer: OptimizerKind = doc("The optimizer class the script built; only Adam and AdamW can be offloaded.")
-    grad_accumulation: int = doc("Backward passes per optimizer step.", ge=1)
+    grad_accumulation: int = doc("Backward passes per optimizer step.", ge=1, le=MAX_MICRO_BATCHES)
     clips_grad: bool = doc("Whether the script calls `clip_grad_norm_` between backward and step.")
-    warmup_steps: int = doc("Steps run before measuring.", ge=0)
-    steps_measured: int = doc("Steps measured; every time here is their mean.", ge=1)
+    warmup_steps: int = doc("Steps run before measuring.", ge=0, le=MAX_STEPS)
+    steps_measured: int = doc("Steps measured; every time here is their mean.", ge=1, le=MAX_STEPS)
     granularity: Granularity = doc("`module`: a layer per module owning parameters; `block`: per repeated block.")
     iteration_s: float = doc("Wall time of one optimizer step, all micro-batches included.", unit=TIME)
     forward_s: float = doc("Forward time of one optimizer step.", unit=TIME)
@@ -63,7 +64,7 @@ class Cpu:
     """The host processor and its memory bandwidth."""
 
     model: str = doc("Processor model name.")
-    cores: int = doc("Cores this process may run on.", ge=1)
+    cores: int = doc("Cores this process may run on.", ge=1, le=MAX_CORES)
     dram_bandwidth_bytes_per_s: float = doc("Host memory copy bandwidth with all cores.", unit=RATE)
     adam_params_per_s: float | None = doc("Adam throughput of the `host` optimizer device as the runtime drives it "
                                           "(hetero's kernel on one driver thread).", unit=PARAM_RATE)
@@ -87,7 +88,7 @@ class Cpu:
 class NumaNode:
     """A NUMA node of the host."""
 
-    node: int = doc("Node id, as in /sys/devices/system/node.", ge=0)
+    node: int = doc("Node id, as in /sys/devices/system/node.", ge=0, le=MAX_CORES)
     memory_bytes: int = doc("Memory of the node.", unit=SIZE)
 
 
@@ -95,10 +96,10 @@ class NumaNode:
 class Pcie:
     """The GPU's PCIe link as NVML reports it."""
 
-    generation: int = doc("Current link generation.", ge=1)
-    width: int = doc("Current link width (lanes).", ge=1)
-    max_generation: int = doc("Highest generation the link supports.", ge=1)
-    max_width: int = doc("Highest width the link supports.", ge=1)
+    generation: int = doc("Current link generation.", ge=1, le=MAX_LINK)
+    width: int = doc("Current link width (lanes).", ge=1, le=MAX_LINK)
+    max_generation: int = doc("Highest generation the link supports.", ge=1, le=MAX_LINK)
+    max_width: int = doc("Highest width the link supports.", ge=1, le=MAX_LINK)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,7 +153,8 @@ class Axdimm:
     """The near-memory accelerator DIMM that runs Adam next to the optimizer states."""
 
     backend: Backend = doc("`emulated`: host memory and worker threads; `hardware`: a real device driver.")
-    channels: int = doc("Independent memory channels, each with its own arbiter and Adam kernel.", ge=1)
+    channels: int = doc("Independent memory channels, each with its own arbiter and Adam kernel.", ge=1,
+                   le=MAX_CHANNELS)
     channel_capacity_bytes: int = doc("Memory of one channel.", unit=SIZE)
     adam_params_per_s: float = doc("Adam throughput of one channel, the gradient's copy into it included.",
                                    unit=PARAM_RATE)
@@ -172,8 +174,8 @@ class Axdimm:
 class Peer:
     """The link between two data-parallel ranks (COARSE's per-proxy profile)."""
 
-    src: int = doc("Sending rank.", ge=0)
-    dst: int = doc("Receiving rank.", ge=0)
+    src: int = doc("Sending rank.", ge=0, le=MAX_RANK)
+    dst: int = doc("Receiving rank.", ge=0, le=MAX_RANK)
     backend: CommBackend = doc("torch.distributed backend measured.")
     transfer: list[CurvePoint] = doc("Point-to-point transfer time by size.")
 
@@ -257,5 +259,7 @@ class Profile:
                                      default_factory=dict)
 
     def problems(self) -> list[tuple[str, str]]:
-        return unique_names(self.layers, "layers")
+        too_many = [("layers", f"{len(self.layers)} entries, at most {MAX_LAYERS}")] if len(self.layers) > MAX_LAYERS \
+            else []
+        return unique_names(self.layers, "layers") + too_many
 

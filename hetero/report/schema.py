@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.fields import doc, unique_names
+from hetero.fields import MAX_MICRO_BATCHES, MAX_STEPS, doc, unique_names
 from hetero.plan.schema import ActivationPrediction
 from hetero.units import SIZE, TIME
 
@@ -31,9 +31,10 @@ class RunTiming:
     """The mean optimizer step of the recorded steps."""
 
     device: str = doc("Where the model computed: `cpu`, or the GPU's name.")
-    warmup_steps: int = doc("Steps run before recording (allocation and first-touch costs land there).", ge=0)
-    steps_recorded: int = doc("Steps recorded; every time here is their mean.", ge=1)
-    micro_batches: int = doc("Backward passes per optimizer step.", ge=1)
+    warmup_steps: int = doc("Steps run before recording (allocation and first-touch costs land there).", ge=0,
+                           le=MAX_STEPS)
+    steps_recorded: int = doc("Steps recorded; every time here is their mean.", ge=1, le=MAX_STEPS)
+    micro_batches: int = doc("Backward passes per optimizer step.", ge=1, le=MAX_MICRO_BATCHES)
     iteration_s: float = doc("Wall time from one step's end to the next one's.", unit=TIME)
     forward_s: float = doc("Forward time of one step, its micro-batches summed.", unit=TIME)
     backward_s: float = doc("Backward time of one step, its micro-batches summed.", unit=TIME)

@@ -33,20 +33,26 @@ class StopScript(BaseException):
 class ScriptResult:
     exit_code: int
     stopped: bool  # ended by StopScript rather than by running to its end
+    error: str = ""  # the last line of the script's traceback, or of what it passed to sys.exit; "" if none
 
 
 def script_argv(script: str, args: list[str]) -> list[str]:
-    """`sys.argv` the script sees: its path, then its arguments, without a `--` that only separated them."""
-    if args[:1] == ["--"]:
-        args = args[1:]
+    """`sys.argv` the script sees: its path, then its arguments exactly as given after it (a `--` too, as
+    `python script.py -- x` would pass it; hetero's own options all come before the script)."""
     return [script, *args]
 
 
 def check_script(script: str) -> Path:
+    """The script's path; a HeteroError (exit 2) when it is not a file hetero can read."""
     path = Path(script)
+    hint = "give the path of a Python training script, e.g. examples/train_gpt.py"
     if not path.is_file():
-        hint = "give the path of a Python training script, e.g. examples/train_gpt.py"
         raise HeteroError(f"no such script: {script}", hint=hint, exit_code=USAGE)
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as e:
+        raise HeteroError(f"cannot read the script {script}: {e.strerror}", hint=hint, exit_code=USAGE) from None
     return path
 
 
@@ -64,10 +70,11 @@ def run_script(script: str, args: list[str]) -> ScriptResult:
             raise stop.error from None
         return ScriptResult(0, stopped=True)
     except SystemExit as e:
-        return ScriptResult(_exit_code(e), stopped=False)
+        message = "" if e.code is None or isinstance(e.code, int) else str(e.code)
+        return ScriptResult(_exit_code(e), stopped=False, error=message)
     except Exception as e:
         _print_script_traceback(e, path)
-        return ScriptResult(1, stopped=False)
+        return ScriptResult(1, stopped=False, error=traceback.format_exception_only(type(e), e)[-1].strip())
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
 

@@ -3,14 +3,16 @@
 `build` is pure (argv and environment from the arguments) so it can be tested without running anything. One
 process: `run` reads the plan, refuses a stale one, and runs the script here as `python script.py args` would.
 Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile, the plan's ranks), then
-starts `python -m torch.distributed.run ... -m hetero.run.bootstrap script args`, torchrun's own engine, and every
-worker runs `worker_main`. The protocol between hetero and its workers is the environment:
+starts `python -m hetero.run.torchrun ... -m hetero.run.bootstrap script args` (torchrun's own engine, quiet about
+failures hetero reports), and every worker runs `worker_main`. torchrun and its workers end when hetero ends.
+The protocol between hetero and its workers is the environment:
   HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.run.bootstrap` default to plan.yaml)
   HETERO_ALLOW_STALE  1: run a plan made for another profile or model
   HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
   HETERO_TRACE        JSON {trace, steps}: rank 0 records that many steps into the trace and run.yaml beside it
-  HETERO_EXIT_DIR     where each worker leaves its exit code and the time it ended, so that hetero exits with the
-                      code of the worker that failed first (torchrun itself exits 1 for any failure)
+  HETERO_EXIT_DIR     where each worker leaves its exit code, the time it ended and the last line of its error, so
+                      that hetero prints one line per failed rank and exits with the code of the worker that failed
+                      first (torchrun itself exits 1 for any failure); see hetero.run.torchrun
 Workers read LOCAL_RANK/RANK/WORLD_SIZE from torchrun's environment; the script's arguments are never changed.
 """
 
@@ -23,23 +25,24 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetero import files
-from hetero.errors import FAILURE, INTERRUPTED, STALE_PLAN, USAGE, FileProblems, HeteroError
+from hetero import files, interrupts
+from hetero.errors import FAILURE, STALE_PLAN, USAGE, FileProblems, HeteroError, Interrupted, Problem
 from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.schema import Profile
-from hetero.run.bootstrap import check_script, run_script, script_argv
+from hetero.run.bootstrap import ScriptResult, check_script, run_script, script_argv
+from hetero.run.devices import workdir
+from hetero.run.devices.workdir import PlanPathError
+from hetero.run.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, write_exit
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
 PROFILE_ENV = "HETERO_PROFILE"
-EXIT_DIR_ENV = "HETERO_EXIT_DIR"
 TRACE_ENV = "HETERO_TRACE"
 WORKER = "hetero.run.bootstrap"
+TORCHRUN = "hetero.run.torchrun"  # torch.distributed.run, quiet about the failures hetero reports (torchrun.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +124,7 @@ def build(script: str, args: list[str], plan_path: Path, allow_stale: bool = Fal
 
 def _launch(script: str, args: list[str], env: dict[str, str], torchrun: Torchrun | None) -> Launch:
     argv = script_argv(script, args)
-    command = None if torchrun is None else [sys.executable, "-m", "torch.distributed.run", *torchrun.argv(),
-                                             "-m", WORKER, *argv]
+    command = None if torchrun is None else [sys.executable, "-m", TORCHRUN, *torchrun.argv(), "-m", WORKER, *argv]
     return Launch(argv=argv, env=env, command=command)
 
 
@@ -170,7 +172,7 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
     if trace is not None:
         trace.check()
     if torchrun is None:
-        return _run_here(script, args, plan_path, allow_stale, leader=True, trace=trace)
+        return _run_here(script, args, plan_path, allow_stale, leader=True, trace=trace).exit_code
     torchrun.check()
     loaded = files.load(plan_path, expect=Plan)
     check_profile(loaded, plan_path, allow_stale)  # refuses before any worker starts; rank 0 prints warnings
@@ -193,7 +195,7 @@ def check_routing(routing: RoutingPlan, world: int) -> None:
 
 
 def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool,
-              trace: Trace | None = None) -> int:
+              trace: Trace | None = None) -> ScriptResult:
     from hetero.run.recorder import Outputs  # imports torch
     from hetero.run.runtime import Runtime
 
@@ -204,14 +206,18 @@ def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, 
     launch = build(script, args, plan_path, allow_stale)
     record = Outputs(trace=trace.path, steps=trace.steps, plan_path=str(plan_path), script=script) \
         if trace is not None and leader else None
-    with _environment(launch.env):
+    with _environment(launch.env), _plan_lines(plan_path):
         with Runtime(loaded, script=script, allow_stale=allow_stale, record=record) as runtime:
             result = run_script(script, launch.argv[1:])
-        for line in runtime.summary() if leader else []:  # the summary may read the plan's path from the env
+        # A failed run has no summary: its timings (a sync drift, late prefetches) say nothing about the plan.
+        for line in runtime.summary() if leader and result.exit_code == 0 else []:  # may read the plan's path
             print(f"hetero: {line}", file=sys.stderr)
+    if runtime.model is None and result.exit_code == 0 and leader:
+        print(f"hetero: warning: the plan was never applied: {script} ended without an optimizer step, "
+              "so hetero never saw its model", file=sys.stderr)
     if leader and result.exit_code == 0:
         print(f"hetero: {_memory_line(loaded, plan_path)}", file=sys.stderr)
-    return result.exit_code
+    return result
 
 
 def _memory_line(plan: Plan, plan_path: Path) -> str:
@@ -240,57 +246,80 @@ def profile_workers(script: str, args: list[str], options: object, output: Path,
 
 
 def run_workers(launch: Launch, stdout_to_stderr: bool = False) -> int:
-    """Start torchrun and wait; Ctrl-C (which reaches torchrun too) waits for it to stop its workers."""
-    with tempfile.TemporaryDirectory(prefix="hetero-exit-") as exits:
-        proc = subprocess.Popen(launch.command, env=os.environ | launch.env | {EXIT_DIR_ENV: exits},
-                                stdout=2 if stdout_to_stderr else None)
-        try:
-            code = proc.wait()
-        except BaseException:
-            _stop(proc)
-            raise
-        return code if code == 0 else first_failure(Path(exits)) or code
+    """Start torchrun and wait; 0, or the exit code of the worker that failed first, after one line per failed
+    rank. A signal that ends hetero (Ctrl-C, SIGTERM, SIGHUP) is passed on to torchrun, which stops its workers."""
+    work = workdir.create(None, "exit", "TMPDIR")  # private, and swept by a later run if we are killed
+    try:
+        return _run_torchrun(launch, str(work.path), stdout_to_stderr)
+    finally:
+        work.remove()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, grace in ((None, 5), (signal.SIGTERM, 30), (signal.SIGKILL, None)):
-        if sig is not None and proc.poll() is None:
+def _run_torchrun(launch: Launch, exits: str, stdout_to_stderr: bool) -> int:
+    """torchrun in its own session, its workers leaving their exit codes in `exits`; see run_workers."""
+    # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice. It dies with us
+    # (hetero.run.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
+    env = os.environ | launch.env | {EXIT_DIR_ENV: exits, PARENT_ENV: str(os.getpid())}
+    proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None,
+                            start_new_session=True)
+    try:
+        code = proc.wait()
+    except Interrupted as e:
+        _stop(proc, e.signum)
+        raise
+    except BaseException:
+        _stop(proc, signal.SIGTERM)
+        raise
+    if code == 0:
+        return 0
+    failed = failures(Path(exits))
+    for line in report_failures(failed):
+        print(f"error: {line}", file=sys.stderr)
+    return failed[0].code if failed else code
+
+
+def _stop(proc: subprocess.Popen, signum: int) -> None:
+    """Pass `signum` on to torchrun and give it time to stop its workers; then kill it (they follow it)."""
+    for sig, grace in ((signum, 30), (signal.SIGKILL, None)):
+        if proc.poll() is None:
             proc.send_signal(sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
             return
 
 
-def first_failure(exits: Path) -> int | None:
-    """The exit code of the worker that ended first with one (a worker killed by torchrun leaves none)."""
-    ended = sorted(tuple(map(int, f.read_text().split())) for f in exits.iterdir())
-    return next((code for _, code in ended if code != 0), None)
-
-
 def worker_main(argv: list[str]) -> int:
-    """A torchrun worker (`python -m hetero.run.bootstrap SCRIPT ARGS`): profile or run, then leave the exit code."""
-    code = FAILURE
+    """A torchrun worker (`python -m hetero.run.bootstrap SCRIPT ARGS`): profile or run, then leave the exit code
+    and the last line of the error. SIGTERM (torchrun stopping it, or its parent ending) cleans up like Ctrl-C."""
+    code, message = FAILURE, ""
+    interrupts.die_with_parent()
     try:
-        if not argv:
-            raise HeteroError("no script given", hint=f"torchrun ... -m {WORKER} train.py [ARGS]", exit_code=USAGE)
-        script, args = argv[0], argv[1:]
-        if os.environ.get(PROFILE_ENV):
-            code = _profile_here(script, args, json.loads(os.environ[PROFILE_ENV]))
-        else:
-            plan_path, allow_stale = find_plan(os.environ.get(PLAN_ENV)), os.environ.get(ALLOW_STALE_ENV) == "1"
-            traced = json.loads(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
-            trace = Trace(Path(traced["trace"]), traced["steps"]) if traced else None
-            code = _run_here(script, args, plan_path, allow_stale, leader=_rank() == 0, trace=trace)
+        with interrupts.handled():
+            code, message = _work(argv)
     except HeteroError as e:
         lines = [f"error: {e.message}"] + ([f"hint: {e.hint}"] if e.hint else [])
         print("\n".join(f"[rank {_rank()}] {line}" for line in lines), file=sys.stderr)
-        code = e.exit_code
-    except KeyboardInterrupt:
-        code = INTERRUPTED
+        code, message = e.exit_code, e.message
+    except Interrupted as e:
+        code, message = e.exit_code, interrupts.name(e.signum)
     finally:
+        code = interrupts.exit_code() or code  # an interrupt a script swallowed still ends the worker as one
         if os.environ.get(EXIT_DIR_ENV):
-            Path(os.environ[EXIT_DIR_ENV], f"rank{_rank()}").write_text(f"{time.time_ns()} {code}\n")
+            write_exit(os.environ[EXIT_DIR_ENV], _rank(), code, message)
     return code
+
+
+def _work(argv: list[str]) -> tuple[int, str]:
+    if not argv:
+        raise HeteroError("no script given", hint=f"torchrun ... -m {WORKER} train.py [ARGS]", exit_code=USAGE)
+    script, args = argv[0], argv[1:]
+    if os.environ.get(PROFILE_ENV):
+        return _profile_here(script, args, json.loads(os.environ[PROFILE_ENV])), ""
+    plan_path, allow_stale = find_plan(os.environ.get(PLAN_ENV)), os.environ.get(ALLOW_STALE_ENV) == "1"
+    traced = json.loads(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
+    trace = Trace(Path(traced["trace"]), traced["steps"]) if traced else None
+    result = _run_here(script, args, plan_path, allow_stale, leader=_rank() == 0, trace=trace)
+    return result.exit_code, result.error
 
 
 def _profile_here(script: str, args: list[str], request: dict) -> int:
@@ -304,6 +333,16 @@ def _profile_here(script: str, args: list[str], request: dict) -> int:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def _plan_lines(plan_path: Path):
+    """A directory the plan names that cannot be used is the plan's problem: exit 3 at its file:line."""
+    try:
+        yield
+    except PlanPathError as e:
+        problem = Problem(str(plan_path), e.message, files.line_of(plan_path, e.field))
+        raise FileProblems([problem], hint=e.hint) from None
 
 
 @contextlib.contextmanager

@@ -87,7 +87,7 @@ class Placement:
         return lambda channel, param: HostHome(driver, kernel, param)
 
     def _nvme(self, spilled, make) -> None:
-        self.store = NvmeStore(os.path.join(self.plan.nvme.path, f"hetero-states-{os.getpid()}"))
+        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path")
         largest = max((p for _, p in spilled), key=lambda p: p.numel())
         channels = self.plan.channels or 1
         slots = [make(s % channels if self.device else None, largest) for s in range(2)]

@@ -1,5 +1,6 @@
 """`hetero check`: one exact line per problem with file:line:col, exit 3, never a traceback."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,22 @@ def test_every_file_is_checked_even_after_a_bad_one(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "ok (Plan" in out
     assert err.splitlines()[1] == f"error: {tmp_path / 'missing.yaml'}: no such file"
+
+
+def test_a_plan_is_checked_against_its_profile_when_found(tmp_path, repo, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the plan names its profile relative to the repository: found beside it here
+    shutil.copy(repo / "plans" / "gpt-tiny-cpu.profile.yaml", tmp_path)
+    plan = tmp_path / "gpt-tiny-cpu.plan.yaml"
+    text = (repo / "plans" / "gpt-tiny-cpu.plan.yaml").read_text()
+    plan.write_text(text.replace("{param: wpe.weight,", "{param: wpe.wieght,")
+                    .replace("layer: h.0.mlp.c_fc,", "layer: h.0.mlp.c_cf,"))
+    lines = plan.read_text().splitlines()
+    assert main(["check", str(plan)]) == 3
+    err = capsys.readouterr().err.splitlines()
+    at = {word: next(i for i, x in enumerate(lines, 1) if word in x) for word in ("wieght", "c_cf")}
+    assert err == [f"error: {plan}:{at['c_cf']}: activations.schedule[0].layer: no layer 'h.0.mlp.c_cf' in the "
+                   "profile (did you mean 'h.0.mlp.c_fc'?)",
+                   f"error: {plan}:{at['wieght']}: optimizer.states[1].param: no parameter 'wpe.wieght' in the "
+                   "profile (did you mean 'wpe.weight'?)"]
+    (tmp_path / "gpt-tiny-cpu.profile.yaml").unlink()  # without the profile, the plan alone is valid
+    assert main(["check", str(plan)]) == 0

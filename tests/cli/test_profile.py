@@ -77,3 +77,14 @@ def test_arguments_after_the_script_reach_it_untouched(tmp_path, capfd):
     path = scripts.write(tmp_path, "print('ARGV', sys.argv[1:]); raise SystemExit(5)\n")
     assert main(["profile", path, "--steps", "9", "--help", "-o", "x"]) == 5
     assert "ARGV ['--steps', '9', '--help', '-o', 'x']" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("nvme", ["", "file/sub"])
+def test_a_disk_directory_that_cannot_be_used_is_refused_before_the_script_runs(tmp_path, capfd, nvme):
+    (tmp_path / "file").write_text("")
+    script = scripts.write(tmp_path, "print('the script ran')\n")
+    path = str(tmp_path / nvme) if nvme else nvme
+    assert main(["profile", "--nvme", path, script]) == 2
+    out, err = capfd.readouterr()
+    assert "the script ran" not in out and err.startswith("error: --nvme: ") and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["file", "train.py"]

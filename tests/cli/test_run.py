@@ -37,7 +37,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def test_build_is_pure_and_passes_arguments_untouched(tmp_path):
-    launch = build("train.py", ["--", "--plan", "x.yaml", "--help"], tmp_path / "plan.yaml")
+    launch = build("train.py", ["--plan", "x.yaml", "--help"], tmp_path / "plan.yaml")
     assert launch.argv == ["train.py", "--plan", "x.yaml", "--help"]
     assert launch.env == {PLAN_ENV: str((tmp_path / "plan.yaml").resolve())}
 
@@ -118,3 +118,32 @@ def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_p
     assert "done torch.optim" in out  # the script's own optimizer
     line = next(x for x in err.splitlines() if x.startswith("hetero: dram peak "))
     assert "x plain's" in line and "(profile); predicted" in line
+
+
+def test_a_separator_after_the_script_reaches_it_as_python_would_pass_it(workdir, capfd):
+    script = scripts.write(workdir, "print('ARGV', sys.argv[1:])\n")
+    assert main(["run", script, "--", "--lr", "3"]) == 0
+    out, err = capfd.readouterr()
+    assert "ARGV ['--', '--lr', '3']" in out
+
+
+def test_a_script_that_never_steps_says_the_plan_was_never_applied(workdir, capfd):
+    script = scripts.write(workdir, "print('no training')\n")
+    assert main(["run", script]) == 0
+    assert "warning: the plan was never applied" in capfd.readouterr().err
+
+
+def test_an_unreadable_script_is_one_line_with_exit_2(workdir, capfd, monkeypatch):
+    script = scripts.write(workdir, TRAIN)
+    real_open = Path.open
+
+    def denied(self, *args, **kwargs):
+        if self.name == "train.py":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)  # root reads any file: a chmod cannot make one unreadable here
+    assert main(["run", script]) == 2
+    err = capfd.readouterr().err
+    assert err.splitlines()[0] == f"error: cannot read the script {script}: Permission denied"
+    assert "Traceback" not in err

@@ -2,7 +2,6 @@
 the links between ranks. Each spawning test starts torchrun with 2 gloo workers on loopback (~10 s here)."""
 
 import sys
-import time
 
 import pytest
 
@@ -10,7 +9,8 @@ from hetero import files
 from hetero.cli.main import main
 from hetero.errors import HeteroError
 from hetero.profile.schema import Profile
-from hetero.run.launch import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build, first_failure
+from hetero.run.launch import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build
+from hetero.run.torchrun import first_failure
 from tests.cli.test_run import net
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
@@ -40,8 +40,8 @@ def workdir(tmp_path, monkeypatch):
 
 
 def test_build_starts_torchrun_with_the_worker_entry_and_the_scripts_own_arguments(tmp_path):
-    launch = build("train.py", ["--", "--lr", "3"], tmp_path / "plan.yaml", allow_stale=True, torchrun=Torchrun(2))
-    assert launch.command == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+    launch = build("train.py", ["--lr", "3"], tmp_path / "plan.yaml", allow_stale=True, torchrun=Torchrun(2))
+    assert launch.command == [sys.executable, "-m", "hetero.run.torchrun", "--nproc-per-node", "2", "--nnodes", "1",
                               "--max-restarts", "0", "--monitor-interval", "0.1", "--standalone",
                               "-m", "hetero.run.bootstrap", "train.py", "--lr", "3"]
     assert launch.argv == ["train.py", "--lr", "3"]  # no --local_rank: workers read LOCAL_RANK from the environment
@@ -79,16 +79,22 @@ def test_ddp_training_runs_with_routed_sync(workdir, capfd):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("failure, code", [("sys.exit(3)", 3), ("raise ValueError('bad batch')", 1)])
-def test_a_failing_worker_stops_every_worker_with_its_exit_code(workdir, capfd, failure, code):
+@pytest.mark.parametrize("failure, code, line", [
+    ("sys.exit(3)", 3, "error: rank 1 exited with 3"),
+    ("raise ValueError('bad batch')", 1, "error: rank 1 exited with 1: ValueError: bad batch"),
+    ("__import__('os')._exit(9)", 9, "error: rank 1 exited with 9"),  # leaves no exit file: torchrun's code
+])
+def test_a_failing_worker_stops_every_worker_and_its_exit_code_and_error_pass_through(workdir, capfd, failure, code,
+                                                                                      line):
+    # Fast by construction, not by a clock: torchrun watches its workers every 0.1 s and restarts none
+    # (test_build_starts_torchrun...), so rank 0, blocked in the next all-reduce, is stopped as soon as rank 1 ends.
     script = scripts.write(workdir, DDP_TRAIN.replace("FAIL", failure))
-    start = time.monotonic()
     assert main(["run", "--nproc-per-node", "2", script, "fail"]) == code
-    assert time.monotonic() - start < 30  # rank 0, blocked in the next all-reduce, is stopped at once
     err = capfd.readouterr().err
     assert "rank 0 argv" not in err
-    if code == 1:
-        assert "ValueError: bad batch" in err
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert errors[0] == line and all(x.startswith("error: rank 0 exited with ") for x in errors[1:]), err
+    assert "ChildFailedError" not in err and "torch.distributed.elastic" not in err and "drifted" not in err
 
 
 def test_a_plan_naming_a_rank_that_does_not_exist_is_refused_before_any_worker_starts(workdir, capfd):
@@ -111,3 +117,31 @@ def test_profile_with_two_workers_measures_the_link_between_them(workdir):
     assert [p.size_bytes for p in peer.transfer] == [4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20, 64 * 2**20]
     assert peer.transfer[-1].time_s > peer.transfer[0].time_s > 0
     assert profile.training.steps_measured == 1
+
+
+@pytest.mark.timeout(120)
+def test_profile_with_a_failing_worker_says_which_rank_failed_and_passes_its_code(workdir, capfd):
+    script = scripts.write(workdir, scripts.LOOP.replace("model = Net()", "import torch.distributed as dist\n"
+                                                         "dist.init_process_group('gloo')\n"
+                                                         "if dist.get_rank() == 1: sys.exit('no data for rank 1')\n"
+                                                         "model = torch.nn.parallel.DistributedDataParallel(Net())"))
+    assert main(["profile", "--nproc-per-node", "2", "--steps", "1", "--warmup", "1", script]) == 1
+    err = capfd.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert errors[0].startswith("error: rank 1 exited with 1: the script exited with code 1 after 0 optimizer"), err
+    assert all(x.startswith("error: rank 0 exited with ") for x in errors[1:]), err
+    assert "ChildFailedError" not in err and "torch.distributed.elastic" not in err
+    assert not (workdir / "profile.yaml").exists()
+
+
+def test_one_line_per_failed_rank_first_first_and_a_file_cut_short_is_skipped(tmp_path):
+    from hetero.run.torchrun import failures, report_failures, write_exit
+
+    write_exit(tmp_path, 1, 3, "ValueError: bad\nbatch", at_ns=100)
+    write_exit(tmp_path, 0, 143, "terminated by SIGTERM", at_ns=200)
+    write_exit(tmp_path, 2, 9, "killed by SIGKILL", at_ns=50, replace=True)
+    write_exit(tmp_path, 2, 1, "later news", at_ns=300, replace=False)  # torchrun never overwrites a worker's own
+    (tmp_path / "rank3").write_text("12")  # cut short
+    assert report_failures(failures(tmp_path)) == ["rank 2 exited with 9: killed by SIGKILL",
+                                                   "rank 1 exited with 3: ValueError: bad batch",
+                                                   "rank 0 exited with 143 (after rank 2 failed): terminated by SIGTERM"]

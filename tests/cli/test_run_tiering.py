@@ -69,3 +69,32 @@ def test_ctrl_c_exits_130_and_leaves_no_file(workdir):
     assert result.returncode == 130, result.stderr
     assert result.stderr.rstrip().endswith("error: interrupted")
     assert no_files(workdir)
+
+
+@pytest.mark.parametrize("section, key", [("activations", "slow_path"), ("optimizer", "path")])
+def test_a_plan_directory_that_cannot_be_used_is_exit_3_at_its_line(tmp_path, monkeypatch, capfd, section, key):
+    from tests.cli.test_run import TRAIN as OPTIMIZER_TRAIN
+    from tests.run.plans import optimizer_plan
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
+    bad = str(tmp_path / "file" / "sub")
+    plan = (tiering_plan(net(), bad, 1 << 20) if section == "activations"
+            else optimizer_plan(net(), nvme=("head.weight",), nvme_path=bad))
+    files.save(plan, "plan.yaml")
+    line = next(i for i, text in enumerate(Path("plan.yaml").read_text().splitlines(), 1) if f"{key}: {bad}" in text)
+    script = scripts.write(tmp_path, TRAIN if section == "activations" else OPTIMIZER_TRAIN)
+    assert main(["run", script, "3", "plain"]) == 3
+    err = [x for x in capfd.readouterr().err.splitlines() if not x.startswith("hetero: warning")]
+    assert err[0].startswith(f"error: plan.yaml:{line}: ") and "not a directory" in err[0].lower(), err
+    assert err[1].startswith("hint: set it to a directory you own") and "--nvme" not in err[1]
+    assert sorted(os.listdir(tmp_path)) == ["file", "plan.yaml", "train.py"]
+
+
+@pytest.mark.parametrize("path", ['""', '"  "'])
+def test_an_empty_directory_in_a_plan_is_refused_by_check(tmp_path, capfd, path):
+    plan = tmp_path / "plan.yaml"
+    files.save(tiering_plan(net(), "x", 1 << 20), plan)
+    plan.write_text(plan.read_text().replace("slow_path: x", f"slow_path: {path}"))
+    assert main(["check", str(plan)]) == 3
+    assert "activations.slow_path: empty path" in capfd.readouterr().err

@@ -8,8 +8,8 @@ from hetero.errors import HeteroError
 from hetero.run.bootstrap import run_script, script_argv
 
 
-def test_argv_drops_only_a_leading_separator():
-    assert script_argv("t.py", ["--", "--lr", "3"]) == ["t.py", "--lr", "3"]
+def test_argv_is_passed_unchanged_a_separator_too():
+    assert script_argv("t.py", ["--", "--lr", "3"]) == ["t.py", "--", "--lr", "3"]
     assert script_argv("t.py", ["--lr", "--", "x"]) == ["t.py", "--lr", "--", "x"]
     assert script_argv("t.py", ["--plan", "p.yaml", "--help"]) == ["t.py", "--plan", "p.yaml", "--help"]
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.run import spans
+from hetero.run.devices import workdir
 
 _IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX)
 _BLOCK = 4096  # O_DIRECT alignment of buffer, offset and length; a multiple of every common logical block size
@@ -100,6 +101,22 @@ class NvmeStore:
         self._seq = itertools.count()
         self._closed = False
         _OPEN.add(self)
+
+    @classmethod
+    def private(cls, base: str | None, kind: str, field: str, **options: Any) -> NvmeStore:
+        """A store in a new private work directory under the plan's `base` (see hetero.run.devices.workdir), which
+        `close()` removes. `field` names the plan's key for `base`: every error here is a PlanPathError (exit 3)."""
+        work = workdir.create(base, kind, field)
+        try:
+            store = cls(work.path, **options)
+        except HeteroError as e:
+            work.remove()
+            raise workdir.PlanPathError(field, e.message, workdir.HINT) from None
+        except BaseException:
+            work.remove()
+            raise
+        store._made_dirs = [*work.made, work.path]  # close() removes the files, then these while empty
+        return store
 
     def __repr__(self) -> str:
         return f"NvmeStore({str(self.directory)!r}, {'direct' if self.direct else 'buffered'} I/O, {len(self)} keys)"

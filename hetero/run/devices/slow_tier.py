@@ -4,16 +4,15 @@ Bytes are moved as flat uint8 tensors (a saved tensor's whole storage, or its fi
 dtypes, views and strides never reach a tier. One writer thread and one reader thread call a tier; `ready` and `wait`
 are called from the threads that run the model (the forward hooks, and autograd's threads in backward).
 
-- CPU-only (`fast` is host memory): the slow tier is files in a directory, written and read by the tiering's
-  writer and reader threads (O_DIRECT where the file system allows, files 0600, removed on close, at exit and on
-  Ctrl-C).
+- CPU-only (`fast` is host memory): the slow tier is files in a private work directory (devices/workdir.py),
+  written and read by the tiering's writer and reader threads (O_DIRECT where the file system allows, files 0600,
+  removed on close, at exit, on Ctrl-C, SIGTERM and SIGHUP).
 - GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on side streams (hetero.run.devices.host_pool),
   with the NVMe store below it when the plan names a directory.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any, Protocol
 
@@ -61,11 +60,12 @@ class NvmeTier:
 
     device = torch.device("cpu")
 
-    def __init__(self, name: str, directory: str):
+    def __init__(self, name: str, directory: str | NvmeStore):
+        """Over a store of its own in `directory`, or over `directory` when it is a store already."""
         self.name = name
         # The single writer and the single reader do their own I/O (the store's blocking calls), so a prefetch
         # never queues behind the evictions (TierTrain keeps the two queues apart).
-        self.store = NvmeStore(directory, workers=1)  # the pool is never used: no thread starts
+        self.store = directory if isinstance(directory, NvmeStore) else NvmeStore(directory, workers=1)
         self.directory: str | None = str(self.store.directory)
         self.pool = HostPool()  # fetched buffers, reused from step to step
 
@@ -107,14 +107,18 @@ def open_tier(plan: ActivationPlan) -> tuple[SlowTier, str | None]:
         if not torch.cuda.is_available():
             raise HeteroError("the plan tiers activations in GPU memory, and this machine has no CUDA device",
                               hint="profile and plan again on this machine", exit_code=STALE_PLAN)
-        store = NvmeStore(_directory(path), workers=2) if path else None
+        store = _private(path, workers=2) if path is not None else None
         return CudaHostTier(plan.slow, torch.device("cuda", torch.cuda.current_device()), store), note
     if path is None:
-        path = tempfile.gettempdir()
-        note = f"the plan gives no directory for {plan.slow}: evicted activations go to {path}"
-    return NvmeTier(plan.slow, _directory(path)), note
+        note = f"the plan gives no directory for {plan.slow}: evicted activations go to {tempfile.gettempdir()}"
+    # The single writer and reader do their own I/O: the store's pool is never used, no thread starts.
+    return NvmeTier(plan.slow, _private(path, workers=1)), note
 
 
-def _directory(path: str) -> str:
-    # Per process, as the optimizer's state files: two runs sharing a path never see each other's files.
-    return os.path.join(path, f"hetero-activations-{os.getpid()}")
+def _private(path: str | None, workers: int) -> NvmeStore:
+    # A private directory per process, as the optimizer's state files: two runs sharing a path never see each
+    # other's files, and nobody else can put files there (hetero.run.devices.workdir).
+    return NvmeStore.private(path, "activations", FIELD, workers=workers)
+
+
+FIELD = "activations.slow_path"  # the plan's key for the directory, for errors that name its line

@@ -17,6 +17,7 @@ from hetero.kernels.standin import StandInDevice
 from hetero.run.devices.host_pool import CudaHostTier, HostPool, size_class
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier, open_tier
+from hetero.run.devices.workdir import host
 
 
 def plan(**kw) -> ActivationPlan:
@@ -27,7 +28,8 @@ def plan(**kw) -> ActivationPlan:
 def test_the_plans_directory_holds_the_files_of_this_process_only(tmp_path):
     tier, note = open_tier(plan(slow_path=str(tmp_path)))
     try:
-        assert note is None and tier.directory == str(tmp_path / f"hetero-activations-{os.getpid()}")
+        assert note is None and os.path.dirname(tier.directory) == str(tmp_path)
+        assert os.path.basename(tier.directory).startswith(f"hetero-activations-{os.getpid()}-{host()}-")
         rest = tier.evict("k", torch.arange(100, dtype=torch.uint8), 60, tier.ready())
         (name,) = os.listdir(tier.directory)
         assert os.stat(os.path.join(tier.directory, name)).st_mode & 0o777 == 0o600

@@ -1,0 +1,32 @@
+"""The names a plan uses, checked against its profile: a layer or parameter name the profile does not have (a typo
+in an edited plan) is found by `hetero check`, not at run time once the model is built. Pure: no torch, no I/O."""
+
+from __future__ import annotations
+
+import difflib
+
+from hetero.plan.schema import Plan
+from hetero.profile.schema import Profile
+
+
+def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
+    """(YAML path in the plan, message) for each layer or parameter the plan names that `profile` does not have."""
+    layers = [layer.name for layer in profile.layers]
+    params = [name for layer in profile.layers for name in layer.param_names()]
+    named: list[tuple[str, str | None, list[str], str]] = [
+        (f"layers[{i}].name", entry.name, layers, "layer") for i, entry in enumerate(plan.layers)]
+    if plan.activations is not None:
+        for i, e in enumerate(plan.activations.schedule):
+            named += [(f"activations.schedule[{i}].layer", e.layer, layers, "layer"),
+                      (f"activations.schedule[{i}].prefetch_after", e.prefetch_after, layers, "layer")]
+    if plan.optimizer is not None:
+        named += [(f"optimizer.states[{i}].param", s.param, params, "parameter")
+                  for i, s in enumerate(plan.optimizer.states)]
+    known = {id(layers): set(layers), id(params): set(params)}
+    return [(path, f"no {what} {name!r} in the profile" + _did_you_mean(name, names))
+            for path, name, names, what in named if name is not None and name not in known[id(names)]]
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,205 @@
+"""Signals: SIGINT, SIGTERM and SIGHUP mid-eviction end a run with 130, 143, 129 and no file left; a SIGKILLed run's
+files are swept by the next run; an interrupt landing in a finalizer is not lost; data-parallel workers are stopped
+with hetero and die with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetero import files, interrupts
+from hetero.cli.main import main
+from hetero.errors import Interrupted
+from hetero.run.devices.workdir import host
+from tests.cli.test_run import net
+from tests.cli.test_run_ddp import DDP_TRAIN
+from tests.profile import scripts
+from tests.run.test_routing import routed_plan
+from tests.run.test_tiering import tiering_plan
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = """
+import time
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range(int(sys.argv[1])):
+    loss = F.cross_entropy(model(torch.randn(64, 16)), torch.randint(4, (64,)))
+    if step == 2 and sys.argv[2] == "wait":
+        print("READY", flush=True)  # mid-step: this step's evictions are queued or written
+        time.sleep(120)
+    loss.backward()
+    opt.step(); opt.zero_grad()
+print("done", step + 1)
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files.save(tiering_plan(net(), str(tmp_path / "nvme"), 1 << 20), "plan.yaml")
+    return tmp_path
+
+
+def start(workdir: Path, *args: str) -> subprocess.Popen:
+    """`hetero ARGS` in a process of its own, once the script printed READY (evicted files are on disk then)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", *args], cwd=workdir, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    for line in proc.stdout:
+        if line.startswith("READY"):
+            return proc
+    proc.wait()
+    raise AssertionError(f"the script never got ready: {proc.stderr.read()}")
+
+
+def evicted(workdir: Path, limit_s: float = 60) -> bool:
+    """Whether evicted activations are in files, waiting for the writer up to `limit_s` (a bound for a loaded
+    machine, not a claim about its speed)."""
+    deadline = time.monotonic() + limit_s
+    while not any(name.endswith(".bin") for name in left(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return any(name.endswith(".bin") for name in left(workdir))
+
+
+def left(workdir: Path) -> list[str]:
+    nvme = workdir / "nvme"
+    return [str(p.relative_to(nvme)) for p in nvme.rglob("*")] if nvme.exists() else []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "error: interrupted"),
+                                             (signal.SIGTERM, 143, "error: terminated by SIGTERM"),
+                                             (signal.SIGHUP, 129, "error: terminated by SIGHUP")])
+def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, code, said):
+    proc = start(workdir, "run", scripts.write(workdir, TRAIN), "50", "wait")
+    assert evicted(workdir)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert err.rstrip().endswith(said) and "Traceback" not in err
+    assert left(workdir) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_runs_files_are_swept_by_the_next_run(workdir):
+    script = scripts.write(workdir, TRAIN)
+    proc = start(workdir, "run", script, "50", "wait")
+    assert evicted(workdir)
+    proc.kill()
+    proc.communicate(timeout=60)
+    (stale,) = (workdir / "nvme").iterdir()
+    assert stale.name.startswith(f"hetero-activations-{proc.pid}-{host()}-") and any(stale.iterdir())
+    assert main(["run", script, "4", "plain"]) == 0
+    assert left(workdir) == []
+
+
+def test_an_interrupt_in_a_finalizer_is_delivered_after_it_not_lost():
+    class Record:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the finalizer
+            self.after = sum(range(1000))  # Python would ignore an exception raised at this point
+
+    with interrupts.handled():
+        with pytest.raises(Interrupted) as e:
+            record = Record()
+            del record
+            time.sleep(60)  # the signal comes again, outside the finalizer, and ends this at once
+    assert e.value.signum == signal.SIGINT and interrupts.exit_code() == 130
+
+
+def test_a_script_that_swallows_the_interrupt_still_ends_with_130(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    files.save(tiering_plan(net(), str(tmp_path / "nvme"), 1 << 20), "plan.yaml")
+    script = scripts.write(tmp_path, """
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+except BaseException:
+    pass
+print("carried on")
+""")
+    assert main(["run", script]) == 130
+    out, err = capfd.readouterr()
+    assert "carried on" in out and err.rstrip().endswith("error: interrupted")
+
+
+# Each worker says its pid in one write (the ranks share stdout), then waits; rank 0 says when both have.
+DDP_WAIT = DDP_TRAIN.replace("dist.init_process_group(\"gloo\")", "dist.init_process_group(\"gloo\")\nimport os, time\n"
+                             "os.write(1, f'PID {os.getpid()}\\n'.encode())\ndist.barrier()\n"
+                             "if dist.get_rank() == 0: os.write(1, b'READY\\n')\ntime.sleep(120)")
+
+
+def pids(out: str) -> list[int]:
+    return [int(line.split()[1]) for line in out.splitlines() if line.startswith("PID ")]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def start_ddp(workdir: Path) -> tuple[subprocess.Popen, list[int]]:
+    files.save(routed_plan(net(), threshold=512, shard=1024, dual_sync=600), "plan.yaml")
+    script = scripts.write(workdir, DDP_WAIT)
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", "run", "--nproc-per-node", "2", script],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("READY"):
+            break
+    workers = pids("".join(seen))
+    assert len(workers) == 2, seen
+    return proc, workers
+
+
+def wait_gone(workers: list[int], limit_s: float = 60) -> bool:
+    # A bound on how long to wait for the mechanism, never a claim about its speed.
+    deadline = time.monotonic() + limit_s
+    while not all(map(gone, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(map(gone, workers))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_hetero_stops_torchrun_and_every_worker(workdir):
+    proc, workers = start_ddp(workdir)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.rstrip().endswith("error: terminated by SIGTERM")
+    assert wait_gone(workers)
+
+
+@pytest.mark.timeout(180)
+def test_workers_die_with_a_killed_hetero(workdir):
+    proc, workers = start_ddp(workdir)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert wait_gone(workers)
+
+
+def test_a_second_signal_lets_the_cleanup_finish_and_a_third_forces_the_exit():
+    cleaned = []
+    with interrupts.handled():
+        with pytest.raises(Interrupted) as third:
+            try:
+                signal.raise_signal(signal.SIGTERM)
+                time.sleep(60)
+            except Interrupted:
+                signal.raise_signal(signal.SIGINT)  # impatient: absorbed, the cleanup goes on
+                cleaned.append(True)
+                signal.raise_signal(signal.SIGINT)  # a cleanup that hangs can still be stopped
+                time.sleep(60)
+    assert cleaned == [True] and third.value.signum == signal.SIGINT
+    assert interrupts.exit_code() == 143  # the first signal decides the exit code
