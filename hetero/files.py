@@ -181,10 +181,13 @@ def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     if version is None:
         problems.append(_problem(name, root.start_mark, f"missing key 'apiVersion' (expected 'apiVersion: {API_VERSION}')"))
     elif version.value != API_VERSION:
+        shown = _cut(version.value) if isinstance(version.value, str) else "a collection"
         problems.append(_problem(name, version.start_mark,
-                                 f"apiVersion: unsupported {_cut(version.value)} (this hetero reads {API_VERSION})"))
+                                 f"apiVersion: unsupported {shown} (this hetero reads {API_VERSION})"))
     if kind is None:
         problems.append(_problem(name, root.start_mark, f"missing key 'kind' (expected {_or(wanted)})"))
+    elif not isinstance(kind.value, str):  # a list or mapping node: its value is a list of nodes
+        problems.append(_problem(name, kind.start_mark, f"kind: expected one of {_or(wanted)}, not a collection"))
     elif kind.value not in wanted:
         found = f"kind {kind.value!r}" if kind.value in KINDS else f"unknown kind {_cut(kind.value)}"
         problems.append(_problem(name, kind.start_mark, f"kind: {found}, expected {_or(wanted)}"

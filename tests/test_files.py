@@ -179,3 +179,12 @@ def test_kind_of_reads_the_declared_kind_and_nothing_else(tmp_path):
     (tmp_path / "bad.yaml").write_text("kind: [\n")
     assert files.kind_of(plan) == "Plan"
     assert [files.kind_of(tmp_path / n) for n in ("list.yaml", "bad.yaml", "missing.yaml")] == [None, None, None]
+
+
+@pytest.mark.parametrize("text", ["apiVersion: [a, b]\nkind: Plan\n", "apiVersion: hetero/v1\nkind: {a: 1}\n"])
+def test_a_collection_where_the_header_wants_a_word_is_exit_3(tmp_path, text):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(FileProblems) as e:
+        files.load(path)
+    assert e.value.exit_code == 3 and "a collection" in e.value.message
