@@ -1,9 +1,11 @@
 """Data parallel through torchrun: the launch command, routed training, failing workers, bad plans, and profiling
 the links between ranks. Each spawning test starts torchrun with 2 gloo workers on loopback (~10 s here)."""
 
+import subprocess
 import sys
 
 import pytest
+import torch
 
 from hetero import files
 from hetero.cli.main import main
@@ -145,3 +147,55 @@ def test_one_line_per_failed_rank_first_first_and_a_file_cut_short_is_skipped(tm
     assert report_failures(failures(tmp_path)) == ["rank 2 exited with 9: killed by SIGKILL",
                                                    "rank 1 exited with 3: ValueError: bad batch",
                                                    "rank 0 exited with 143 (after rank 2 failed): terminated by SIGTERM"]
+
+
+DDP_ADAMW = """
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(Net(), bucket_cap_mb=0.001)  # several buckets per step
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches: the average matters
+for step in range(12):
+    F.cross_entropy(model(torch.randn(8, 16, generator=data)), torch.randint(4, (8,), generator=data)).backward()
+    opt.step(); opt.zero_grad()
+os.makedirs(sys.argv[1], exist_ok=True)
+torch.save({n: p.detach() for n, p in model.module.named_parameters()}, f"{sys.argv[1]}/rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def ddp_adamw(tmp_path_factory):
+    """A plain DDP + AdamW script, its own profile over 2 ranks, and what plain torchrun trains."""
+    work = tmp_path_factory.mktemp("ddp")
+    script = scripts.write(work, DDP_ADAMW)
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            script, str(work / "plain")], cwd=work, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr
+    profiled = subprocess.run([sys.executable, "-m", "hetero", "profile", "--nproc-per-node", "2", "--steps", "2",
+                               "--warmup", "1", "--nvme", str(work / "disk"), script, str(work / "profiling")],
+                              cwd=work, capture_output=True, text=True)
+    assert profiled.returncode == 0, profiled.stderr
+    return work, script
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("flags", [["--optimizer-device", "host"], ["--emulate", "axdimm"]], ids=["host", "emulated"])
+def test_overlapped_updates_under_ddp_train_every_rank_as_plain_torchrun(ddp_adamw, flags, capfd):
+    work, script = ddp_adamw
+    plan = work / f"plan-{flags[-1]}.yaml"
+    assert main(["plan", "-o", str(plan), "--profile", str(work / "profile.yaml"), *flags]) == 0
+    assert files.load(plan).optimizer.overlap_backward  # the planner's own choice for a script that does not clip
+    out = work / f"hetero-{flags[-1]}"
+    assert main(["run", "--plan", str(plan), "--nproc-per-node", "2", script, str(out)]) == 0
+    plain = [torch.load(work / "plain" / f"rank{r}.pt") for r in range(2)]
+    ours = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    for rank in range(2):
+        total, reference = (sum(w.double().sum() for w in run[rank].values()) for run in (ours, plain))
+        assert abs(total / reference - 1) < 1e-6, f"rank {rank}"
+        for name, w in plain[rank].items():
+            torch.testing.assert_close(ours[rank][name], w)
+    assert all(torch.equal(ours[0][n], ours[1][n]) for n in ours[0])  # the replicas agree bit for bit
