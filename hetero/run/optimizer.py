@@ -207,11 +207,11 @@ class Offloaded:
             return
         seen = {slot.grads_seen for p, slot in self._slots.items() if p.grad is not None}
         if seen - {self.micro_batches}:
-            raise HeteroError(
+            raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
                 f"the plan overlaps updates with the backward of micro-batch {self.micro_batches} of each step, but "
                 f"this step had {max(seen)} backward pass(es)",
                 hint="profile and plan again (the script's gradient accumulation changed), or pass --allow-stale "
-                     "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN)
+                     "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN))
 
     def state_dict(self) -> dict:
         """torch's Adam state_dict, read back from wherever the states live."""

@@ -172,3 +172,13 @@ def test_updates_are_bit_for_bit_torchs_fused_adamw(device):
         script(ours, None)
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), fused.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(ours.parameters(), default.parameters()))
+
+
+def test_an_accumulation_mismatch_stops_the_script_even_through_its_except_exception():
+    model = make_model()
+    with pytest.raises(StopScript) as stop, Runtime(optimizer_plan(model, micro_batches=2), script=__file__):
+        try:
+            train(model, steps=1, accum=1)  # the plan expects 2 backward passes per step
+        except Exception:  # a script's catch-all must not swallow hetero's refusal
+            pass
+    assert stop.value.error.exit_code == 4 and "had 1 backward pass(es)" in stop.value.error.message
