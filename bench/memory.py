@@ -2,13 +2,15 @@
 
     .venv/bin/python bench/memory.py [--sizes 4x256x8x128 6x256x16x256] [--pairs 3] [--steps 8]
                                      [--plan-flags "--emulate axdimm --tier-activations"]
+                                     [--env MALLOC_MMAP_THRESHOLD_=131072]
 
 For each size (layers x width x batch x context) this profiles the script, plans it (with `--plan-flags`, or the
 default plan), then runs plain and `hetero run` in interleaved pairs, each a fresh process. It prints per
 configuration the median peak resident memory (the kernel's high-water mark of the process, from wait4) and the
 median step time (steps after the second, from the script's own clock), with their ranges, the ratios to plain,
 and the plan's predicted DRAM peak against the measured one. Both configurations run with GOMP_SPINCOUNT=1000
-so that libgomp's spinning does not favour whichever has more threads (docs/benchmarks.md).
+so that libgomp's spinning does not favour whichever has more threads (docs/benchmarks.md), and with `--env`
+settings (glibc's allocator tunables, say) for both alike; the profile runs without them.
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ def script_args(size: str, steps: int) -> list[str]:
             str(batch), "--seq-len", str(context), "--steps", str(steps), "--log-every", "1"]
 
 
-def measure(argv: list[str], cwd: Path) -> Sample:
+def measure(argv: list[str], cwd: Path, env: dict[str, str]) -> Sample:
     """One fresh process: its peak RSS (wait4's ru_maxrss) and its median step time after the second step."""
     with tempfile.TemporaryFile("w+") as out:
-        child = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
+        child = subprocess.Popen(argv, cwd=cwd, env=ENV | env, stdout=out, stderr=subprocess.STDOUT, text=True)
         _, status, usage = os.wait4(child.pid, 0)
         out.seek(0)
         text = out.read()
@@ -66,7 +68,7 @@ def spread(values: list[float], fmt) -> str:
     return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
 
-def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str]) -> list[str]:
+def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str], env: dict[str, str]) -> list[str]:
     work = Path(tempfile.mkdtemp(prefix="hetero-bench-memory-"))
     args = script_args(size, steps)
     subprocess.run([*HETERO, "profile", "--nvme", str(work / "disk"), *args], cwd=work, env=ENV, check=True,
@@ -76,13 +78,15 @@ def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str]) -> list
     sections = [s for s in ("optimizer", "activations") if getattr(plan, s) is not None]
     runs: dict[str, list[Sample]] = {"plain": [], "hetero": []}
     for _ in range(pairs):  # interleaved: drift and neighbours touch both alike
-        runs["plain"].append(measure([sys.executable, *args], work))
-        runs["hetero"].append(measure([*HETERO, "run", *args], work))
+        runs["plain"].append(measure([sys.executable, *args], work, env))
+        runs["hetero"].append(measure([*HETERO, "run", *args], work, env))
     plain_peak = statistics.median(s.peak_bytes for s in runs["plain"])
     plain_step = statistics.median(s.step_s for s in runs["plain"])
     hetero_peak = statistics.median(s.peak_bytes for s in runs["hetero"])
     predicted = plan.predicted.peak_bytes.get("dram")
-    rows = [f"{size}: plan {' '.join(plan_flags) or '(default)'}: {', '.join(sections) or 'plain'}"]
+    settings = " ".join(f"{k}={v}" for k, v in env.items())
+    rows = [f"{size}: plan {' '.join(plan_flags) or '(default)'}: {', '.join(sections) or 'plain'}"
+            + (f"; both under {settings}" if settings else "")]
     for name, samples in runs.items():
         peak = [s.peak_bytes for s in samples]
         step = [s.step_s for s in samples]
@@ -101,9 +105,11 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--plan-flags", default="", help="flags for `hetero plan`, e.g. \"--emulate axdimm\"")
+    p.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of both runs")
     a = p.parse_args()
+    env = dict(item.split("=", 1) for item in a.env)
     for size in a.sizes:
-        print("\n".join(bench_size(size, a.pairs, a.steps, shlex.split(a.plan_flags))), flush=True)
+        print("\n".join(bench_size(size, a.pairs, a.steps, shlex.split(a.plan_flags), env)), flush=True)
 
 
 if __name__ == "__main__":

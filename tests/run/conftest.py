@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from hetero.kernels import dha
 from hetero.kernels.standin import StandInDevice, StandInDevices, strict_parameters
@@ -18,3 +19,12 @@ def stand_ins(monkeypatch) -> StandInDevices:
 def stand_in(stand_ins) -> StandInDevice:
     """cuda:0, where a model that was not moved anywhere is."""
     return stand_ins.all[0]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: a second OpenMP thread only adds spinning (and the suite may share the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -137,12 +137,7 @@ def check(outcome: Outcome, reference: Outcome, cell: Cell) -> None:
     assert outcome.files_left == 0, f"{cell}: files left behind"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=str)

@@ -24,13 +24,7 @@ STEPS = 10
 KiB, GiB = 1 << 10, 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: a second OpenMP thread only adds spinning (and the suite may share the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_gpt() -> nn.Module:
