@@ -11,6 +11,7 @@ from hetero.profile.profiler import ProfileOptions, measure_script
 from hetero.profile.schema import Layer
 from hetero.run import spans
 from tests.profile import scripts
+from tests.waits import until
 
 WIDE = """
 import time
@@ -66,7 +67,8 @@ def test_timed_steps_train_exactly_as_plain_steps_and_leave_no_files(tmp_path):
         for _ in range(tier_steps.STEPS):
             opt.zero_grad()
             loss = F.cross_entropy(model(torch.randn(128, 64)), torch.randint(4, (128,)))
-            time.sleep(0.02)  # a bigger model's compute: the writer finishes before backward calls the tensors back
+            if steps is not None:  # a bigger model's compute: the writer finishes before backward calls them back
+                until(steps.tiering.mover.writer.idle)
             loss.backward()
             opt.step()
             losses.append(loss.detach())
@@ -100,3 +102,4 @@ def test_the_profile_times_the_disk_beside_the_scripts_training_when_it_runs_lon
     assert list(disk.iterdir()) == []
     short = measure_script(path, ["--steps", "3"], ProfileOptions(steps=2, warmup=1, nvme_dir=str(disk)))
     assert short.disk_beside is None and len(short.layers) == len(long.layers)  # measured, timed beside a GEMM loop
+

@@ -19,6 +19,7 @@ from hetero.profile.capture import fingerprint
 from hetero.profile.layers import select_layers
 from hetero.run.bootstrap import StopScript
 from hetero.run.runtime import Runtime
+from tests.waits import until
 
 STEPS = 10
 KiB, GiB = 1 << 10, 1 << 30
@@ -125,7 +126,7 @@ def run_both(name: str, make, nvme, evict, trigger="next", min_tensor=1024, accu
     ref_model, model = make(), make()
     ref = train(ref_model, name, accum=accum)
     runtime = Runtime(tiering_plan(model, str(nvme), evict, trigger, min_tensor), script=__file__)
-    between = (lambda step: _until(runtime.mechanisms[0].mover.writer.idle)) if drain else None
+    between = (lambda step: until(runtime.mechanisms[0].mover.writer.idle)) if drain else None
     with runtime:
         out = train(model, name, accum=accum, between=between)
     assert_close(torch.tensor(out), torch.tensor(ref))
@@ -163,7 +164,7 @@ def test_evicted_memory_is_released_until_backward(tmp_path):
         train(model, "gpt", steps=1)
         tiering = runtime.mechanisms[0]
         out = model(batch("gpt", 1)[0])
-        _until(tiering.mover.writer.idle)
+        until(tiering.mover.writer.idle)
         fast, slow, saved = tiering.ledger.now
         assert slow > 0.5 * saved and fast == saved - slow
         evicted = [r for r in (ref() for ref in tiering.last.storages.values()) if r is not None and r.slow]
@@ -229,10 +230,10 @@ def test_a_graph_dropped_without_backward_leaves_no_file(tmp_path):
         train(model, "gpt", steps=1)
         tiering = runtime.mechanisms[0]
         loss = model(batch("gpt", 1)[0]).sum()
-        _until(lambda: len(tiering.mover.tier.store) > 0)
+        until(lambda: len(tiering.mover.tier.store) > 0)
         del loss
         # a record still queued for the writer is freed on its thread, after the store may already be empty
-        _until(lambda: tiering.mover.writer.idle() and len(tiering.mover.tier.store) == 0)
+        until(lambda: tiering.mover.writer.idle() and len(tiering.mover.tier.store) == 0)
         assert tiering.ledger.now[0] == tiering.ledger.now[2] == 0
 
 
@@ -242,16 +243,10 @@ def test_an_exception_in_the_script_leaves_no_file(tmp_path):
     with pytest.raises(KeyError), Runtime(tiering_plan(model, str(nvme), GiB), script=__file__) as runtime:
         train(model, "gpt", steps=2)
         loss = model(batch("gpt", 2)[0]).sum()  # evicted activations in flight
-        _until(lambda: len(runtime.mechanisms[0].mover.tier.store) > 0)
+        until(lambda: len(runtime.mechanisms[0].mover.tier.store) > 0)
         raise KeyError(loss.item())
     assert not nvme.exists()
 
-
-def _until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.mark.gpu
