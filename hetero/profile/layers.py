@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.run import hooks
 from hetero.units import measured
 from hetero.profile.schema import ROOT_LAYER, Layer
 
@@ -143,11 +144,11 @@ class LayerProfiler:
         self.handles: list = []
 
     def attach(self) -> None:
-        self.handles = [self.model.register_forward_pre_hook(self._forward_start),
-                        self.model.register_forward_hook(self._forward_end, always_call=True)]
+        self.handles = [hooks.forward_pre(self.model, self._forward_start),
+                        hooks.forward(self.model, self._forward_end, always_call=True)]
         for layer in self.layers:
-            self.handles += [layer.module.register_forward_pre_hook(self._layer_start),
-                             layer.module.register_forward_hook(self._layer_end)]
+            self.handles += [hooks.forward_pre(layer.module, self._layer_start),
+                             hooks.forward(layer.module, self._layer_end)]
         self.handles += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
                          for p in self.model.parameters() if p.requires_grad]
 

@@ -1,0 +1,57 @@
+"""hetero's module hooks stay out of deep copies and pickles of the script's model."""
+
+import copy
+import io
+import pickle
+import threading
+
+import torch
+from torch import nn
+
+from hetero.run import hooks
+
+
+class Watcher:
+    """Holds a lock, as hetero's mechanisms do: a bound method of it cannot be pickled."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.calls = 0
+
+    def pre(self, module, args):
+        self.calls += 1
+
+
+def user_hook(module, args, output):  # a module-level function: picklable, and the copy must keep it
+    return output
+
+
+def test_copies_and_pickles_leave_heteros_hooks_out_and_keep_the_scripts():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    watcher = Watcher()
+    handles = [hooks.forward_pre(m, watcher.pre) for m in model] + [hooks.forward(model, lambda *a: None,
+                                                                                    always_call=True)]
+    model[0].register_forward_hook(user_hook)
+
+    twin = copy.deepcopy(model)
+    loaded = torch.load(io.BytesIO(_saved(model)), weights_only=False)
+    for other in (twin, loaded, pickle.loads(pickle.dumps(model))):
+        assert not other._forward_pre_hooks and not other[0]._forward_pre_hooks
+        assert not other._forward_hooks and not other._forward_hooks_always_called
+        assert list(other[0]._forward_hooks.values()) == [user_hook]
+        other(torch.randn(3, 4))
+    assert watcher.calls == 0  # the copies never call hetero's hooks
+    model(torch.randn(3, 4))
+    assert watcher.calls == 3  # the original keeps them
+    torch.testing.assert_close(twin[0].weight, model[0].weight)
+
+    for h in handles:
+        h.remove()
+    assert nn.Module.__getstate__ is not hooks._getstate  # torch is restored with the last hook
+    assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
+
+
+def _saved(model: nn.Module) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    return buffer.getvalue()
