@@ -217,7 +217,8 @@ def _pins(profile: Profile, previous: Plan | None) -> _Pins:
 def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerPlan | None:
     training = ctx.profile.training
     if training.optimizer == "other":
-        omitted["optimizer"] = "the script's optimizer is not Adam or AdamW: it stays as the script built it"
+        omitted["optimizer"] = ("the script's optimizer is not Adam or AdamW of the model's parameters without "
+                                "amsgrad (what hetero's Adam replaces): it stays as the script built it")
         return None
     if pins.optimizer is not None:
         return pins.optimizer

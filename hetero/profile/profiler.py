@@ -8,6 +8,7 @@ runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measur
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from torch import nn
 from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
 from hetero.profile import dha, machine, peers, tier_steps
+from hetero.profile import capture
 from hetero.profile.capture import Capture, fingerprint
 from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
@@ -85,6 +87,8 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     finally:
         disk_beside = session.close()
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
+        if result.exit_code == 0 and session.model is None:
+            raise capture.no_optimizer()
         raise _ended_early(result.exit_code, session.steps_done, options)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
@@ -107,6 +111,8 @@ class _Session:
         self.steps_done = 0
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.tier_steps: tier_steps.TierSteps | None = None
+        self.others: capture.OtherOptimizers | None = None
+        self.kept: str | None = None  # why hetero's Adam cannot take the optimizer's place (it stays the script's)
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
         self._start = self._previous_end = None
 
@@ -118,6 +124,10 @@ class _Session:
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock)
         optimizer.register_step_pre_hook(self._step_start)
         optimizer.register_step_post_hook(self._step_end)
+        self.kept = capture.offloadable(optimizer, model)
+        if self.kept is not None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            print(f"hetero: note: {self.kept}: the plan leaves the optimizer to the script", file=sys.stderr)
+        self.others = capture.OtherOptimizers(optimizer, model)  # a second optimizer stepping ends the profile
 
     def _step_start(self, optimizer, args, kwargs) -> None:
         self._start = self.profiler.clock.mark()
@@ -162,6 +172,8 @@ class _Session:
 
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
+        if self.others is not None:
+            self.others.close()
         if self.tier_steps is None:
             return None
         self.tier_steps.close()
@@ -176,7 +188,7 @@ class _Session:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
         return Training(
-            optimizer=_optimizer_kind(self.optimizer), grad_accumulation=max(1, round(micro)),
+            optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other", grad_accumulation=max(1, round(micro)),
             clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
