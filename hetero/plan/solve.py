@@ -259,6 +259,9 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
     if ctx.slow is None:
         omitted["activations"] = f"the profile has no tier slower than {ctx.fast} with measured transfer times"
         return []
+    if "layers" in ctx.profile.unmeasured:  # a compiled model: per-layer hooks cannot follow it
+        omitted["activations"] = ctx.profile.unmeasured["layers"]
+        return []
     evict, prefetch = ctx.tier_curves(ctx.slow)
     layers = ctx.profile.layers
     windows = [tiering.Window(name=x.name, saved_bytes=x.saved_bytes, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s,

@@ -13,9 +13,12 @@ script's own (`offloadable`), and the plan says why.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -26,6 +29,9 @@ from torch.utils.hooks import RemovableHandle
 from hetero.errors import UNSUPPORTED_SCRIPT, USAGE, HeteroError
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.bootstrap import StopScript
+
+
+_COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -70,6 +76,9 @@ class Capture:
         self.handles: list[RemovableHandle] = []
 
     def __enter__(self) -> Capture:
+        # torch warns that global hooks fire once more for a compiled wrapper: ours do, and `unwrap` sees through it.
+        # The warning would name no culprit the user can act on.
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
         self.handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post, always_call=True),
@@ -81,6 +90,8 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles = []
+        with contextlib.suppress(ValueError):  # already removed (the model was found earlier)
+            warnings.filters.remove(("ignore", re.compile(_COMPILE_WARNING, re.I), Warning, None, 0))
 
     def _pre(self, module: nn.Module, args) -> None:
         if self.depth == 0 and not any(module is r for r in self.roots):
@@ -203,3 +214,9 @@ class OtherOptimizers:
 
     def close(self) -> None:
         self.handle.remove()
+
+
+def compiled(model: nn.Module, roots: list[nn.Module]) -> bool:
+    """Whether the script calls `model` through torch.compile (a compiled wrapper, or `model.compile()`)."""
+    return getattr(model, "_compiled_call_impl", None) is not None or \
+        any(type(r).__name__ == "OptimizedModule" and unwrap(r) is model for r in roots)

@@ -23,7 +23,7 @@ from hetero.errors import FAILURE, USAGE, HeteroError
 from hetero.profile import dha, machine, peers, tier_steps
 from hetero.profile import capture
 from hetero.profile.capture import Capture, fingerprint
-from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
+from hetero.profile.layers import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
 from hetero.profile.schema import Layer, ModelInfo, Profile, Training
 from hetero.run.bootstrap import StopScript, run_script
@@ -59,8 +59,9 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     if peers.rank() != 0:
         return None
     measured_machine = machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside)
+    unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers)
     return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
-                   unmeasured=machine.unmeasured(run.device, run.layers, measured_machine.tiers))
+                   unmeasured=unmeasured | ({"layers": COMPILED} if run.compiled else {}))
 
 
 def save(profile: Profile, output: Path, script: str) -> None:
@@ -74,6 +75,7 @@ class ScriptMeasurement:
     layers: list[Layer]
     device: torch.device
     disk_beside: tier_steps.DiskBeside | None  # the disk timed beside the script's training
+    compiled: bool = False  # the model runs through torch.compile: its layers are not timed
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -81,8 +83,9 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     """Run the script for warm-up plus measured steps and measure its layers."""
     options.check()
     session = _Session(options, progress or (lambda *a: None))
+    session.capture = Capture(session.found, script, options.model_name)
     try:
-        with Capture(session.found, script, options.model_name), _watch_clipping() as clips:
+        with session.capture, _watch_clipping() as clips:
             result = run_script(script, args)
     finally:
         disk_beside = session.close()
@@ -95,7 +98,8 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
-                             layers=layers, device=session.device, disk_beside=disk_beside)
+                             layers=layers, device=session.device, disk_beside=disk_beside,
+                             compiled=session.compiled)
 
 
 class _Session:
@@ -112,6 +116,8 @@ class _Session:
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.tier_steps: tier_steps.TierSteps | None = None
         self.others: capture.OtherOptimizers | None = None
+        self.capture: Capture | None = None
+        self.compiled = False  # the script calls the model through torch.compile
         self.kept: str | None = None  # why hetero's Adam cannot take the optimizer's place (it stays the script's)
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
         self._start = self._previous_end = None
@@ -121,7 +127,11 @@ class _Session:
         self.device = next(model.parameters()).device
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
-        self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock)
+        self.compiled = capture.compiled(model, self.capture.roots)
+        self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
+                                      compiled=self.compiled)
+        if self.compiled:
+            print(f"hetero: note: {COMPILED}; the plan leaves activations in place", file=sys.stderr)
         optimizer.register_step_pre_hook(self._step_start)
         optimizer.register_step_post_hook(self._step_end)
         self.kept = capture.offloadable(optimizer, model)
