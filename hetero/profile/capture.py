@@ -60,7 +60,8 @@ class Capture:
     """Watches the script until its first optimizer step, then calls `on_found(model, optimizer)` once.
 
     With `fingerprint` (hetero run: the plan's model), a root module with that fingerprint is taken as soon as its
-    first forward starts, before anything runs on it, and `on_found(model, None)` is called then.
+    first forward with gradients enabled starts (an evaluation of an EMA copy with the same fingerprint does not
+    count), before anything runs on it, and `on_found(model, None)` is called then.
     """
 
     def __init__(self, on_found: Callable[[nn.Module, torch.optim.Optimizer | None], None], script: str,
@@ -97,7 +98,8 @@ class Capture:
         if self.depth == 0 and not any(module is r for r in self.roots):
             self.roots.append(module)
         self.depth += 1
-        if self.fingerprint and self.depth == 1 and id(module) not in self.checked:
+        # an evaluation forward (an EMA copy, which has the model's fingerprint) does not pick the trained model
+        if self.fingerprint and self.depth == 1 and id(module) not in self.checked and torch.is_grad_enabled():
             self.checked.add(id(module))
             model = unwrap(module)
             if fingerprint(model) == self.fingerprint:

@@ -25,7 +25,7 @@ from hetero.profile import capture
 from hetero.profile.capture import Capture, fingerprint
 from hetero.profile.layers import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
-from hetero.profile.schema import Layer, ModelInfo, Profile, Training
+from hetero.profile.schema import Layer, Machine, ModelInfo, Profile, Training
 from hetero.run.bootstrap import StopScript, run_script
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -58,7 +58,11 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    measured_machine = machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside)
+    return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside))
+
+
+def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
+    """The profile of a measured script on a measured machine; what is not measured says why in `unmeasured`."""
     unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers)
     return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
                    unmeasured=unmeasured | ({"layers": COMPILED} if run.compiled else {}))
