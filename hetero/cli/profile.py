@@ -95,10 +95,17 @@ def _summary(profile, output: Path) -> None:
         if tier.write_beside_compute and tier.write_cpu is not None:
             writes = ", ".join(f"{SIZE.format_short(p.size_bytes)} {TIME.format_short(p.time_s)}"
                                for p in tier.write_beside_compute)
-            table.add_row(f"{tier.name} beside compute", f"writes {writes}; a busy worker costs {tier.write_cpu:.0%} "
-                                                         f"of a streaming thread's slowdown")
+            table.add_row(f"{tier.name} beside compute", f"writes {writes}; its workers slow training "
+                                                         f"{_interference(tier.write_cpu)}")
     table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
     Console().print(table)
+
+
+def _interference(share: float) -> str:
+    """`write_cpu` in words: a share of the slowdown a thread streaming memory causes."""
+    if share < 0.05:
+        return "hardly at all"
+    return f"{share:.0%} as much as a thread copying memory does"
 
 
 def register(app: typer.Typer) -> None:
