@@ -62,7 +62,8 @@ def interleaved(plan: str) -> tuple[list[float], list[float]]:
 def spread(samples: list[float]) -> str:
     """The median, with the range around it: how noisy the machine was."""
     median = statistics.median(samples)
-    return f"{median:.0f} ms (range {min(samples):.0f}-{max(samples):.0f}, {(max(samples) - min(samples)) / median:.0%})"
+    low, high = min(samples), max(samples)
+    return f"{median:.0f} ms (range {low:.0f}-{high:.0f}, {(high - low) / median:.0%})"
 
 
 def _viz() -> bool:

@@ -202,7 +202,8 @@ class _Session:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
         return Training(
-            optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other", grad_accumulation=max(1, round(micro)),
+            optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other",
+            grad_accumulation=max(1, round(micro)),
             clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),

@@ -98,7 +98,8 @@ def test_amsgrad_stays_the_scripts_optimizer_and_a_plan_that_offloads_it_is_refu
 ])
 def test_scripts_hetero_cannot_carry_out_are_refused_at_profile_time(workdir, name, message):
     with pytest.raises(HeteroError) as e:
-        measure_script(harness.script(name), [str(workdir / "out.pt"), harness.STEPS], ProfileOptions(steps=2, warmup=1))
+        measure_script(harness.script(name), [str(workdir / "out.pt"), harness.STEPS],
+                       ProfileOptions(steps=2, warmup=1))
     assert e.value.exit_code == UNSUPPORTED_SCRIPT and e.value.message.startswith(message)
     assert "\n" not in e.value.message and e.value.hint
 
