@@ -8,12 +8,14 @@ copy made with `deepcopy` would report into the profiler, or evict its activatio
 Contract: a hook registered through `forward_pre`/`forward` works as torch's own while its handle lives; while any
 such hook exists, `nn.Module.__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state, so
 the copy has exactly the hooks the script registered. The patch of `__getstate__` is installed with the first live
-hook and removed with the last one, so torch is untouched outside hetero's hooks' lifetime.
+hook and removed with the last one (removed through its handle, or gone with its module), so torch is untouched
+outside hetero's hooks' lifetime.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 from torch import nn
@@ -22,8 +24,8 @@ from torch import nn
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_pre_hooks")
 
-_lock = threading.Lock()
-_ids: set[int] = set()  # ids of hetero's live hooks
+_lock = threading.RLock()  # reentrant: a module collected while the lock is held forgets its hooks in this thread
+_ids: dict[int, weakref.ref] = {}  # ids of hetero's live hooks -> their module
 _original_getstate = None  # torch's nn.Module.__getstate__ while the patch is installed
 
 
@@ -36,34 +38,38 @@ class Handle:
         self._handle = handle
 
     def remove(self) -> None:
-        global _original_getstate
         self._handle.remove()
-        with _lock:
-            _ids.discard(self._handle.id)
-            if not _ids and _original_getstate is not None:
-                nn.Module.__getstate__ = _original_getstate
-                _original_getstate = None
+        _forget(self._handle.id)
+
+
+def _forget(hook_id: int) -> None:
+    global _original_getstate
+    with _lock:
+        _ids.pop(hook_id, None)
+        if not _ids and _original_getstate is not None:
+            nn.Module.__getstate__ = _original_getstate
+            _original_getstate = None
 
 
 def forward_pre(module: nn.Module, hook: Callable, **kwargs) -> Handle:
     """`module.register_forward_pre_hook(hook, **kwargs)`, left out of copies and pickles of the module."""
-    return _track(module.register_forward_pre_hook(hook, **kwargs))
+    return _track(module, module.register_forward_pre_hook(hook, **kwargs))
 
 
 def forward(module: nn.Module, hook: Callable, **kwargs) -> Handle:
     """`module.register_forward_hook(hook, **kwargs)`, left out of copies and pickles of the module."""
-    return _track(module.register_forward_hook(hook, **kwargs))
+    return _track(module, module.register_forward_hook(hook, **kwargs))
 
 
 def state_dict_pre(module: nn.Module, hook: Callable) -> Handle:
     """`module.register_state_dict_pre_hook(hook)`, left out of copies and pickles of the module."""
-    return _track(module.register_state_dict_pre_hook(hook))
+    return _track(module, module.register_state_dict_pre_hook(hook))
 
 
-def _track(handle) -> Handle:
+def _track(module: nn.Module, handle) -> Handle:
     global _original_getstate
     with _lock:
-        _ids.add(handle.id)
+        _ids[handle.id] = weakref.ref(module, lambda _, hook_id=handle.id: _forget(hook_id))
         if _original_getstate is None:
             _original_getstate = nn.Module.__getstate__
             nn.Module.__getstate__ = _getstate

@@ -1,6 +1,7 @@
 """hetero's module hooks stay out of deep copies and pickles of the script's model."""
 
 import copy
+import gc
 import io
 import pickle
 import threading
@@ -47,8 +48,22 @@ def test_copies_and_pickles_leave_heteros_hooks_out_and_keep_the_scripts():
 
     for h in handles:
         h.remove()
-    assert nn.Module.__getstate__ is not hooks._getstate  # torch is restored with the last hook
     assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
+    assert not any(h._handle.id in hooks._ids for h in handles)
+
+
+def test_torch_is_restored_when_the_last_hook_goes_with_its_handle_or_its_module():
+    gc.collect()  # modules of earlier tests that never removed their hooks
+    assert not hooks._ids and nn.Module.__getstate__ is not hooks._getstate
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    handle = hooks.forward_pre(first, Watcher().pre)
+    hooks.forward(second, lambda *a: None)
+    assert nn.Module.__getstate__ is hooks._getstate
+    handle.remove()
+    assert nn.Module.__getstate__ is hooks._getstate  # `second` still has one
+    del second
+    gc.collect()
+    assert not hooks._ids and nn.Module.__getstate__ is not hooks._getstate
 
 
 def _saved(model: nn.Module) -> bytes:
