@@ -188,6 +188,8 @@ class _Session:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
         if self.others is not None:
             self.others.close()
+        if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind
+            self.profiler.detach()
         if self.tier_steps is None:
             return None
         self.tier_steps.close()

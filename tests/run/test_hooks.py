@@ -6,6 +6,7 @@ import io
 import pickle
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -52,9 +53,15 @@ def test_copies_and_pickles_leave_heteros_hooks_out_and_keep_the_scripts():
     assert not any(h._handle.id in hooks._ids for h in handles)
 
 
-def test_torch_is_restored_when_the_last_hook_goes_with_its_handle_or_its_module():
-    gc.collect()  # modules of earlier tests that never removed their hooks
-    assert not hooks._ids and nn.Module.__getstate__ is not hooks._getstate
+@pytest.fixture
+def fresh(monkeypatch):
+    """The hook registry as in a new process: earlier tests may keep modules that still carry hetero's hooks."""
+    monkeypatch.setattr(nn.Module, "__getstate__", hooks._original_getstate or nn.Module.__getstate__)
+    monkeypatch.setattr(hooks, "_ids", {})
+    monkeypatch.setattr(hooks, "_original_getstate", None)
+
+
+def test_torch_is_restored_when_the_last_hook_goes_with_its_handle_or_its_module(fresh):
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     handle = hooks.forward_pre(first, Watcher().pre)
     hooks.forward(second, lambda *a: None)
