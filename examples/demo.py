@@ -1,10 +1,13 @@
 """`make demo`: profile, plan and run examples/train_gpt.py under hetero, next to a plain PyTorch run, then report
 what ran against what the plan predicted (the trace opens in https://ui.perfetto.dev).
 
-Every step is the real command a user types; the closing table compares the two runs.
+Every step is the real command a user types. The closing table compares step times from interleaved pairs of
+untraced runs (plain, hetero, plain, ...: load on a shared machine hits both alike), as medians with their range.
 """
 
+import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -17,15 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "demo"
 SCRIPT = ["examples/train_gpt.py", "--steps", "30", "--log-every", "10"]
 HETERO = [sys.executable, "-m", "hetero"]
+PAIRS = 3  # interleaved plain/hetero runs behind the step-time comparison
+TIMED = ["examples/train_gpt.py", "--steps", "12", "--log-every", "12"]
+# libgomp's spin-waiting makes a plain 2-thread run collapse under load while hetero's extra threads change its
+# spin policy (docs/benchmarks.md): time both with the same, short spin
+TIMING_ENV = {"GOMP_SPINCOUNT": "1000"}
 console = Console()
 
 
-def sh(title: str, argv: list[str]) -> subprocess.CompletedProcess:
+def sh(title: str, argv: list[str], quiet: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     console.print(f"[bold]$ {' '.join(Path(a).name if a == sys.executable else a for a in argv)}[/bold]  # {title}")
     start = time.perf_counter()
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=os.environ | (env or {}))
+    if not quiet or result.returncode != 0:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
     if result.returncode != 0:
         console.print(f"[red]failed with exit code {result.returncode}[/red]")
         sys.exit(result.returncode)
@@ -37,6 +46,24 @@ def last_step(output: str) -> tuple[int, float, float]:
     """(step, loss, ms/step) of the last progress line train_gpt.py printed."""
     step, loss, ms = re.findall(r"step\s+(\d+)\s+loss ([\d.]+)\s+(\d+) ms/step", output)[-1]
     return int(step), float(loss), float(ms)
+
+
+def interleaved(plan: str) -> tuple[list[float], list[float]]:
+    """ms/step of PAIRS plain and PAIRS hetero runs, alternating."""
+    plain, hetero = [], []
+    for i in range(PAIRS):
+        pair = f"timing pair {i + 1}/{PAIRS}"
+        plain.append(last_step(sh(f"{pair}: plain", [sys.executable, *TIMED], True, TIMING_ENV).stdout)[2])
+        hetero.append(last_step(sh(f"{pair}: hetero", HETERO + ["run", "--plan", plan, *TIMED], True,
+                                   TIMING_ENV).stdout)[2])
+    return plain, hetero
+
+
+def spread(samples: list[float]) -> str:
+    """The median, with the range around it: how noisy the machine was."""
+    median = statistics.median(samples)
+    low, high = min(samples), max(samples)
+    return f"{median:.0f} ms (range {low:.0f}-{high:.0f}, {(high - low) / median:.0%})"
 
 
 def _viz() -> bool:
@@ -59,12 +86,14 @@ def main() -> None:
     sh("what ran against what the plan predicted", HETERO + ["report", str(WORK / "run.yaml"), "--plan", plan,
                                                               *(["--png", str(WORK / "memory.png")] if _viz() else [])])
 
-    (steps, loss_plain, ms_plain), (_, loss_hetero, ms_hetero) = last_step(plain.stdout), last_step(hetero.stdout)
+    (steps, loss_plain, _), (_, loss_hetero, _) = last_step(plain.stdout), last_step(hetero.stdout)
+    times_plain, times_hetero = interleaved(plan)
     table = Table(title="hetero demo: examples/train_gpt.py", title_justify="left", show_header=False)
     table.add_row("steps", str(steps))
     table.add_row("final loss", f"{loss_hetero:.4f} under hetero, {loss_plain:.4f} plain PyTorch")
-    table.add_row("step time", f"{ms_hetero:.0f} ms under hetero, {ms_plain:.0f} ms plain "
-                               f"({ms_hetero / ms_plain:.2f}x)")
+    ratio = statistics.median(times_hetero) / statistics.median(times_plain)
+    table.add_row(f"step time, {PAIRS} interleaved pairs", f"{spread(times_hetero)} under hetero, "
+                                                            f"{spread(times_plain)} plain: {ratio:.2f}x of medians")
     for line in hetero.stderr.splitlines():
         if line.startswith("hetero: ") and not line.startswith("hetero: trace of"):
             table.add_row("where bytes went", line.removeprefix("hetero: "))

@@ -9,6 +9,7 @@ FAILURE = 1
 USAGE = 2
 INVALID_FILE = 3
 STALE_PLAN = 4
+UNSUPPORTED_SCRIPT = 5  # the script trains in a way hetero cannot carry out (found by `hetero profile`)
 INTERRUPTED = 130  # Ctrl-C; SIGTERM ends a run with 143 and SIGHUP with 129 (128 + the signal)
 
 

@@ -8,7 +8,7 @@ import traceback
 import typer
 
 from hetero import __version__, interrupts
-from hetero.cli import check, plan, profile, report, run, show
+from hetero.cli import check, plan, profile, report, run, show, usage
 from hetero.errors import FileProblems, HeteroError, Interrupted
 
 app = typer.Typer(
@@ -44,6 +44,8 @@ plan.register(app)
 run.register(app)
 report.register(app)
 show.register(app)
+for _command in app.registered_commands:  # usage lines without {SCRIPT} or <list[str]>
+    _command.cls = usage.Command  # every command is a plain TyperCommand otherwise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,8 +62,10 @@ def plan(
     if emulate not in (None, "axdimm"):
         raise HeteroError(f"--emulate {emulate}: only axdimm can be emulated", hint="--emulate axdimm",
                           exit_code=USAGE)
-    options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, profile_path=str(profile), reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory,
-                                                                                                  "--gpu-memory"),
+    # a relative profile path is written relative to the plan, so that the plan finds it from any directory
+    source = str(profile) if profile.is_absolute() else os.path.relpath(profile.resolve(), output.resolve().parent)
+    options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, profile_path=source,
+                          reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory, "--gpu-memory"),
                           dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
                           stay_time_s=_quantity(TIME, stay_time, "--stay-time"), previous=old)

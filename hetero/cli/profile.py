@@ -84,9 +84,13 @@ def _summary(profile, output: Path) -> None:
     table = Table(title=f"wrote {output}", title_justify="left", show_header=False)
     table.add_row("model", f"{profile.model.num_params:,} parameters, {len(profile.layers)} layers "
                            f"({t.granularity} granularity)")
-    table.add_row("step", f"{TIME.format_short(t.iteration_s)} (forward {TIME.format_short(t.forward_s)}, "
-                          f"backward {TIME.format_short(t.backward_s)}, optimizer {TIME.format_short(t.optimizer_step_s)})")
-    table.add_row("saved activations", SIZE.format_short(sum(layer.saved_bytes for layer in profile.layers)))
+    untimed = profile.unmeasured.get("layers")  # a compiled model: its layers are listed, not measured
+    phases = "" if untimed else (f"forward {TIME.format_short(t.forward_s)}, backward "
+                                 f"{TIME.format_short(t.backward_s)}, ")
+    table.add_row("step", f"{TIME.format_short(t.iteration_s)} ({phases}optimizer "
+                          f"{TIME.format_short(t.optimizer_step_s)})")
+    table.add_row("saved activations", "not measured: " + untimed if untimed else
+                  SIZE.format_short(sum(layer.saved_bytes for layer in profile.layers)))
     table.add_row("training", f"{t.optimizer}, {t.grad_accumulation} micro-batch(es) per step, "
                               f"clips gradients: {'yes' if t.clips_grad else 'no'}")
     table.add_row("tiers", ", ".join(f"{tier.name} ({tier.kind}, {SIZE.format_short(tier.capacity_bytes)})"
@@ -95,10 +99,17 @@ def _summary(profile, output: Path) -> None:
         if tier.write_beside_compute and tier.write_cpu is not None:
             writes = ", ".join(f"{SIZE.format_short(p.size_bytes)} {TIME.format_short(p.time_s)}"
                                for p in tier.write_beside_compute)
-            table.add_row(f"{tier.name} beside compute", f"writes {writes}; a busy worker costs {tier.write_cpu:.0%} "
-                                                         f"of a streaming thread's slowdown")
+            table.add_row(f"{tier.name} beside compute", f"writes {writes}; its workers slow training "
+                                                         f"{_interference(tier.write_cpu)}")
     table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
     Console().print(table)
+
+
+def _interference(share: float) -> str:
+    """`write_cpu` in words: a share of the slowdown a thread streaming memory causes."""
+    if share < 0.05:
+        return "hardly at all"
+    return f"{share:.0%} as much as a thread copying memory does"
 
 
 def register(app: typer.Typer) -> None:

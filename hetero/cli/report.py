@@ -15,7 +15,7 @@ from hetero import files
 from hetero.cli.sources import beside, profile_of
 from hetero.errors import USAGE, HeteroError
 from hetero.plan.schema import Plan
-from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, warnings
+from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, grouped_warnings, headline
 from hetero.report.schema import Run
 
 
@@ -26,8 +26,9 @@ def report(
     png: Path | None = typer.Option(None, "--png", metavar="FILE", help="Also draw memory per tier over one step "
                                     "(needs matplotlib: pip install 'hetero[viz]')."),
 ) -> None:
-    """Predicted against measured, per layer and for the iteration, with a warning for each entry off by more than
-    15%. Layers need the plan's profile; without it only the iteration and memory are compared."""
+    """Predicted against measured: the iteration and peak memory first, then every layer, then what is off by more
+    than 15% (the layers' entries in one line) and how to re-plan from the run. Layers need the plan's profile;
+    without it only the iteration and memory are compared."""
     run = files.load(run_path, expect=Run)
     plan_path = plan_path or beside(run.source.plan, run_path)
     if not plan_path.is_file():
@@ -51,8 +52,10 @@ def _profile(plan: Plan, plan_path: Path):
 
 
 def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str | None) -> None:
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = Console(width=min(Console().width, 100)) if sys.stdout.isatty() else Console(width=100)
     t = run.timing
+    for line in headline(rows):
+        console.print(escape(line), style="bold")
     table = Table(title=f"{run_path}: {run.source.script} under {plan_path}, {t.steps_recorded} steps on {t.device}",
                   title_justify="left")
     for name in ("entry", "predicted", "measured", "error"):
@@ -69,8 +72,11 @@ def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str
                       f"checked (timer noise)")
     if note:
         console.print(f"note: {escape(note)}")
-    for line in warnings(rows):
+    off = grouped_warnings(rows)
+    for line in off:
         console.print(f"warning: {escape(line)} (more than {TOLERANCE:.0%} off)", style="yellow")
+    if off:
+        console.print(f"hint: plan again with the times this run measured: hetero plan --from-run {run_path}")
 
 
 def _png(run: Run, run_path: Path, plan: Plan, profile, png: Path) -> None:

@@ -35,7 +35,8 @@ def show(
     if as_json:
         print(json.dumps(files.to_data(obj), indent=2))
         return
-    console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes and files get whole tables
+    # 100 columns at most, a terminal or not: long cells (why, storages) wrap inside their column
+    console = Console(width=min(Console().width, 100)) if sys.stdout.isatty() else Console(width=100)
     console.print(f"[bold]{type(obj).__name__}[/bold] {path}")
     # Plans say why a section is absent, profiles why a field is null: show it where the section would be.
     reasons = getattr(obj, "omitted", None) or getattr(obj, "unmeasured", None) or {}
@@ -79,10 +80,13 @@ def _rows(console: Console, title: str, items: list, cls: type) -> None:
     # A column empty in every row (DHA times on a CPU-only profile, `why` of hand-written entries) says nothing.
     columns = [s for s in specs(cls) if any(getattr(i, s.name) not in (None, "") for i in items)]
     table = Table(title=f"{title} ({len(items)})", title_justify="left")
-    for spec in columns:
-        table.add_column(spec.key, justify="right" if spec.unit else "left", overflow="fold")
-    for item in items:
-        table.add_row(*(_cell(getattr(item, s.name), s) for s in columns))
+    cells = [[_cell(getattr(item, s.name), s) for s in columns] for item in items]
+    for i, spec in enumerate(columns):
+        # Headers break at underscores rather than inside words; the first column (a name) never breaks.
+        table.add_column(spec.key.replace("_", "_\n"), justify="right" if spec.unit else "left", overflow="fold",
+                         no_wrap=i == 0)
+    for row in cells:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -98,11 +102,13 @@ def _cell(value: Any, spec: FieldSpec) -> str:
         return "-"
     if isinstance(value, list) and value and isinstance(value[0], CurvePoint):
         peak = max(p.size_bytes / p.time_s for p in value if p.time_s > 0)
-        return f"peak {RATE.format_short(peak)} ({len(value)} sizes)"
+        return RATE.format_short(peak)  # the best of the measured sizes: a curve does not fit a cell
     if isinstance(value, dict) and spec.unit is not None:
         return spec.unit.format_short(sum(value.values()))
     if isinstance(value, dict):
         return ", ".join(f"{k}={_cell(v, spec)}" for k, v in value.items()) or "-"
+    if isinstance(value, list) and spec.unit is not None and len(value) > 2:  # e.g. saved storages, largest first
+        return f"{_cell(value[0], spec)} +{len(value) - 1}"
     if isinstance(value, list):
         return ", ".join(_cell(v, spec) for v in value) or "-"
     if is_schema(type(value)):

@@ -226,7 +226,8 @@ def _pins(profile: Profile, previous: Plan | None) -> _Pins:
 def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerPlan | None:
     training = ctx.profile.training
     if training.optimizer == "other":
-        omitted["optimizer"] = "the script's optimizer is not Adam or AdamW: it stays as the script built it"
+        omitted["optimizer"] = ("the script's optimizer is not Adam or AdamW of the model's parameters without "
+                                "amsgrad (what hetero's Adam replaces): it stays as the script built it")
         return None
     if pins.optimizer is not None:
         return pins.optimizer
@@ -290,6 +291,9 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
     both."""
     if ctx.slow is None:
         omitted["activations"] = f"the profile has no tier slower than {ctx.fast} with measured transfer times"
+        return []
+    if "layers" in ctx.profile.unmeasured:  # a compiled model: per-layer hooks cannot follow it
+        omitted["activations"] = ctx.profile.unmeasured["layers"]
         return []
     if ctx.gpu is None and not (pins.evictions or ctx.options.tier_activations or _dram_forces(ctx)):
         omitted["activations"] = _tiering_saves_nothing(ctx)

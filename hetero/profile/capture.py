@@ -4,13 +4,21 @@ The model is the root module (one called outside any other module's forward) who
 optimizer to step owns. Roots are seen through global module hooks until that first `optimizer.step()`; DDP,
 FSDP and `torch.compile` wrappers are unwrapped. Several candidates are an error that lists them by the names the
 script gives them, so `--model NAME` can choose.
+
+What hetero cannot carry out is found here, at profile time, so that `hetero run` never meets it first (exit code
+UNSUPPORTED_SCRIPT): a script that never steps a `torch.optim` optimizer, or a second optimizer stepping. An
+optimizer hetero's Adam cannot replace (amsgrad, or parameters outside the model) is not refused: it stays the
+script's own (`offloadable`), and the plan says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -18,8 +26,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from hetero.errors import USAGE, HeteroError
+from hetero.errors import UNSUPPORTED_SCRIPT, USAGE, HeteroError
+from hetero.kernels.adam import Hyperparameters
 from hetero.run.bootstrap import StopScript
+
+
+_COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -48,7 +60,8 @@ class Capture:
     """Watches the script until its first optimizer step, then calls `on_found(model, optimizer)` once.
 
     With `fingerprint` (hetero run: the plan's model), a root module with that fingerprint is taken as soon as its
-    first forward starts, before anything runs on it, and `on_found(model, None)` is called then.
+    first forward with gradients enabled starts (an evaluation of an EMA copy with the same fingerprint does not
+    count), before anything runs on it, and `on_found(model, None)` is called then.
     """
 
     def __init__(self, on_found: Callable[[nn.Module, torch.optim.Optimizer | None], None], script: str,
@@ -64,6 +77,9 @@ class Capture:
         self.handles: list[RemovableHandle] = []
 
     def __enter__(self) -> Capture:
+        # torch warns that global hooks fire once more for a compiled wrapper: ours do, and `unwrap` sees through it.
+        # The warning would name no culprit the user can act on.
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
         self.handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post, always_call=True),
@@ -75,12 +91,15 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles = []
+        with contextlib.suppress(ValueError):  # already removed (the model was found earlier)
+            warnings.filters.remove(("ignore", re.compile(_COMPILE_WARNING, re.I), Warning, None, 0))
 
     def _pre(self, module: nn.Module, args) -> None:
         if self.depth == 0 and not any(module is r for r in self.roots):
             self.roots.append(module)
         self.depth += 1
-        if self.fingerprint and self.depth == 1 and id(module) not in self.checked:
+        # an evaluation forward (an EMA copy, which has the model's fingerprint) does not pick the trained model
+        if self.fingerprint and self.depth == 1 and id(module) not in self.checked and torch.is_grad_enabled():
             self.checked.add(id(module))
             model = unwrap(module)
             if fingerprint(model) == self.fingerprint:
@@ -148,3 +167,58 @@ def _names(modules: list[nn.Module], script: str) -> list[str]:
                     names[i] = var
         frame = frame.f_back
     return names
+
+
+def offloadable(optimizer: torch.optim.Optimizer, model: nn.Module) -> str | None:
+    """None where hetero's offloaded Adam can take this optimizer's place; else why not (it stays the script's)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return f"{type(optimizer).__name__} is not Adam or AdamW"
+    mine = {id(p) for p in model.parameters()}
+    outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
+    if outside:  # the plan places states by the model's parameter names
+        return (f"the {type(optimizer).__name__} also updates {len(outside)} parameter(s) outside the model "
+                f"{type(model).__name__}")
+    for group in optimizer.param_groups:
+        try:
+            Hyperparameters.from_param_group(group)
+        except HeteroError as e:
+            return e.message
+    return None
+
+
+def no_optimizer() -> HeteroError:
+    """The script ran to its end and never stepped a torch.optim optimizer (a hand-written update loop)."""
+    return HeteroError("the script ended without calling step() of a torch.optim optimizer: hetero finds the model "
+                       "and the training steps through it", exit_code=UNSUPPORTED_SCRIPT,
+                       hint="train with a torch.optim optimizer (e.g. torch.optim.SGD for a hand-written SGD loop)")
+
+
+class OtherOptimizers:
+    """Refuses a second optimizer stepping (a GAN's generator and discriminator): the profile, the plan and the
+    runtime follow one model and its one optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+        self.optimizer, self.model = optimizer, model
+        self.handle = register_optimizer_step_pre_hook(self._step)
+
+    def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if optimizer is self.optimizer:
+            return
+        self.close()
+        count = lambda opt: sum(p.numel() for g in opt.param_groups for p in g["params"])  # noqa: E731
+        raise StopScript(HeteroError(
+            f"the script steps a second optimizer ({type(optimizer).__name__} over {count(optimizer):,} values) "
+            f"besides the {type(self.optimizer).__name__} of its model {type(self.model).__name__} "
+            f"({count(self.optimizer):,} values): hetero profiles and runs scripts with one model and one optimizer",
+            exit_code=UNSUPPORTED_SCRIPT,
+            hint="run this script without hetero, or train all its parameters with one optimizer "
+                 "(param groups may differ in lr and weight decay)"))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def compiled(model: nn.Module, roots: list[nn.Module]) -> bool:
+    """Whether the script calls `model` through torch.compile (a compiled wrapper, or `model.compile()`)."""
+    return getattr(model, "_compiled_call_impl", None) is not None or \
+        any(type(r).__name__ == "OptimizedModule" and unwrap(r) is model for r in roots)

@@ -25,6 +25,7 @@ from torch import nn
 from hetero.kernels.dha import CudaDevice, Device, carve, map_host, offsets, pinned_host
 from hetero.profile.layers import CpuClock, CudaClock, LayerSpec, _tensors, select_layers
 from hetero.profile.schema import Layer
+from hetero.run import hooks
 from hetero.run.grad_offload import HostGrads
 from hetero.units import measured
 
@@ -63,7 +64,7 @@ class RootInputs:
 
     def __init__(self, model: nn.Module):
         self.call: tuple[tuple, dict] | None = None
-        self.handle = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+        self.handle = hooks.forward_pre(model, self._seen, with_kwargs=True)
 
     def _seen(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled():

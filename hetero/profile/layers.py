@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.run import hooks
 from hetero.units import measured
 from hetero.profile.schema import ROOT_LAYER, Layer
 
@@ -122,12 +123,23 @@ class MicroBatch:
     order: list[int] = field(default_factory=list)  # layers in the order their forward started
 
 
+COMPILED = ("the model is compiled (torch.compile): hetero's per-layer hooks would be traced into its graph, so "
+            "layers are not timed and their saved activations not measured")
+
+
 class LayerProfiler:
-    """Hooks on one model; every forward with grad enabled while attached is recorded as a MicroBatch."""
+    """Hooks on one model; every forward with grad enabled while attached is recorded as a MicroBatch.
+
+    `compiled`: the script calls the model through torch.compile. Module and saved-tensor hooks would be traced into
+    the compiled graph (their clocks read once, at trace time), so none are registered; the parameters' gradient
+    hooks, which autograd runs outside the graph, count the backward passes (micro-batches) alone, and every layer
+    is reported with zero times and bytes (`COMPILED` says why).
+    """
 
     def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock,
-                 saved_tensors: bool = True):
-        self.model, self.layers, self.clock = model, layers, clock
+                 saved_tensors: bool = True, compiled: bool = False):
+        self.model, self.layers, self.clock, self.compiled = model, layers, clock, compiled
+        self.first_param = next((p for p in model.parameters() if p.requires_grad), None)
         self.index = {id(layer.module): i for i, layer in enumerate(layers)}
         self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.micro_batches: list[MicroBatch] = []
@@ -143,11 +155,14 @@ class LayerProfiler:
         self.handles: list = []
 
     def attach(self) -> None:
-        self.handles = [self.model.register_forward_pre_hook(self._forward_start),
-                        self.model.register_forward_hook(self._forward_end, always_call=True)]
+        if self.compiled:
+            self.handles = [self.first_param.register_post_accumulate_grad_hook(self._backward_counted)]
+            return
+        self.handles = [hooks.forward_pre(self.model, self._forward_start),
+                        hooks.forward(self.model, self._forward_end, always_call=True)]
         for layer in self.layers:
-            self.handles += [layer.module.register_forward_pre_hook(self._layer_start),
-                             layer.module.register_forward_hook(self._layer_end)]
+            self.handles += [hooks.forward_pre(layer.module, self._layer_start),
+                             hooks.forward(layer.module, self._layer_end)]
         self.handles += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
                          for p in self.model.parameters() if p.requires_grad]
 
@@ -235,6 +250,10 @@ class LayerProfiler:
         if self.last_forward is not None:
             self.last_forward.backward_end = self.clock.mark()
 
+    def _backward_counted(self, param: nn.Parameter) -> None:
+        mark = self.clock.mark()
+        self.micro_batches.append(MicroBatch(start=mark, forward_end=mark, backward_end=mark))
+
 
 def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
@@ -267,24 +286,79 @@ class Summary:
 
 
 def summarize(profiler: LayerProfiler) -> Summary:
-    """Layers in forward order, each quantity the mean over the recorded micro-batches."""
+    """Layers in forward order, each quantity the mean over the recorded micro-batches. A layer whose module never
+    ran (its parameters used functionally, e.g. `nn.MultiheadAttention`'s `out_proj` through `F.linear`) is no layer
+    of its own: its parameters count for the nearest enclosing layer that ran, whose time includes their use; with
+    none, it is a layer of its own timed as the layer nearest to it by name (every parameter belongs to a layer)."""
     profiler.clock.finish()
+    if profiler.compiled:
+        return _untimed(profiler)
     per_mb = [resolve(mb, profiler.clock, len(profiler.layers)) for mb in profiler.micro_batches if mb.backward_end]
     assert per_mb, "no complete micro-batch was recorded"
     mean = lambda key, i=None: sum(r[key] if i is None else r[key][i] for r in per_mb) / len(per_mb)  # noqa: E731
     layers = []
-    for i in profiler.micro_batches[0].order:
-        spec = profiler.layers[i]
+    order, params, timed_as = adopt_unseen(profiler.layers, profiler.micro_batches[0].order)
+    for i in order:
+        spec, t = profiler.layers[i], timed_as.get(i, i)
         layers.append(Layer(
             name=spec.name, type=type(spec.module).__name__,
-            num_params=sum(p.numel() for p in spec.params.values()),
-            params={k: p.numel() * p.element_size() for k, p in spec.params.items()},
-            fp_s=measured(mean("fp", i)), bp_s=measured(mean("bp", i)),
+            num_params=sum(p.numel() for p in params[i].values()),
+            params={k: p.numel() * p.element_size() for k, p in params[i].items()},
+            fp_s=measured(mean("fp", i)) if t == i else 0.0, bp_s=measured(mean("bp", i)) if t == i else 0.0,
             fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
             saved_bytes=round(mean("saved", i)), saved_storages_bytes=per_mb[-1]["storages"][i],
-            fp_end_s=measured(mean("fp_end", i)),
-            bp_start_s=measured(mean("bp_start", i))))
+            fp_end_s=measured(mean("fp_end", t)),
+            bp_start_s=measured(mean("bp_start", t))))
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
+
+
+def _untimed(profiler: LayerProfiler) -> Summary:
+    """Every layer of a compiled model in registration order, with its parameters and nothing measured."""
+    layers = [Layer(name=spec.name, type=type(spec.module).__name__,
+                    num_params=sum(p.numel() for p in spec.params.values()),
+                    params={k: p.numel() * p.element_size() for k, p in spec.params.items()},
+                    fp_s=0.0, bp_s=0.0, fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None, saved_bytes=0,
+                    saved_storages_bytes=[], fp_end_s=0.0, bp_start_s=0.0) for spec in profiler.layers]
+    return Summary(layers, 0.0, 0.0, len(profiler.micro_batches))
+
+
+def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],
+                                                                  dict[int, int]]:
+    """(layers in forward order, each layer's parameters by local name, unseen layer -> the ran layer it is timed
+    as). An unseen layer's parameters join the nearest ran layer enclosing it (local names extended by the path
+    between them); an unseen layer with no ran ancestor stays a layer, placed after the ran layer whose name shares
+    the longest dotted prefix with its own."""
+    params = {i: dict(spec.params) for i, spec in enumerate(specs)}
+    order, timed_as = list(ran), {}
+    if not ran:
+        return order, params, timed_as
+    for i, spec in enumerate(specs):
+        if i in ran or not spec.params:
+            continue
+        parent = max((j for j in ran if _encloses(specs[j].name, spec.name)), key=lambda j: len(specs[j].name),
+                     default=None)
+        if parent is not None:
+            path = spec.name if specs[parent].name == ROOT_LAYER else spec.name[len(specs[parent].name) + 1:]
+            params[parent].update({f"{path}.{k}": p for k, p in spec.params.items()})
+            params[i] = {}
+            continue
+        near = max(ran, key=lambda j: _shared(specs[j].name, spec.name))  # first in forward order on a tie
+        order.insert(order.index(near) + 1, i)
+        timed_as[i] = near
+    return order, params, timed_as
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    return outer == ROOT_LAYER or inner.startswith(outer + ".")
+
+
+def _shared(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:

@@ -8,6 +8,7 @@ runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measur
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -20,10 +21,11 @@ from torch import nn
 from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
 from hetero.profile import dha, machine, peers, tier_steps
+from hetero.profile import capture
 from hetero.profile.capture import Capture, fingerprint
-from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
+from hetero.profile.layers import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
 from hetero.units import measured
-from hetero.profile.schema import Layer, Memory, ModelInfo, Profile, Training
+from hetero.profile.schema import Layer, Machine, Memory, ModelInfo, Profile, Training
 from hetero.run import process_memory
 from hetero.run.bootstrap import StopScript, run_script
 from hetero.run.devices import workdir
@@ -63,9 +65,14 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    measured_machine = machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside)
+    return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside))
+
+
+def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
+    """The profile of a measured script on a measured machine; what is not measured says why in `unmeasured`."""
+    unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers)
     return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
-                   memory=run.memory, unmeasured=machine.unmeasured(run.device, run.layers, measured_machine.tiers))
+                   memory=run.memory, unmeasured=unmeasured | ({"layers": COMPILED} if run.compiled else {}))
 
 
 def save(profile: Profile, output: Path, script: str) -> None:
@@ -80,6 +87,7 @@ class ScriptMeasurement:
     device: torch.device
     disk_beside: tier_steps.DiskBeside | None  # the disk timed beside the script's training
     memory: Memory  # the whole process's peaks by the end of the warm-up steps
+    compiled: bool = False  # the model runs through torch.compile: its layers are not timed
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -87,19 +95,23 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     """Run the script for warm-up plus measured steps and measure its layers."""
     options.check()
     session = _Session(options, progress or (lambda *a: None))
+    session.capture = Capture(session.found, script, options.model_name)
     try:
-        with Capture(session.found, script, options.model_name), _watch_clipping() as clips:
+        with session.capture, _watch_clipping() as clips:
             result = run_script(script, args)
     finally:
         disk_beside = session.close()
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
+        if result.exit_code == 0 and session.model is None:
+            raise capture.no_optimizer()
         raise _ended_early(result.exit_code, session.steps_done, options)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
-                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory)
+                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
+                             compiled=session.compiled)
 
 
 class _Session:
@@ -116,6 +128,10 @@ class _Session:
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
+        self.others: capture.OtherOptimizers | None = None
+        self.capture: Capture | None = None
+        self.compiled = False  # the script calls the model through torch.compile
+        self.kept: str | None = None  # why hetero's Adam cannot take the optimizer's place (it stays the script's)
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
         self._start = self._previous_end = None
 
@@ -124,9 +140,17 @@ class _Session:
         self.device = next(model.parameters()).device
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
-        self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock)
+        self.compiled = capture.compiled(model, self.capture.roots)
+        self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
+                                      compiled=self.compiled)
+        if self.compiled:
+            print(f"hetero: note: {COMPILED}; the plan leaves activations in place", file=sys.stderr)
         optimizer.register_step_pre_hook(self._step_start)
         optimizer.register_step_post_hook(self._step_end)
+        self.kept = capture.offloadable(optimizer, model)
+        if self.kept is not None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            print(f"hetero: note: {self.kept}: the plan leaves the optimizer to the script", file=sys.stderr)
+        self.others = capture.OtherOptimizers(optimizer, model)  # a second optimizer stepping ends the profile
 
     def _step_start(self, optimizer, args, kwargs) -> None:
         self._start = self.profiler.clock.mark()
@@ -172,6 +196,10 @@ class _Session:
 
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
+        if self.others is not None:
+            self.others.close()
+        if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind
+            self.profiler.detach()
         if self.tier_steps is None:
             return None
         self.tier_steps.close()
@@ -186,7 +214,8 @@ class _Session:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
         return Training(
-            optimizer=_optimizer_kind(self.optimizer), grad_accumulation=max(1, round(micro)),
+            optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other",
+            grad_accumulation=max(1, round(micro)),
             clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),

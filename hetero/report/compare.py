@@ -85,3 +85,24 @@ def _layers(run: Run, result: Result, profile: Profile, iteration_s: float) -> l
 def warnings(rows: list[Row]) -> list[str]:
     return [f"{r.entry}: measured {r.unit.format_short(r.measured)}, predicted {r.unit.format_short(r.predicted)} "
             f"({r.error:+.0%})" for r in rows if r.off]
+
+
+def grouped_warnings(rows: list[Row]) -> list[str]:
+    """`warnings`, with the layers' entries (`fp NAME`, `bp NAME`) folded into one line: how many are off, how many
+    slower, and the three furthest off. A run on a busy machine is off on most layers at once; one line says so."""
+    layers = [r for r in rows if r.off and r.entry[:3] in ("fp ", "bp ")]
+    lines = warnings([r for r in rows if r not in layers])
+    if layers:
+        checked = sum(r.checked and r.entry[:3] in ("fp ", "bp ") for r in rows)
+        slower = sum(r.error > 0 for r in layers)
+        worst = sorted(layers, key=lambda r: -abs(r.error))[:3]
+        lines.append(f"{len(layers)} of {checked} layer times: {slower} slower, {len(layers) - slower} faster than "
+                     f"predicted; furthest: " + ", ".join(f"{r.entry} {r.error:+.0%}" for r in worst))
+    return lines
+
+
+def headline(rows: list[Row]) -> list[str]:
+    """The iteration and each tier's peak, measured against predicted: what a reader wants first."""
+    return [f"{r.entry}: {r.unit.format_short(r.measured)} measured, {r.unit.format_short(r.predicted)} predicted"
+            + ("" if r.error is None else f" ({r.error:+.0%})")
+            for r in rows if (r.entry == "iteration" or r.entry.startswith("peak ")) and r.measured is not None]

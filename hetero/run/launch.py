@@ -138,10 +138,10 @@ def find_plan(plan: str | None) -> Path:
 
 
 def find_profile(plan: Plan, plan_path: Path) -> Path | None:
-    """The plan's profile: its path as written, relative to the plan, or beside it (the hash decides whether it is
-    the right one)."""
+    """The plan's profile: its path as written, relative to the plan (as `hetero plan` writes it), relative to the
+    current directory (older plans), or beside the plan (the hash decides whether it is the right one)."""
     source = Path(plan.source.profile)
-    candidates = [source] if source.is_absolute() else [source, plan_path.parent / source]
+    candidates = [source] if source.is_absolute() else [plan_path.parent / source, source]
     return next((c for c in [*candidates, plan_path.parent / source.name] if c.is_file()), None)
 
 

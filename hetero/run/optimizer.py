@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetero.errors import STALE_PLAN, HeteroError
+from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.plan.schema import OptimizerPlan
 from hetero.run.devices.axdimm import EmulatedAxdimm
@@ -123,21 +123,37 @@ class Offloaded:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for group in self.param_groups:
-            Hyperparameters.from_param_group(group)  # amsgrad and bad constants fail here, not mid-training
+            try:  # amsgrad and bad constants fail here, not mid-training
+                Hyperparameters.from_param_group(group)
+            except HeteroError as e:
+                raise HeteroError(f"{e.message}, but the plan offloads the script's {type(self).__name__}",
+                                  hint="plan again from a profile of this script: hetero plan leaves such an "
+                                       "optimizer to the script", exit_code=UNSUPPORTED_SCRIPT) from None
         self._slots: dict[torch.nn.Parameter, Slot] = {}
         self._placement: Placement | None = None
         self._pending_state: dict | None = None
+        self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and self.overlap:
                     p.register_post_accumulate_grad_hook(self._grad_final)
 
     def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
-        """Give the states their homes; called by the runtime once it knows the model."""
-        if self._placement is not None:
+        """Give the states their homes; called by the runtime once it knows the model. An optimizer none of whose
+        parameters belong to the model (a second model's, e.g. a GAN's other half) stays torch's own; one that
+        mixes the model's parameters with others cannot be placed by the plan and is refused."""
+        if self._placement is not None or self._own:
             return
-        self._placement = self.placement_for()
         order = [p for group in self.param_groups for p in group["params"]]
+        outside = [p for p in order if p not in names]
+        if len(outside) == len(order):
+            self._own = True
+            return
+        if outside:
+            raise HeteroError(f"the script's {type(self).__name__} also updates {len(outside)} parameter(s) outside "
+                              "the planned model", exit_code=UNSUPPORTED_SCRIPT,
+                              hint="make the parameters it updates submodules of the one model the script trains")
+        self._placement = self.placement_for()
         self._slots = self._placement.build([(names[p], p) for p in order])
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
@@ -150,8 +166,10 @@ class Offloaded:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def _grad_final(self, p: torch.nn.Parameter) -> None:
-        if self._placement is None:
+        if self._placement is None and not self._own:
             type(self).on_first_use(self)
+        if self._own:
+            return
         slot = self._slots[p]
         slot.grads_seen += 1
         if slot.grads_seen == self.micro_batches and slot.home is not None and not type(self).synced(p):
@@ -175,14 +193,22 @@ class Offloaded:
         slot.launched = True
         slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step, ready)
 
-    @torch.no_grad()
     def step(self, closure=None):
+        if self._placement is None and not self._own:
+            type(self).on_first_use(self)
+        if self._own:
+            # torch's step itself, not its step-hook wrapper: this step's hooks have run already
+            torch_step = super().step
+            hooked = getattr(torch_step, "hooked", False)  # torch.optim.Optimizer._patch_step_function's mark
+            return torch_step.__wrapped__(self, closure) if hooked else torch_step(closure)
+        return self._offloaded_step(closure)
+
+    @torch.no_grad()
+    def _offloaded_step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._placement is None:
-            type(self).on_first_use(self)
         self._check_micro_batches()
         spilled = []
         for p, slot in self._slots.items():
@@ -215,6 +241,8 @@ class Offloaded:
 
     def state_dict(self) -> dict:
         """torch's Adam state_dict, read back from wherever the states live."""
+        if self._own:
+            return super().state_dict()
         if self._placement is not None:
             self._placement.drain()
         saved = self.state
@@ -236,6 +264,8 @@ class Offloaded:
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # torch's checks and casting; then the states move to their homes
+        if self._own:
+            return
         loaded, self.state = self.state, defaultdict(dict)
         if self._placement is None:
             self._pending_state = dict(loaded)

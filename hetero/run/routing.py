@@ -50,6 +50,7 @@ from hetero.errors import HeteroError
 from hetero.plan.schema import Plan, RoutingPlan
 from hetero.profile.capture import fingerprint, unwrap
 from hetero.profile.layers import CpuClock, CudaClock
+from hetero.run import hooks
 from hetero.run.bootstrap import StopScript
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.launch import check_routing
@@ -153,7 +154,7 @@ class ForwardOrder:
     def __init__(self, model: nn.Module):
         self.model = model
         self.seen: dict[int, nn.Parameter] = {}
-        self.handles = [m.register_forward_pre_hook(self._used) for m in model.modules()
+        self.handles = [hooks.forward_pre(m, self._used) for m in model.modules()
                         if next(m.parameters(recurse=False), None) is not None]
 
     def _used(self, module: nn.Module, args) -> None:

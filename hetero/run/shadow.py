@@ -45,6 +45,7 @@ from hetero.kernels.dha import Device, carve, offsets
 from hetero.plan.schema import LayerPlan, Plan
 from hetero.profile.layers import _tensors
 from hetero.profile.schema import ROOT_LAYER
+from hetero.run import hooks
 from hetero.run.grad_offload import HostGrads
 from hetero.units import SIZE
 
@@ -212,14 +213,13 @@ class ShadowModel:
         self.ids = {id(p) for st in self.layers for p in st.params}
         if sched.host_grads():
             self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
-        self.handles += [model.register_forward_hook(self._forward_done),
-                         model.register_state_dict_pre_hook(self._settle)]
+        self.handles += [hooks.forward(model, self._forward_done), hooks.state_dict_pre(model, self._settle)]
 
     def _hook(self, module: nn.Module, st: LayerState) -> None:
         if st.spec.mode == "gfgb":
-            self.handles.append(module.register_forward_pre_hook(partial(self._await_copy, st)))
+            self.handles.append(hooks.forward_pre(module, partial(self._await_copy, st)))
         elif st.spec.mode == "dfgb":
-            self.handles.append(module.register_forward_hook(partial(self._layer_done, st)))
+            self.handles.append(hooks.forward(module, partial(self._layer_done, st)))
 
     # -- inside a step ------------------------------------------------------------------------------------------
 

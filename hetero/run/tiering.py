@@ -33,6 +33,7 @@ from torch import nn
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.plan.schema import ActivationPlan
 from hetero.profile.layers import LayerSpec, _tensors, layers_named
+from hetero.run import hooks
 from hetero.run.bootstrap import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
@@ -121,12 +122,12 @@ class ActivationTiering:
         self.mover, self.device = Mover(tier, self.ledger), tier.device
         for spec in layers:
             self.names[id(spec.module)] = spec.name
-            self.handles += [spec.module.register_forward_pre_hook(self._layer_start),
-                             spec.module.register_forward_hook(self._layer_end, always_call=True)]
+            self.handles += [hooks.forward_pre(spec.module, self._layer_start),
+                             hooks.forward(spec.module, self._layer_end, always_call=True)]
         # The model's hooks go around the layers' (the root may be a layer itself): its pre-hook first, its
         # post-hook last.
-        self.handles += [model.register_forward_pre_hook(self._forward_start, prepend=True),
-                         model.register_forward_hook(self._forward_end, always_call=True)]
+        self.handles += [hooks.forward_pre(model, self._forward_start, prepend=True),
+                         hooks.forward(model, self._forward_end, always_call=True)]
         if _inside_call(model):  # bound at the model's first forward, whose pre-hooks have already run
             self._forward_start(model, ())
             if id(model) in self.names:

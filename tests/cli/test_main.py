@@ -59,3 +59,12 @@ def test_ctrl_c_exits_130(monkeypatch, capsys):
     assert cli.main(["show", "plan.yaml"]) == 130
     assert capsys.readouterr().err == "error: interrupted\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_usage_lines_read_as_users_type_them(capsys):
+    for command in ("run", "profile", "report", "show", "check"):
+        assert cli.main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "{" not in out.splitlines()[0] and "<str>" not in out and "<list[str]>" not in out, command
+    assert cli.main(["run", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("Usage: hetero run [OPTIONS] SCRIPT [ARGS]...")

@@ -58,3 +58,16 @@ def test_a_missing_plan_or_another_models_plan_is_refused(tmp_path, capfd, repo)
 def test_a_plan_file_is_not_a_run(capfd, repo):
     assert main(["report", str(repo / "plans/gpt-tiny-cpu.plan.yaml")]) == 3
     assert "plan.yaml:4:7: kind: kind 'Plan', expected Run" in capfd.readouterr().err
+
+
+def test_leads_with_iteration_and_peak_groups_layer_warnings_and_says_how_to_replan(tmp_path, capfd):
+    run = write_run(tmp_path, slower=1.25)
+    assert main(["report", str(run)]) == 0
+    out = capfd.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("iteration: ") and "measured" in lines[0] and "(+25%)" in lines[0]
+    assert lines[1].startswith("peak dram: ")
+    assert not any(line.startswith(("warning: fp ", "warning: bp ")) for line in lines)  # folded into one line
+    assert sum("layer times: " in line for line in lines) == 1
+    assert f"hint: plan again with the times this run measured: hetero plan --from-run {run}" in out.replace("\n", "")
+    assert max(len(line) for line in lines) <= 100

@@ -27,7 +27,9 @@ def test_show_profile_renders_layers_and_tiers(capsys):
     assert "machine.gpu: none (no CUDA device in use)" in out
     nvme = files.load(EXAMPLES / "gpt-tiny-cpu.profile.yaml").machine.tiers[1]
     peak = max(p.size_bytes / p.time_s for p in nvme.read)
-    assert "h.0.attn.c_attn" in out and f"peak {RATE.format_short(peak)} ({len(nvme.read)} sizes)" in out
+    assert "h.0.attn.c_attn" in out  # names never wrap
+    # a transfer curve shows as its best rate (the cell may wrap inside its column at 100 columns)
+    assert RATE.format_short(peak).replace("/s", "") in out
 
 
 def test_show_json_is_the_parsed_file_in_base_units(capsys):
@@ -37,3 +39,10 @@ def test_show_json_is_the_parsed_file_in_base_units(capsys):
     assert data == files.to_data(files.load(path))
     assert data["activations"]["stay_time_s"] == 0.001
     assert data["budget"]["reserve"] == 0.5 and data["budget"]["dram_budget_bytes"] is None
+
+
+def test_tables_fit_100_columns(repo, capsys):
+    for name in ("gpt-tiny-cpu.profile.yaml", "gpt-tiny-cpu.plan.yaml"):
+        assert main(["show", str(repo / "plans" / name)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) > 20 and max(len(line) for line in lines) <= 100

@@ -98,3 +98,33 @@ def _gpt():
     import train_gpt
 
     return train_gpt
+
+
+def test_parameters_used_functionally_belong_to_a_layer_that_ran(tmp_path):
+    """`enc.out` runs inside its parent (a layer: it owns `enc.scale`); `head.o` has no parent layer: it becomes a
+    layer of its own, timed as its nearest sibling by name."""
+    path = scripts.write(tmp_path, """
+        class Encoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.scale = nn.Parameter(torch.ones(16))
+                self.out = nn.Linear(16, 16)
+            def forward(self, x):
+                return F.linear(x * self.scale, self.out.weight, self.out.bias)
+        class Head(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 4)
+            def forward(self, x):
+                return F.linear(self.q(x), self.o.weight)
+        model = nn.Sequential(Encoder(), Head())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            F.cross_entropy(model(torch.randn(8, 16)), torch.randint(4, (8,))).backward(); opt.step(); opt.zero_grad()
+    """)
+    layers = measure_script(path, [], ProfileOptions(steps=2, warmup=1)).layers
+    assert [x.name for x in layers] == ["0", "1.q", "1.o"]
+    assert layers[0].param_names() == ["0.scale", "0.out.weight", "0.out.bias"]
+    assert layers[2].param_names() == ["1.o.weight", "1.o.bias"]
+    assert (layers[2].fp_s, layers[2].fp_end_s, layers[2].bp_start_s) == (0.0, layers[1].fp_end_s, layers[1].bp_start_s)
+    assert sum(x.num_params for x in layers) == 16 + 16 * 17 + 16 * 17 + 4 * 17

@@ -182,3 +182,40 @@ def test_an_accumulation_mismatch_stops_the_script_even_through_its_except_excep
         except Exception:  # a script's catch-all must not swallow hetero's refusal
             pass
     assert stop.value.error.exit_code == 4 and "had 1 backward pass(es)" in stop.value.error.message
+
+
+def test_an_optimizer_mixing_the_model_with_other_parameters_is_refused_in_one_line():
+    model = make_model()
+    extra = nn.Parameter(torch.zeros(3))
+    with pytest.raises(StopScript) as e, Runtime(optimizer_plan(model, overlap=False), script=__file__):
+        opt = torch.optim.AdamW([*model.parameters(), extra])
+        F.cross_entropy(model(batch(0)[0]), batch(0)[1]).backward()
+        opt.step()
+    error = e.value.error
+    assert error.exit_code == 5 and error.message == ("the script's AdamW also updates 1 parameter(s) outside the "
+                                                      "planned model")
+
+
+def test_an_optimizer_of_another_model_stays_torchs_own():
+    ref_model, model = make_model(), make_model()
+    torch.manual_seed(1)
+    other_ref = nn.Linear(4, 2)
+    torch.manual_seed(1)
+    other = nn.Linear(4, 2)
+
+    def side(net):  # a second model trained by its own Adam, beside the planned one
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for step in range(3):
+            net(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return opt
+
+    ref, _ = train(ref_model)
+    side(other_ref)
+    with Runtime(optimizer_plan(model), script=__file__):
+        out, _ = train(model)
+        opt = side(other)
+        assert opt._own and not opt._slots and set(opt.state_dict()["state"]) == {0, 1}
+    compare(ref, ref_model, out, model)
+    assert_close(other.weight, other_ref.weight)

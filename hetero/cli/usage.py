@@ -1,0 +1,31 @@
+"""Help text as users read it: `SCRIPT [ARGS]...` in usage lines, no Python types beside argument names.
+
+Typer marks required arguments `{SCRIPT}` and lists each argument with its Python type (`ARGS <list[str]>`); both
+mean nothing to a user. `Command` rewrites its help and usage text; `main` gives it to every subcommand.
+"""
+
+from __future__ import annotations
+
+import re
+
+from typer.core import TyperCommand
+
+_REQUIRED = re.compile(r"\{([A-Z][A-Za-z0-9_.]*)\}")  # {SCRIPT} -> SCRIPT
+_OPTION_TYPE = re.compile(r"(--[a-z][a-z-]*) <(int|float|str|path)>")  # "--steps <int>" -> "--steps N"
+_METAVAR = {"int": "N", "float": "NUMBER", "str": "TEXT", "path": "FILE"}
+_TYPE = re.compile(r" <[A-Za-z][A-Za-z\[\], |]*>")  # "SCRIPT <str>", "FILE <list[Path]>": an argument's type
+
+
+def readable(text: str) -> str:
+    """Help or usage text with hetero's argument names; the help column stays aligned."""
+    text = _REQUIRED.sub(r"\1", text)  # in the usage line only, where nothing is aligned
+    text = _OPTION_TYPE.sub(lambda m: f"{m[1]} {_METAVAR[m[2]]}".ljust(len(m[0])), text)
+    return _TYPE.sub(lambda m: " " * len(m.group(0)), text)
+
+
+class Command(TyperCommand):
+    def get_usage(self, ctx) -> str:
+        return readable(super().get_usage(ctx))
+
+    def get_help(self, ctx) -> str:
+        return readable(super().get_help(ctx))

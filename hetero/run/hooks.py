@@ -1,0 +1,87 @@
+"""Module hooks that `copy.deepcopy(model)` and `torch.save(model)` do not see.
+
+hetero's profiler and runtime put forward hooks on the script's modules. torch keeps a module's hooks in its
+`__dict__`, so a deep copy or a pickle of the model would copy them too: bound methods of hetero's objects, which hold
+locks and threads (`TypeError: cannot pickle '_thread.RLock' object`), and which a copy must not carry anyway (an EMA
+copy made with `deepcopy` would report into the profiler, or evict its activations under the original's schedule).
+
+Contract: a hook registered through `forward_pre`/`forward` works as torch's own while its handle lives; while any
+such hook exists, `nn.Module.__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state, so
+the copy has exactly the hooks the script registered. The patch of `__getstate__` is installed with the first live
+hook and removed with the last one (removed through its handle, or gone with its module), so torch is untouched
+outside hetero's hooks' lifetime.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+from torch import nn
+
+# The dicts of a module's state that are keyed by hook id (torch.utils.hooks.RemovableHandle.id, unique per process).
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_pre_hooks")
+
+_lock = threading.RLock()  # reentrant: a module collected while the lock is held forgets its hooks in this thread
+_ids: dict[int, weakref.ref] = {}  # ids of hetero's live hooks -> their module
+_original_getstate = None  # torch's nn.Module.__getstate__ while the patch is installed
+
+
+class Handle:
+    """Removes the hook, as torch's RemovableHandle does, and forgets it (the last one restores torch)."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def remove(self) -> None:
+        self._handle.remove()
+        _forget(self._handle.id)
+
+
+def _forget(hook_id: int) -> None:
+    global _original_getstate
+    with _lock:
+        _ids.pop(hook_id, None)
+        if not _ids and _original_getstate is not None:
+            nn.Module.__getstate__ = _original_getstate
+            _original_getstate = None
+
+
+def forward_pre(module: nn.Module, hook: Callable, **kwargs) -> Handle:
+    """`module.register_forward_pre_hook(hook, **kwargs)`, left out of copies and pickles of the module."""
+    return _track(module, module.register_forward_pre_hook(hook, **kwargs))
+
+
+def forward(module: nn.Module, hook: Callable, **kwargs) -> Handle:
+    """`module.register_forward_hook(hook, **kwargs)`, left out of copies and pickles of the module."""
+    return _track(module, module.register_forward_hook(hook, **kwargs))
+
+
+def state_dict_pre(module: nn.Module, hook: Callable) -> Handle:
+    """`module.register_state_dict_pre_hook(hook)`, left out of copies and pickles of the module."""
+    return _track(module, module.register_state_dict_pre_hook(hook))
+
+
+def _track(module: nn.Module, handle) -> Handle:
+    global _original_getstate
+    with _lock:
+        _ids[handle.id] = weakref.ref(module, lambda _, hook_id=handle.id: _forget(hook_id))
+        if _original_getstate is None:
+            _original_getstate = nn.Module.__getstate__
+            nn.Module.__getstate__ = _getstate
+    return Handle(handle)
+
+
+def _getstate(self: nn.Module) -> dict:
+    state = _original_getstate(self)
+    ids = _ids
+    for key in _HOOK_DICTS:
+        hooks = state.get(key)
+        if hooks and any(i in ids for i in hooks):
+            # a new dict of the same type (OrderedDict): the original keeps hetero's hooks
+            state[key] = type(hooks)((i, h) for i, h in hooks.items() if i not in ids)
+    return state
