@@ -11,9 +11,9 @@ from hetero.cli.main import main
 from tests.report.test_compare import shipped, synthetic_run
 
 
-def write_run(tmp_path, slower: float = 1.0):
+def write_run(tmp_path, slower: float = 1.0, layers_slower: float = 1.0):
     plan, profile = shipped()
-    run = synthetic_run(plan, profile, iteration_s=plan.predicted.iteration_s * slower)
+    run = synthetic_run(plan, profile, scale=layers_slower, iteration_s=plan.predicted.iteration_s * slower)
     trace = {"traceEvents": [{"name": "memory dram", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"params": b}}
                              for t, b in ((0.1, 1 << 20), (0.35, 3 << 20), (0.5, 2 << 20))]}
     (tmp_path / "run.json").write_text(json.dumps(trace))
@@ -61,7 +61,7 @@ def test_a_plan_file_is_not_a_run(capfd, repo):
 
 
 def test_leads_with_iteration_and_peak_groups_layer_warnings_and_says_how_to_replan(tmp_path, capfd):
-    run = write_run(tmp_path, slower=1.25)
+    run = write_run(tmp_path, slower=1.25, layers_slower=1.3)
     assert main(["report", str(run)]) == 0
     out = capfd.readouterr().out
     lines = out.splitlines()
