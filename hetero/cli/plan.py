@@ -32,9 +32,9 @@ def plan(
                                                                      "(default: the whole device)."),
     dram_budget: str | None = typer.Option(None, "--dram-budget", help="Host memory the plan may use, e.g. 8GiB "
                                                                        "(default: what the profile measured)."),
-    optimizer_device: str | None = typer.Option(None, "--optimizer-device", metavar="axdimm|host|gpu",
+    optimizer_device: str | None = typer.Option(None, "--optimizer-device", metavar="axdimm|host|gpu|none",
                                                 help="Where Adam runs (default: a real AXDIMM if the profile has "
-                                                     "one, else host)."),
+                                                     "one, else host; none: the script's own optimizer)."),
     emulate: str | None = typer.Option(None, "--emulate", metavar="axdimm",
                                        help="Place optimizer states on the emulated AXDIMM (host DRAM and worker "
                                             "threads: for tests and demonstrations, never faster or smaller)."),

@@ -73,7 +73,7 @@ class Context:
     fast: str
     slow: str | None
     nvme: Tier | None  # where optimizer states overflow
-    device: OptimizerDevice
+    device: OptimizerDevice | None  # None: --optimizer-device none, the script's optimizer stays its own
     params: list[axdimm.Param]
     update_order: list[int]
     device_bytes: int
@@ -129,13 +129,16 @@ def _gpu_budget(gpu: Gpu | None, o: PlanOptions) -> tuple[int, int]:
     return gpu.memory_bytes, o.gpu_memory_bytes
 
 
-def _device(profile: Profile, o: PlanOptions) -> OptimizerDevice:
+def _device(profile: Profile, o: PlanOptions) -> OptimizerDevice | None:
     """An emulated AXDIMM lives in host DRAM and shares the host's cores: never the default, only asked for."""
     m = profile.machine
+    if o.optimizer_device == "none" and not o.emulate:
+        return None
     usable = m.axdimm is not None and (m.axdimm.backend != "emulated" or o.emulate)
     device = o.optimizer_device or ("axdimm" if usable else "host")
     if device not in ("axdimm", "host", "gpu"):
-        raise HeteroError(f"--optimizer-device {device}: not a device", hint="use axdimm, host or gpu", exit_code=USAGE)
+        raise HeteroError(f"--optimizer-device {device}: not a device", hint="use axdimm, host, gpu or none",
+                          exit_code=USAGE)
     if o.emulate and (m.axdimm is None or device != "axdimm"):
         raise HeteroError("--emulate axdimm, but " + ("the profile has no emulated AXDIMM" if m.axdimm is None else
                                                       f"--optimizer-device is {device}"),
@@ -235,6 +238,9 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerP
     overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if not overlap else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
+    if device is None:
+        omitted["optimizer"] = "--optimizer-device none: the script's optimizer stays as the script built it"
+        return None
     if ctx.gpu is None and device == "host" and ctx.options.optimizer_device is None:
         omitted["optimizer"] = _host_saves_nothing(ctx)
         return None

@@ -74,3 +74,10 @@ def test_a_real_axdimm_is_the_default():
     assert plan(profile, PlanOptions()).optimizer.device == "host"  # emulated
     profile.machine.axdimm.backend = "hardware"
     assert plan(profile, PlanOptions()).optimizer.device == "axdimm"
+
+
+def test_the_optimizer_can_be_switched_off_without_writing_a_reason(cpu):
+    p = plan(cpu, PlanOptions(optimizer_device="none"))
+    assert p.optimizer is None and p.omitted["optimizer"].startswith("--optimizer-device none")
+    gpu = gpu_profile(6, seed=2)
+    assert plan(gpu, PlanOptions(optimizer_device="none")).optimizer is None
