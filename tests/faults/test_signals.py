@@ -19,9 +19,9 @@ from hetero.errors import Interrupted
 from hetero.run.devices.workdir import host
 from tests.cli.test_run import net
 from tests.cli.test_run_ddp import DDP_TRAIN
+from tests.cli.test_run_tiering import workdir  # noqa: F401  (a fixture: the tiering plan in a fresh directory)
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
-from tests.run.test_tiering import tiering_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = """
@@ -39,12 +39,6 @@ for step in range(int(sys.argv[1])):
 print("done", step + 1)
 """
 
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    files.save(tiering_plan(net(), str(tmp_path / "nvme"), 1 << 20), "plan.yaml")
-    return tmp_path
 
 
 def start(workdir: Path, *args: str) -> subprocess.Popen:
@@ -113,10 +107,8 @@ def test_an_interrupt_in_a_finalizer_is_delivered_after_it_not_lost():
     assert e.value.signum == signal.SIGINT and interrupts.exit_code() == 130
 
 
-def test_a_script_that_swallows_the_interrupt_still_ends_with_130(tmp_path, monkeypatch, capfd):
-    monkeypatch.chdir(tmp_path)
-    files.save(tiering_plan(net(), str(tmp_path / "nvme"), 1 << 20), "plan.yaml")
-    script = scripts.write(tmp_path, """
+def test_a_script_that_swallows_the_interrupt_still_ends_with_130(workdir, capfd):
+    script = scripts.write(workdir, """
 import os, signal, time
 try:
     os.kill(os.getpid(), signal.SIGINT)
