@@ -94,7 +94,8 @@ def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str], env: di
                     f"{statistics.median(peak) / plain_peak:.2f}x   step {spread(step, lambda s: f'{s * 1e3:.0f}ms')}"
                     f" = {statistics.median(step) / plain_step:.2f}x")
     if predicted:
-        rows.append(f"  predicted DRAM peak {SIZE.format_short(predicted)}: measured {hetero_peak / predicted - 1:+.1%}")
+        error = hetero_peak / predicted - 1
+        rows.append(f"  predicted DRAM peak {SIZE.format_short(predicted)}: measured {error:+.1%}")
     return rows
 
 

@@ -179,7 +179,8 @@ def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     problems = []
     version, kind = top.get("apiVersion"), top.get("kind")
     if version is None:
-        problems.append(_problem(name, root.start_mark, f"missing key 'apiVersion' (expected 'apiVersion: {API_VERSION}')"))
+        problems.append(_problem(name, root.start_mark,
+                                 f"missing key 'apiVersion' (expected 'apiVersion: {API_VERSION}')"))
     elif version.value != API_VERSION:
         shown = _cut(version.value) if isinstance(version.value, str) else "a collection"
         problems.append(_problem(name, version.start_mark,

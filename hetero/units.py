@@ -162,3 +162,25 @@ def measured(value: float, digits: int = 4) -> float:
     """A measurement rounded to `digits` significant digits: timings vary far more than that between runs, and
     the files that hold them stay readable."""
     return float(f"{value:.{digits}g}")
+
+
+def short_time(seconds: float) -> str:
+    """A duration for a table or a `why`, to 3 significant digits: `1.25ms` (float noise below a picosecond
+    dropped, so 0.000999999999 reads `1ms`)."""
+    return TIME.format_short(round(seconds, 12))
+
+
+def short_size(nbytes: float) -> str:
+    """A byte count for a table or a `why`, to 3 significant digits: `38.6MiB`."""
+    return SIZE.format_short(int(nbytes))
+
+
+def size_change(before: float, after: float) -> str:
+    """`489MiB -> 52.8MiB (-89%)`: a size and what it became."""
+    cut = 1 - after / before if before else 0.0
+    return f"{short_size(before)} -> {short_size(after)} (-{cut:.0%})"
+
+
+def relative_change(new: float, old: float) -> str:
+    """`+12%`: how far `new` is from `old`; `n/a` without an `old`."""
+    return f"{(new - old) / old:+.0%}" if old else "n/a"

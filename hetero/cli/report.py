@@ -32,7 +32,8 @@ def report(
     run = files.load(run_path, expect=Run)
     plan_path = plan_path or beside(run.source.plan, run_path)
     if not plan_path.is_file():
-        raise HeteroError(f"no plan at {plan_path} to compare {run_path} with", hint="pass --plan PLAN", exit_code=USAGE)
+        raise HeteroError(f"no plan at {plan_path} to compare {run_path} with", hint="pass --plan PLAN",
+                          exit_code=USAGE)
     plan = files.load(plan_path, expect=Plan)
     if plan.source.model_fingerprint != run.source.model_fingerprint:
         raise HeteroError(f"{plan_path} was made for another model than the one {run_path} ran",

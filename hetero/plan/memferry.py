@@ -16,14 +16,14 @@ from dataclasses import dataclass, replace
 
 from hetero.plan.model import GPU, Choices, Costs, LayerCosts
 from hetero.plan.simulate import Result, simulate
-from hetero.units import SIZE, TIME
+from hetero.units import SIZE, short_time
 
 MODES = ("gfgb", "dha", "dfgb")
 FORWARD_MODES = ("gfgb", "dha")
 _EPS = 1e-12  # a change must beat float noise to count as an improvement
 _PAIRS_UP_TO = 16  # models this small also get two-layer moves and a search from every start
-_CHAIN_POINTS = 16
-_LEVELS = 12  # memory levels a small model's budget family searches within  # demotion-chain plans simulated at most (1000-layer plans stay well under a second)
+_CHAIN_POINTS = 16  # demotion-chain plans simulated at most (1000-layer plans stay well under a second)
+_LEVELS = 12  # memory levels a small model's budget family searches within
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,10 +51,6 @@ def allowed_modes(layer: LayerCosts, modes: tuple[str, ...] = MODES) -> tuple[st
     if layer.params_bytes == 0 or layer.fp_dha_s is None:
         return ("gfgb",)
     return tuple(m for m in modes if m != "dha" or layer.bp_dha_s is not None)
-
-
-def _t(seconds: float) -> str:
-    return TIME.format_short(round(seconds, 12))  # 0.000999999 would read "1000us"
 
 
 # -- the paper's forward algorithm ------------------------------------------------------------------------------
@@ -93,7 +89,8 @@ def forward_modes(layers: list[LayerCosts], fixed: dict[int, str] | None = None,
             st.update(layer.fp_s, layer.fp_s)
         elif "dha" in allowed_modes(layer, modes) and layer.fp_dha_s <= layer.fp_s + layer.copy_s:
             st.modes[i] = "dha"
-            st.why[i] = f"DHA fp {_t(layer.fp_dha_s)} <= copy {_t(layer.copy_s)} + fp {_t(layer.fp_s)} (Alg. 1)"
+            st.why[i] = (f"DHA fp {short_time(layer.fp_dha_s)} <= copy {short_time(layer.copy_s)} + fp "
+                         f"{short_time(layer.fp_s)} (Alg. 1)")
             st.update(layer.fp_dha_s, layer.fp_dha_s)
         else:
             _gfgb(st, i, modes)
@@ -115,17 +112,17 @@ def _fixed(st: _Alg1, i: int, mode: str) -> None:
 
 def _gfgb(st: _Alg1, i: int, modes: tuple[str, ...]) -> None:
     layer = st.layers[i]
-    dha = f"fp_dha {_t(layer.fp_dha_s)} > copy {_t(layer.copy_s)} + fp {_t(layer.fp_s)}; " \
+    dha = f"fp_dha {short_time(layer.fp_dha_s)} > copy {short_time(layer.copy_s)} + fp {short_time(layer.fp_s)}; " \
         if layer.fp_dha_s is not None else "no DHA timing; "
     if layer.copy_s < st.reserve:
         if st.tag == -1:
             st.tag = i
-        st.why[i] = f"{dha}copy hidden in {_t(st.reserve)} of earlier compute (Alg. 1)"
+        st.why[i] = f"{dha}copy hidden in {short_time(st.reserve)} of earlier compute (Alg. 1)"
         st.update(layer.fp_s, layer.fp_s - layer.copy_s)
     else:
         reserve = st.reserve
         moved = _backtrack(st, i, modes)
-        st.why[i] = f"{dha}copy {_t(layer.copy_s)} > {_t(reserve)} of overlap" + (
+        st.why[i] = f"{dha}copy {short_time(layer.copy_s)} > {short_time(reserve)} of overlap" + (
             f"; backtracking made {', '.join(moved)} DHA (Alg. 1)" if moved else "; waits for its copy (Alg. 1)")
     st.modes[i] = "gfgb"
 
@@ -146,8 +143,8 @@ def _backtrack(st: _Alg1, l: int, modes: tuple[str, ...]) -> list[str]:
         total_i = max(layer.copy_s - reserve - gain, 0.0) + st.total + (prev.fp_dha_s - prev.fp_s + layer.fp_s)
         if total_i < base:
             st.modes[i], st.tag = "dha", i + 1
-            st.why[i] = (f"made DHA by Alg. 1 backtracking for {layer.name}: forward {_t(base - st.total)} -> "
-                         f"{_t(total_i - st.total)} from here")
+            st.why[i] = (f"made DHA by Alg. 1 backtracking for {layer.name}: forward {short_time(base - st.total)} -> "
+                         f"{short_time(total_i - st.total)} from here")
             moved.append(prev.name)
             base, reserve = total_i, reserve + gain
             if reserve >= layer.copy_s:
@@ -182,8 +179,9 @@ def choose_dfgb(costs: Costs, modes: list[str], result: Result, room_bytes: int,
             chosen = trial
             room_bytes -= layer.params_bytes
             out[i] = "dfgb"
-            why[i] = (f"DFGB: bp {_t(layer.bp_s)} instead of bp_dha {_t(layer.bp_dha_s)} for a {_t(layer.copy_s)} "
-                      f"copy in the idle H2D window before its backward at {_t(result.bp_start_s[i])}")
+            why[i] = (f"DFGB: bp {short_time(layer.bp_s)} instead of bp_dha {short_time(layer.bp_dha_s)} for a "
+                      f"{short_time(layer.copy_s)} copy in the idle H2D window before its backward at "
+                      f"{short_time(result.bp_start_s[i])}")
     return Modes(modes=out, why=why)
 
 
@@ -355,9 +353,9 @@ def solve(costs: Costs, template: Choices, fixed: dict[int, str], device_bytes: 
     for i, mode in enumerate(chosen.modes):
         if mode != searched.modes[i]:
             why[i] = (f"{searched.modes[i]} -> dha to fit the GPU budget {SIZE.format_short(budget_bytes)}: the plan "
-                      f"needs {SIZE.format_short(chosen.gpu_bytes)}, iteration {_t(searched.time_s)} -> "
-                      f"{_t(chosen.time_s)}")
+                      f"needs {SIZE.format_short(chosen.gpu_bytes)}, iteration {short_time(searched.time_s)} -> "
+                      f"{short_time(chosen.time_s)}")
         elif mode != dfgb.modes[i]:
-            why[i] = (f"local search: {dfgb.modes[i]} -> {mode}, simulated iteration {_t(paper.time_s)} "
-                      f"(Alg. 1 + DFGB) -> {_t(searched.time_s)}")
+            why[i] = (f"local search: {dfgb.modes[i]} -> {mode}, simulated iteration {short_time(paper.time_s)} "
+                      f"(Alg. 1 + DFGB) -> {short_time(searched.time_s)}")
     return chosen, why

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hetero.plan.model import Curve
 from hetero.profile.schema import Profile
-from hetero.units import RATE, SIZE, TIME
+from hetero.units import RATE, SIZE, short_time
 
 FULL_RATE = 0.9  # COARSE's "full bandwidth", as a fraction of the best rate measured
 
@@ -57,12 +57,12 @@ def route(links: list[Link], ranks: int, grad_bytes: int, forward_s: float, back
     shard = shard_size(bw.curve)
     m, train = dual_sync(ranks, grad_bytes, forward_s, backward_s, bw.curve.peak_rate, lat.curve.peak_rate)
     path = (f"rank {lat.peer} is best at every size" if lat.peer == bw.peer else
-            f"rank {lat.peer} (latency {_t(lat.latency_s)}) and rank {bw.peer} "
-            f"({RATE.format_short(bw.curve.peak_rate)}) take {_t(lat.curve.time_s(threshold))} at "
+            f"rank {lat.peer} (latency {short_time(lat.latency_s)}) and rank {bw.peer} "
+            f"({RATE.format_short(bw.curve.peak_rate)}) take {short_time(lat.curve.time_s(threshold))} at "
             f"{SIZE.format_short(threshold)}")
     why = (f"{path}; shard {SIZE.format_short(shard)}: smallest size at >= {FULL_RATE:.0%} of "
            f"{RATE.format_short(bw.curve.peak_rate)}; m {SIZE.format_short(m)} of {SIZE.format_short(grad_bytes)} "
-           f"(synced during backward) minimizes T_train = {_t(train)} over {ranks} ranks, so the first "
+           f"(synced during backward) minimizes T_train = {short_time(train)} over {ranks} ranks, so the first "
            f"{SIZE.format_short(grad_bytes - m)} go first")
     return Route(threshold_bytes=threshold, latency_peer=lat.peer, bandwidth_peer=bw.peer, shard_bytes=shard,
                  dual_sync_bytes=grad_bytes - m, train_s=train, why=why)
@@ -122,5 +122,3 @@ def ring_allreduce_s(size: float, ranks: int, curve: Curve) -> float:
     return 2 * (ranks - 1) * curve.time_s(size / ranks) if ranks > 1 else 0.0
 
 
-def _t(seconds: float) -> str:
-    return TIME.format_short(round(seconds, 12))  # 0.000999999 would read "1000us"

@@ -32,7 +32,7 @@ from hetero.plan.schema import (
 )
 from hetero.plan.simulate import Result
 from hetero.profile.schema import Gpu, Profile, Tier
-from hetero.units import SIZE, TIME
+from hetero.units import SIZE, short_time, size_change
 
 NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"
 ONE_PROCESS = "the profile has one process: no gradient synchronization to route"
@@ -358,22 +358,13 @@ def _pick_schedule(ctx: Context, out: Plan, candidates: list[ActivationPlan]) ->
         return None
     best = min(range(len(scored)), key=lambda k: scored[k][:3])
     chosen, r = candidates[best], scored[best][3]
-    others = "; ".join(f"{c.why} rule: {_t(s[0])}, average {SIZE.format_short(s[1])}"
+    others = "; ".join(f"{c.why} rule: {short_time(s[0])}, average {SIZE.format_short(s[1])}"
                        for k, (c, s) in enumerate(zip(candidates, scored)) if k != best)
     basis = "simulated with every layer GFGB" if ctx.gpu else "simulated"
-    chosen.why = (f"{chosen.why} prefetch rule, {basis}: iteration {_t(r.iteration_s)}, {ctx.fast} activations "
-                  f"{_pct(r.act_avg_untiered_bytes, r.act_avg_bytes)} on average, "
-                  f"{_pct(r.act_peak_untiered_bytes, r.act_peak_bytes)} at peak (the {others})")
+    chosen.why = (f"{chosen.why} prefetch rule, {basis}: iteration {short_time(r.iteration_s)}, {ctx.fast} activations "
+                  f"{size_change(r.act_avg_untiered_bytes, r.act_avg_bytes)} on average, "
+                  f"{size_change(r.act_peak_untiered_bytes, r.act_peak_bytes)} at peak (the {others})")
     return chosen
-
-
-def _pct(before: int, after: int) -> str:
-    cut = 1 - after / before if before else 0.0
-    return f"{SIZE.format_short(before)} -> {SIZE.format_short(after)} (-{cut:.0%})"
-
-
-def _t(seconds: float) -> str:
-    return TIME.format_short(round(seconds, 12))  # 0.000999999 would read "1000us"
 
 
 def _ns(seconds: float) -> float:

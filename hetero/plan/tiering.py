@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from hetero.plan.model import Curve, chunks_time_s, chunks_within
 from hetero.profile.schema import Profile, Tier
-from hetero.units import SIZE, TIME
+from hetero.units import short_size, short_time
 
 _SLACK_S = 1e-9  # float noise: a partial eviction ends exactly ST before its prefetch (Eq. 7), never "late" by it
 _ROUNDS = 8  # re-placements after the eviction queue cut requests; caps only shrink, so it settles fast
@@ -208,28 +208,28 @@ def _cap(d: Decision, size: int, start: float, stay_s: float, prefetch_at: float
 
 def _why(w: Window, d: Decision, idle: float, move: float, stay_s: float, end: float,
          cap: tuple[int, float] | None, fitted: int, busy: float) -> str:
-    why = (f"idle {_t(idle)} >= evict + prefetch {_t(move)} + stay {_t(stay_s)} (Eq. 6)" if idle >= move + stay_s
-           else f"idle {_t(idle)} < evict + prefetch {_t(move)} of {_b(w.saved_bytes)} + stay {_t(stay_s)} (Eq. 7)")
+    if idle >= move + stay_s:
+        why = f"idle {short_time(idle)} >= evict + prefetch {short_time(move)} + stay {short_time(stay_s)} (Eq. 6)"
+    else:
+        why = (f"idle {short_time(idle)} < evict + prefetch {short_time(move)} of {short_size(w.saved_bytes)} + stay "
+               f"{short_time(stay_s)} (Eq. 7)")
     if end < w.bp_start_s:
-        why = f"next prefetch starts at {_t(end)}, before backward at {_t(w.bp_start_s)}: {why}"
+        why = f"next prefetch starts at {short_time(end)}, before backward at {short_time(w.bp_start_s)}: {why}"
     if cap is not None and cap[0] <= fitted and cap[0] < w.saved_bytes:
         why += _queued(cap[1], cap[0], stay_s)
     if fitted > d.evict_bytes:
-        why += f"; prefetcher busy until {_t(busy)}: {_b(d.evict_bytes)} fits before {_t(end)} (Eq. 10)"
+        why += (f"; prefetcher busy until {short_time(busy)}: {short_size(d.evict_bytes)} fits before "
+                f"{short_time(end)} (Eq. 10)")
     if not d.evict_bytes:
         return f"dropped: {why}"
-    return f"{why}; prefetch {_b(d.evict_bytes)} takes {_t(end - d.prefetch_at_s)}"
+    return f"{why}; prefetch {short_size(d.evict_bytes)} takes {short_time(end - d.prefetch_at_s)}"
 
 
 def _queued(start: float, size: int, stay_s: float) -> str:
     if size:
-        return f"; evictions queue: it starts at {_t(start)}, so {_b(size)} still stays {_t(stay_s)} before prefetch"
-    return f"; evictions queue: it would start at {_t(start)}, too late to stay {_t(stay_s)} before prefetch"
+        return (f"; evictions queue: it starts at {short_time(start)}, so {short_size(size)} still stays "
+                f"{short_time(stay_s)} before prefetch")
+    return (f"; evictions queue: it would start at {short_time(start)}, too late to stay {short_time(stay_s)} "
+            "before prefetch")
 
 
-def _t(seconds: float) -> str:
-    return TIME.format_short(round(seconds, 12))  # 0.000999999 would read "1000us"
-
-
-def _b(size: int) -> str:
-    return SIZE.format_short(size)

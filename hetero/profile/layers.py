@@ -3,8 +3,9 @@
 Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors:
 a `saved_tensors_hooks` pair around the model's forward attributes every tensor autograd saves (parameters
 excluded, each storage once) to the layer running, or to the last one that ended when it is saved between
-layers; a storage saved by several layers belongs to the last of them. Backward: the first unpack of a layer's saved tensors is its backward start (TierTrain's ts^B: the moment
-they must be back in fast memory); gradient-accumulation hooks on the parameters mark the end of backward.
+layers; a storage saved by several layers belongs to the last of them. Backward: the first unpack of a layer's
+saved tensors is its backward start (TierTrain's ts^B: the moment they must be back in fast memory);
+gradient-accumulation hooks on the parameters mark the end of backward.
 Nothing blocks inside a step: the clock hands out tokens (perf_counter values, or CUDA events) that are resolved
 to seconds once all steps are done.
 """

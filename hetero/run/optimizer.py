@@ -11,7 +11,6 @@ backward continues; the parameters themselves change only in `step()`, as with t
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 

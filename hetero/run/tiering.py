@@ -38,7 +38,7 @@ from hetero.run.bootstrap import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import open_tier
-from hetero.units import SIZE, TIME
+from hetero.units import relative_change, short_size, short_time
 
 ACTIVATIONS = "saved activations"  # what the tiers' bytes are, in the run's memory counters
 
@@ -148,10 +148,11 @@ class ActivationTiering:
         if r.span_s <= 0:
             return []
         where = f"{self.plan.fast} saved activations"
-        lines = [f"{where}: average {_b(r.avg_saved)} -> {_b(r.avg_fast)} ({_pct(r.avg_fast, r.avg_saved)}), "
-                 f"peak {_b(r.peak_saved)} -> {_b(r.peak_fast)} ({_pct(r.peak_fast, r.peak_saved)}) with tiering",
-                 f"{r.evictions} evictions to {self.plan.slow} ({_b(sum(r.evicted.values()))}), "
-                 f"{r.late} late prefetch{'' if r.late == 1 else 'es'} (waited {_t(r.waited_s)})"]
+        lines = [f"{where}: average {short_size(r.avg_saved)} -> {short_size(r.avg_fast)} "
+                 f"({relative_change(r.avg_fast, r.avg_saved)}), peak {short_size(r.peak_saved)} -> "
+                 f"{short_size(r.peak_fast)} ({relative_change(r.peak_fast, r.peak_saved)}) with tiering",
+                 f"{r.evictions} evictions to {self.plan.slow} ({short_size(sum(r.evicted.values()))}), "
+                 f"{r.late} late prefetch{'' if r.late == 1 else 'es'} (waited {short_time(r.waited_s)})"]
         return lines + ([self.note] if self.note else [])
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
@@ -361,13 +362,3 @@ def _inside_call(model: nn.Module) -> bool:
     return False
 
 
-def _b(nbytes: float) -> str:
-    return SIZE.format_short(int(nbytes))
-
-
-def _t(seconds: float) -> str:
-    return TIME.format_short(round(seconds, 6))
-
-
-def _pct(new: float, old: float) -> str:
-    return f"{(new - old) / old:+.0%}" if old else "n/a"

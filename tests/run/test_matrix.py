@@ -2,7 +2,8 @@
 
 optimizer {host, emulated AXDIMM, AXDIMM with NVMe overflow} x overlap {on, off} x tiering {off, on}
 x {one process, 2-rank DDP over gloo, 2-rank DDP with routing} x script {plain, gradient accumulation 2 (under
-DDP with `no_sync()` on the first micro-batch, and without: every micro-batch all-reduced), clip_grad_norm_}. Each cell: losses and final weights `assert_close` to plain torch AdamW (hetero's update is
+DDP with `no_sync()` on the first micro-batch, and without: every micro-batch all-reduced), clip_grad_norm_}.
+Each cell: losses and final weights `assert_close` to plain torch AdamW (hetero's update is
 torch's fused AdamW, ~1 ULP per step from the single-tensor default), and under DDP every rank's weights bitwise
 equal to every other rank's. Overlapped updates with clipping cannot combine: the run refuses them (exit 4).
 

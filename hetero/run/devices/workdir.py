@@ -3,8 +3,9 @@
 A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
 directly but into a directory of its own made inside it:
 
-    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit; mode 0700, owned by the user
+    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit
                                                  host: 8 hex digits of a hash of this machine's name
+                                                 mode 0700, owned by the user
 
 Contracts:
 - The name is unpredictable and the directory is made with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700):
