@@ -7,7 +7,7 @@ from __future__ import annotations
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, routing, tiering
 from hetero.plan.model import GPU, Choices, Costs, LayerCosts, costs, timed
-from hetero.plan.schema import LayerPlan, Plan
+from hetero.plan.schema import LayerPlan, OptimizerPlan, Plan
 from hetero.profile.schema import Profile
 
 
@@ -31,7 +31,7 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
     rates = axdimm.rates(profile, opt.device) if opt else None
     updates = axdimm.updates(ps, opt.states, n, rates) if opt else [[] for _ in range(n)]
     host = host_tier(profile)
-    static = _static(profile, plan, ps, host)
+    static = _static(profile, opt, ps, host)
     choices = Choices(
         modes=modes, grads=grads, evict_bytes=evicted, trigger=trigger, prefetch_at_s=at, updates=updates,
         lanes=rates.lanes if rates else [], overlap_backward=opt.overlap_backward if opt else False,
@@ -49,10 +49,10 @@ def host_tier(profile: Profile) -> str:
     return next((t.name for t in profile.machine.tiers if t.kind == "dram"), profile.machine.tiers[0].name)
 
 
-def host_static_bytes(profile: Profile, plan: Plan) -> int:
-    """Bytes host memory holds for the whole iteration under `plan`, activations aside."""
+def host_static_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
+    """Bytes host memory holds for the whole iteration with this optimizer section, activations aside."""
     host = host_tier(profile)
-    return _static(profile, plan, axdimm.params(profile), host).get(host, 0)
+    return _static(profile, optimizer, axdimm.params(profile), host).get(host, 0)
 
 
 def cpu_share(profile: Profile, plan: Plan, optimizer_lanes: list[str]) -> dict[str, float]:
@@ -93,10 +93,10 @@ def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[str, str]:
     return e.mode, e.grad
 
 
-def _static(profile: Profile, plan: Plan, ps: list[axdimm.Param], host: str) -> dict[str, int]:
+def _static(profile: Profile, opt: OptimizerPlan | None, ps: list[axdimm.Param], host: str) -> dict[str, int]:
     """Bytes each tier holds for the whole iteration, besides the GPU's parameter and gradient buffers (which depend
     on the layer modes: the simulator adds them) and activations. An emulated AXDIMM lives in host memory."""
-    opt, gpu, m = plan.optimizer, profile.machine.gpu is not None, profile.machine
+    gpu, m = profile.machine.gpu is not None, profile.machine
     model = sum(x.params_bytes for x in profile.layers)
     out = {host: model + (model if not gpu or (opt and opt.device != "gpu") else 0)}
     tier_of = {s.param: s.tier for s in opt.states} if opt else {}

@@ -10,11 +10,9 @@ stays where plain training put it (docs/benchmarks.md, "Memory is what the proce
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hetero.plan import axdimm
 from hetero.plan.choices import host_static_bytes
-from hetero.plan.schema import Plan
+from hetero.plan.schema import OptimizerPlan, Plan
 from hetero.profile.schema import Profile
 
 ADAM_STATE_BYTES_PER_PARAM = 8  # fp32 m and v, as torch's Adam(W) keeps them beside each parameter
@@ -28,12 +26,12 @@ def own_states_in_host(profile: Profile) -> int:
     return ADAM_STATE_BYTES_PER_PARAM * sum(p.num_params for p in axdimm.params(profile))
 
 
-def added_host_bytes(profile: Profile, plan: Plan) -> int:
-    """What the plan's placement holds in host memory for the whole iteration beyond plain training: offloaded
+def added_host_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
+    """What the optimizer section holds in host memory for the whole iteration beyond plain training: offloaded
     states, master copies and gradient buffers, an emulated AXDIMM's channels (negative: it holds less)."""
-    plain = replace(plan, optimizer=None, activations=None)
-    return host_static_bytes(profile, plan) - host_static_bytes(profile, plain) - (
-        own_states_in_host(profile) if plan.optimizer is not None else 0)
+    if optimizer is None:
+        return 0
+    return host_static_bytes(profile, optimizer) - host_static_bytes(profile, None) - own_states_in_host(profile)
 
 
 def dram_peak_bytes(profile: Profile, plan: Plan, simulated_host_peak: int, evicted_from_host_peak: int) -> int:
@@ -41,6 +39,6 @@ def dram_peak_bytes(profile: Profile, plan: Plan, simulated_host_peak: int, evic
     plus activations there); `evicted_from_host_peak`: the saved-activation bytes of that peak when host memory is
     the fast tier (0 with a GPU, where host memory is where they go instead)."""
     assert profile.memory is not None
-    moved_in = simulated_host_peak - host_static_bytes(profile, plan) - evicted_from_host_peak
-    return profile.memory.dram_peak_bytes + added_host_bytes(profile, plan) + max(0, moved_in)
+    moved_in = simulated_host_peak - host_static_bytes(profile, plan.optimizer) - evicted_from_host_peak
+    return profile.memory.dram_peak_bytes + added_host_bytes(profile, plan.optimizer) + max(0, moved_in)
 

@@ -259,17 +259,10 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerP
                         states=axdimm.states(ctx.params, placement),
                         why=f"{placement.why}; Adam at {axdimm.rate_text(rates)}; {overlap_why}")
     if device == "axdimm" and ax.backend == "emulated":
-        added = footprint.added_host_bytes(ctx.profile, _with_optimizer(ctx, out))
+        added = footprint.added_host_bytes(ctx.profile, out)
         out.why += (f"; emulated (--emulate axdimm): its channels are host DRAM, {SIZE.format_short(added)} more "
                     "there than plain training, for tests and demonstrations")
     return out
-
-
-def _with_optimizer(ctx: Context, optimizer: OptimizerPlan) -> Plan:
-    return Plan(source=Source(profile="", profile_sha256="", model_fingerprint=""),
-                budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None, reserve=ctx.options.reserve), layers=[],
-                optimizer=optimizer, activations=None, routing=None,
-                predicted=Predicted(iteration_s=0.0, peak_bytes={}))
 
 
 def _host_saves_nothing(ctx: Context) -> str:

@@ -184,13 +184,9 @@ class Offloaded:
                 self._launch(p, slot, grad)
 
     def _launch(self, p: torch.nn.Parameter, slot: Slot, grad: torch.Tensor) -> None:
-        ready = None
-        if grad.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
         slot.step += 1
         slot.launched = True
-        slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step, ready)
+        slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
 
     def step(self, closure=None):
         if self._placement is None and not self._own:

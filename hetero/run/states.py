@@ -41,12 +41,11 @@ class GradientSource:
     def __init__(self, param: torch.Tensor):
         self.link = dha.devices.of(param)  # the parameter's GPU, the one its gradients are made on; None: host
 
-    def ready(self, grad: torch.Tensor, ready=None):
-        """On the thread that made `grad` final: an event after its producer. On a GPU it is recorded here, on the
-        current stream of the parameter's own device (the caller's `ready`, recorded on the current device's stream,
-        is not used there); for a host parameter the caller's is passed through."""
+    def ready(self, grad: torch.Tensor):
+        """On the thread that made `grad` final: an event after its producer, recorded on the current stream of the
+        parameter's own device; None for a host parameter (its gradient is final when the hook runs)."""
         if self.link is None:
-            return ready
+            return None
         event = self.link.event("gradient ready")
         self.link.record_compute(event)
         return event
@@ -138,8 +137,8 @@ class AxdimmHome:
         for dst, src in zip((master, exp_avg, exp_avg_sq), self._regions(master.numel())):
             self.device.memcpy(dst, src, master.numel() * FP32)
 
-    def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
-        ready = self.source.ready(grad, ready)
+    def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
+        ready = self.source.ready(grad)
         self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
 
     def quiesce(self) -> None:
@@ -180,8 +179,8 @@ class HostHome:
         for dst, src in zip((master, exp_avg, exp_avg_sq), self.buffers):
             dst.copy_(src[:master.numel()])
 
-    def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
-        ready = self.source.ready(grad, ready)
+    def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
+        ready = self.source.ready(grad)
         self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
 
     def quiesce(self) -> None:

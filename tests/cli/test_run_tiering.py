@@ -25,6 +25,9 @@ for step in range(int(sys.argv[1])):
     loss = F.cross_entropy(model(torch.randn(64, 16)), torch.randint(4, (64,)))
     if step == 2 and sys.argv[2] == "raise":
         raise ValueError("bad batch")
+    if step == 2 and sys.argv[2] == "wait":
+        print("READY", flush=True)  # mid-step: this step's evictions are queued or written
+        time.sleep(120)
     if step == 2 and sys.argv[2] == "sigint":
         time.sleep(0.5)  # evicted activations are in files now
         os.kill(os.getpid(), signal.SIGINT)

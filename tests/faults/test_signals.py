@@ -19,25 +19,11 @@ from hetero.errors import Interrupted
 from hetero.run.devices.workdir import host
 from tests.cli.test_run import net
 from tests.cli.test_run_ddp import DDP_TRAIN
-from tests.cli.test_run_tiering import workdir  # noqa: F401  (a fixture: the tiering plan in a fresh directory)
+from tests.cli.test_run_tiering import TRAIN, workdir  # noqa: F401  (workdir: a fixture)
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN = """
-import time
-torch.manual_seed(0)
-model = Net()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-for step in range(int(sys.argv[1])):
-    loss = F.cross_entropy(model(torch.randn(64, 16)), torch.randint(4, (64,)))
-    if step == 2 and sys.argv[2] == "wait":
-        print("READY", flush=True)  # mid-step: this step's evictions are queued or written
-        time.sleep(120)
-    loss.backward()
-    opt.step(); opt.zero_grad()
-print("done", step + 1)
-"""
 
 
 
