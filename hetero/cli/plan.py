@@ -30,8 +30,9 @@ def plan(
     reserve: float = typer.Option(0.5, "--reserve", help="Fraction of gradient bytes allowed to stay on the GPU."),
     gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="GPU memory the plan may use, e.g. 20GiB "
                                                                      "(default: the whole device)."),
-    dram_budget: str | None = typer.Option(None, "--dram-budget", help="Host memory the plan may use, e.g. 8GiB "
-                                                                       "(default: what the profile measured)."),
+    dram_budget: str | None = typer.Option(None, "--dram-budget", help="Host memory the whole process may peak at, "
+                                                                       "e.g. 8GiB (default: the limit of the memory "
+                                                                       "cgroup the profile ran in, if any)."),
     optimizer_device: str | None = typer.Option(None, "--optimizer-device", metavar="axdimm|host|gpu|none",
                                                 help="Where Adam runs (default: a real AXDIMM if the profile has "
                                                      "one, else host; none: the script's own optimizer)."),
@@ -117,6 +118,10 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
                                f"({TIME.format_short(profile.training.iteration_s)} profiled)")
     for tier, used in p.peak_bytes.items():
         table.add_row(f"peak {tier}", SIZE.format_short(used))
+    if out.budget.why:
+        table.add_row("budget", out.budget.why)
+    if out.allocator:
+        table.add_row("allocator", "malloc returns freed memory")
     if out.layers:
         modes = {m: sum(x.mode == m for x in out.layers) for m in ("gfgb", "dha", "dfgb")}
         host = sum(x.grad == "host" for x in out.layers)

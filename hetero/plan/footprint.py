@@ -1,11 +1,16 @@
 """The whole process's host memory under a plan: plain training's measured peak, plus what the plan's runtime holds
-in host memory beyond plain, plus what the plan moves into host memory from a faster tier.
+in host memory beyond plain, plus what the plan moves into host memory from a faster tier, less what it moves out.
 
 The profile measures plain training's peak resident memory (interpreter, libraries, allocator slack included); the
 plan changes it by a difference of the simulator's static bytes, so everything plain and planned runs share
-cancels. Saved activations evicted *from* host memory are not subtracted: the allocator keeps the memory they
-freed for the next ones (glibc's heap does not shrink under the live tensors around it), so the process's peak
-stays where plain training put it (docs/benchmarks.md, "Memory is what the process pays").
+cancels. With glibc's default allocator, saved activations evicted *from* host memory are not subtracted: the
+allocator keeps the memory they freed for the next ones, so the process's peak stays where plain training put it
+(docs/benchmarks.md, "Memory is what the process pays"). A plan whose `allocator` section returns freed memory
+starts from the peak the profile measured that way, and there evictions do lower it: by the simulated drop of
+the saved-activation peak.
+
+`contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
+`hetero run` names its largest entries when the process nears the budget.
 """
 
 from __future__ import annotations
@@ -16,6 +21,13 @@ from hetero.plan.schema import OptimizerPlan, Plan
 from hetero.profile.schema import Profile
 
 ADAM_STATE_BYTES_PER_PARAM = 8  # fp32 m and v, as torch's Adam(W) keeps them beside each parameter
+PLAIN = "plain training"  # its measured peak
+PLAIN_RETURNED = "plain training, memory returned"  # its peak measured with freed memory returned
+STATES = "script's adam states"
+OPTIMIZER = "hetero optimizer"  # master copies, states, gradient buffers, an emulated AXDIMM's channels
+STAGING = "nvme state staging"
+MOVED_IN = "moved in from the gpu"
+EVICTED = "evicted activations"
 
 
 def own_states_in_host(profile: Profile) -> int:
@@ -26,19 +38,58 @@ def own_states_in_host(profile: Profile) -> int:
     return ADAM_STATE_BYTES_PER_PARAM * sum(p.num_params for p in axdimm.params(profile))
 
 
+def staging_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
+    """Host memory the runtime holds to stage NVMe-held states when the host updates them
+    (hetero.run.nvme_states): two slots of master, m and v sized for the largest staged piece (a GPU's parameter
+    whole, with a gradient buffer each; a CPU's in pieces), and the state store's bounce buffers."""
+    if optimizer is None or optimizer.device != "host" or optimizer.nvme is None:
+        return 0
+    tier = {s.param: s.tier for s in optimizer.states}
+    spilled = [p.num_params for p in axdimm.params(profile) if tier.get(p.name) == "nvme"]
+    if not spilled:
+        return 0
+    gpu = profile.machine.gpu is not None
+    piece = max(spilled) if gpu else min(max(spilled), axdimm.STAGING_CHUNK_PARAMS)
+    return 2 * (4 if gpu else 3) * 4 * piece + axdimm.STORE_THREADS * axdimm.STORE_CHUNK_BYTES
+
+
 def added_host_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
     """What the optimizer section holds in host memory for the whole iteration beyond plain training: offloaded
-    states, master copies and gradient buffers, an emulated AXDIMM's channels (negative: it holds less)."""
+    states, master copies and gradient buffers, an emulated AXDIMM's channels, staging (negative: it holds less)."""
     if optimizer is None:
         return 0
-    return host_static_bytes(profile, optimizer) - host_static_bytes(profile, None) - own_states_in_host(profile)
+    return (host_static_bytes(profile, optimizer) - host_static_bytes(profile, None) - own_states_in_host(profile)
+            + staging_bytes(profile, optimizer))
 
 
-def dram_peak_bytes(profile: Profile, plan: Plan, simulated_host_peak: int, evicted_from_host_peak: int) -> int:
-    """The process's predicted peak resident memory. `simulated_host_peak`: the simulator's host peak (static bytes
-    plus activations there); `evicted_from_host_peak`: the saved-activation bytes of that peak when host memory is
-    the fast tier (0 with a GPU, where host memory is where they go instead)."""
+def returns_memory(profile: Profile, plan: Plan) -> bool:
+    """The plan returns freed memory and the profile measured the peak that way."""
+    return plan.allocator is not None and profile.memory is not None and \
+        profile.memory.dram_peak_returned_bytes is not None
+
+
+def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted_from_host_peak: int,
+                 evicted_saving: int) -> dict[str, int]:
+    """The predicted peak by what makes it up. `simulated_host_peak`: the simulator's host peak (static bytes plus
+    activations there); `evicted_from_host_peak`: the saved-activation bytes of that peak when host memory is the
+    fast tier (0 with a GPU, where host memory is where they go instead); `evicted_saving`: how much tiering lowers
+    the saved-activation peak in host memory (counted only where freed memory is returned)."""
     assert profile.memory is not None
+    returned = returns_memory(profile, plan)
+    out = {PLAIN_RETURNED: profile.memory.dram_peak_returned_bytes} if returned else \
+        {PLAIN: profile.memory.dram_peak_bytes}
+    if plan.optimizer is not None:
+        own, staging = own_states_in_host(profile), staging_bytes(profile, plan.optimizer)
+        out[STATES] = -own
+        out[OPTIMIZER] = added_host_bytes(profile, plan.optimizer) + own - staging
+        out[STAGING] = staging
     moved_in = simulated_host_peak - host_static_bytes(profile, plan.optimizer) - evicted_from_host_peak
-    return profile.memory.dram_peak_bytes + added_host_bytes(profile, plan.optimizer) + max(0, moved_in)
+    out[MOVED_IN] = max(0, moved_in)
+    out[EVICTED] = -evicted_saving if returned else 0
+    return {what: b for what, b in out.items() if b}
 
+
+def dram_peak_bytes(profile: Profile, plan: Plan, simulated_host_peak: int, evicted_from_host_peak: int,
+                    evicted_saving: int = 0) -> int:
+    """The process's predicted peak resident memory: the sum of `contributors`."""
+    return sum(contributors(profile, plan, simulated_host_peak, evicted_from_host_peak, evicted_saving).values())

@@ -40,6 +40,8 @@ class Budget:
                          "GPU (1 keeps all, 0 writes all to host).", ge=0, le=1)
     grad_grid_bytes: int | None = doc("Step of the size grid the gradient-offload DP solved on (sizes rounded up "
                                       "to it, the reserve down); null without a GPU.", unit=SIZE, default=None)
+    why: str = doc("Where the DRAM budget came from (the option, or the memory cgroup the profile ran in) and what "
+                   "the plan turned on to keep the process's predicted peak under it.", default="", comment=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,6 +160,19 @@ class RoutingPlan:
 
 
 @dataclass(kw_only=True, slots=True)
+class AllocatorPlan:
+    """How the process's C allocator (glibc malloc) hands memory back: the runtime sets these with `mallopt` before
+    the script runs, so that the memory freed tensors leave is returned to the kernel instead of kept in the heap
+    (glibc's default keeps it, and a memory limit counts it)."""
+
+    mmap_threshold_bytes: int = doc("Blocks at least this large are mapped on their own and unmapped when freed "
+                                    "(M_MMAP_THRESHOLD).", unit=SIZE, ge=0)
+    trim_threshold_bytes: int = doc("Free memory above this at the top of a heap is returned (M_TRIM_THRESHOLD).",
+                                    unit=SIZE, ge=0)
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+
+@dataclass(kw_only=True, slots=True)
 class ActivationPrediction:
     """Saved-activation bytes resident in the fast tier over one iteration, with and without tiering."""
 
@@ -177,6 +192,12 @@ class Predicted:
     peak_bytes: dict[str, int] = doc("Peak bytes used in each memory tier, by tier name.", unit=SIZE)
     activations: ActivationPrediction | None = doc("Saved-activation residency; null without a schedule.",
                                                    default=None)
+    dram: dict[str, int] = doc("What makes up the predicted host-memory peak (`peak` of the host tier is this sum "
+                               "less `dram_saved`): plain training's measured peak and what the plan adds there; "
+                               "`hetero run` names the largest when the process nears the budget.", unit=SIZE,
+                               default_factory=dict)
+    dram_saved: dict[str, int] = doc("What the plan moves out of host memory, by what it is.", unit=SIZE,
+                                     default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -191,6 +212,7 @@ class Plan:
     routing: RoutingPlan | None = doc("Gradient-sync routing; null for one process.")
     predicted: Predicted = doc("The simulator's prediction.")
     omitted: dict[str, str] = doc("Why each absent section is absent, by section name.", default_factory=dict)
+    allocator: AllocatorPlan | None = doc("glibc malloc's settings for the run; null: its defaults.", default=None)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")

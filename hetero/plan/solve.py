@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hetero import files
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, footprint, gradient_offload, memferry, routing, simulate, tiering
+from hetero.plan import axdimm, fit, footprint, gradient_offload, memferry, routing, simulate, tiering
 from hetero.plan.choices import build, host_tier, sync_times
 from hetero.plan.model import GPU, Choices, Costs
 from hetero.plan.schema import (
@@ -79,6 +79,7 @@ class Context:
     device_bytes: int
     budget_bytes: int
     dram_bytes: int
+    budget_source: str | None  # where a DRAM budget came from: the option or the memory cgroup; None: no budget
     host_model_bytes: int  # host memory besides optimizer states: parameters, gradients, activations without a GPU
     links: list[routing.Link]
     ranks: int
@@ -98,11 +99,7 @@ def context(profile: Profile, o: PlanOptions) -> Context:
     device_bytes, budget = _gpu_budget(m.gpu, o)
     if not 0 <= o.reserve <= 1:
         raise HeteroError(f"--reserve {o.reserve:g} is not a fraction", hint="use a value from 0 to 1", exit_code=USAGE)
-    dram = host.capacity_bytes if o.dram_budget_bytes is None else o.dram_budget_bytes
-    if dram > host.capacity_bytes:
-        raise HeteroError(f"--dram-budget {SIZE.format_short(dram)} exceeds the "
-                          f"{SIZE.format_short(host.capacity_bytes)} the profile measured for {host.name}",
-                          hint="lower --dram-budget", exit_code=USAGE)
+    dram, source = _dram_budget(m, host, o)
     fast = GPU if m.gpu else host.name
     params = axdimm.params(profile)
     layers = profile.layers
@@ -111,7 +108,29 @@ def context(profile: Profile, o: PlanOptions) -> Context:
     return Context(profile=profile, options=o, gpu=m.gpu, host=host, fast=fast, slow=_slow_tier(profile, o, fast),
                    nvme=axdimm.nvme_tier(profile), device=_device(profile, o), params=params,
                    update_order=axdimm.update_order(profile, params), device_bytes=device_bytes, budget_bytes=budget,
-                   dram_bytes=dram, host_model_bytes=model, links=links, ranks=ranks)
+                   dram_bytes=dram, budget_source=source, host_model_bytes=model, links=links, ranks=ranks)
+
+
+CGROUP = "the memory cgroup the profile ran in"
+
+
+def _dram_budget(m, host: Tier, o: PlanOptions) -> tuple[int, str | None]:
+    """The DRAM budget and where it came from: --dram-budget, else the profile's memory cgroup limit, else none
+    (the host's capacity bounds the plan)."""
+    limit = m.memory_limit_bytes
+    if o.dram_budget_bytes is None:
+        if limit is None:
+            return host.capacity_bytes, None
+        return min(limit, host.capacity_bytes), CGROUP
+    dram = o.dram_budget_bytes
+    if dram > host.capacity_bytes:
+        raise HeteroError(f"--dram-budget {SIZE.format_short(dram)} exceeds the "
+                          f"{SIZE.format_short(host.capacity_bytes)} the profile measured for {host.name}",
+                          hint="lower --dram-budget", exit_code=USAGE)
+    if limit is not None and dram > limit:
+        raise HeteroError(f"--dram-budget {SIZE.format_short(dram)} exceeds the {SIZE.format_short(limit)} limit of "
+                          f"{CGROUP}", hint=f"use at most --dram-budget {SIZE.format_short(limit)}", exit_code=USAGE)
+    return dram, "--dram-budget"
 
 
 def _gpu_budget(gpu: Gpu | None, o: PlanOptions) -> tuple[int, int]:
@@ -177,23 +196,49 @@ def _slow_tier(profile: Profile, o: PlanOptions, fast: str) -> str | None:
 
 
 def plan(profile: Profile, options: PlanOptions) -> Plan:
+    """The plan for `profile` under `options`; under a DRAM budget without a GPU, the fastest that keeps it
+    (hetero.plan.fit)."""
     ctx = context(profile, options)
     pins = _pins(profile, options.previous)
+    if fit.applies(profile, ctx.gpu, ctx.budget_source):
+        return fit.fit(ctx, lambda levers: _solve(ctx, pins, levers), ctx.host.name)
+    out = _solve(ctx, pins, frozenset())
+    _check_dram(ctx, out)
+    if ctx.budget_source is not None:
+        out.budget.why = f"DRAM budget {SIZE.format_short(ctx.dram_bytes)} ({ctx.budget_source})"
+    return out
+
+
+def _solve(ctx: Context, pins: _Pins, levers: frozenset[str]) -> Plan:
+    """The plan with `levers` (hetero.plan.fit.LEVERS) turned on, predicted, not checked against the budget."""
     omitted: dict[str, str] = {}
-    optimizer = _optimizer(ctx, pins, omitted)
-    schedules = _activations(ctx, pins, omitted)
+    optimizer = _optimizer(ctx, pins, omitted, levers)
+    schedules = _activations(ctx, pins, omitted, levers)
     route = _routing(ctx, pins, omitted)
-    out = Plan(source=Source(profile=options.profile_path, profile_sha256=files.content_sha256(profile),
-                             model_fingerprint=profile.model.fingerprint),
-               budget=Budget(gpu_memory_bytes=options.gpu_memory_bytes, dram_budget_bytes=options.dram_budget_bytes,
-                             reserve=options.reserve),
+    budget = ctx.dram_bytes if ctx.budget_source is not None else None
+    out = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
+                             model_fingerprint=ctx.profile.model.fingerprint),
+               budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
+                             reserve=ctx.options.reserve),
                layers=[], optimizer=optimizer, activations=None, routing=route,
-               predicted=Predicted(iteration_s=0.0, peak_bytes={}), omitted=omitted)
+               predicted=Predicted(iteration_s=0.0, peak_bytes={}), omitted=omitted,
+               allocator=_allocator(ctx) if "allocator" in levers else None)
     out.activations = _pick_schedule(ctx, out, schedules)
     _layers(ctx, out, pins)
-    result = predict(profile, out)
-    out.predicted = _predicted(ctx, out, result)
+    out.predicted = predicted_of(ctx.profile, out, predict(ctx.profile, out))
     return out
+
+
+def _allocator(ctx: Context):
+    m = ctx.profile.memory
+    cost = fit.allocator_cost_s(ctx.profile)
+    measured = "measured by the profile" if not m.dram_peak_estimated else \
+        "the profile ran this way throughout (its step times include it)"
+    return fit.allocator_plan(
+        f"glibc returns the memory freed tensors leave: plain training peaks at "
+        f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)}"
+        f"{' (estimated)' if m.dram_peak_estimated else ''} by default, for {short_time(cost)} more per step "
+        f"(page faults), {measured}")
 
 
 def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:
@@ -226,7 +271,7 @@ def _pins(profile: Profile, previous: Plan | None) -> _Pins:
 # -- optimizer ----------------------------------------------------------------------------------------------------
 
 
-def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerPlan | None:
+def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
     training = ctx.profile.training
     if training.optimizer == "other":
         omitted["optimizer"] = ("the script's optimizer is not Adam or AdamW of the model's parameters without "
@@ -238,6 +283,8 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerP
     overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if not overlap else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
+    if "states" in levers:
+        return _states_on_nvme(ctx)
     if device is None:
         omitted["optimizer"] = "--optimizer-device none: the script's optimizer stays as the script built it"
         return None
@@ -265,6 +312,23 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> OptimizerP
     return out
 
 
+def _states_on_nvme(ctx: Context) -> OptimizerPlan:
+    """Every state and master copy in NVMe files, staged through host memory inside step() (hetero.plan.fit)."""
+    training, nvme = ctx.profile.training, ctx.nvme
+    total = sum(axdimm.state_bytes(p) for p in ctx.params)
+    out = OptimizerPlan(kind=training.optimizer, device="host", overlap_backward=False,
+                        micro_batches=training.grad_accumulation,
+                        nvme=NvmeOverflow(path=nvme.path or nvme.name, size_bytes=total),
+                        states=[StatePlacement(param=p.name, tier="nvme") for p in ctx.params])
+    staging = footprint.staging_bytes(ctx.profile, out)
+    out.why = (f"to keep the DRAM budget: every state and fp32 master copy ({SIZE.format_short(total)}) on "
+               f"{nvme.name}, read, updated and written back inside step() through {SIZE.format_short(staging)} of "
+               f"host staging, after backward (updates of NVMe-held states do not overlap it); the script's "
+               f"{footprint.ADAM_STATE_BYTES_PER_PARAM} B/param of Adam states leave host memory, its gradients stay "
+               f"there until it frees them, as in plain training; Adam at {axdimm.rate_text(ctx.rates('host'))}")
+    return out
+
+
 def _host_saves_nothing(ctx: Context) -> str:
     n = sum(p.num_params for p in ctx.params)
     states, master = footprint.ADAM_STATE_BYTES_PER_PARAM * n, 4 * n
@@ -285,7 +349,7 @@ def _placement(ctx: Context, device: str) -> axdimm.Placement:
 # -- activations --------------------------------------------------------------------------------------------------
 
 
-def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[ActivationPlan]:
+def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str], levers: frozenset[str]) -> list[ActivationPlan]:
     """The TierTrain schedule under the paper's busy-prefetcher rule and under ours; `_pick_schedule` simulates
     both."""
     if ctx.slow is None:
@@ -294,7 +358,7 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
     if "layers" in ctx.profile.unmeasured:  # a compiled model: per-layer hooks cannot follow it
         omitted["activations"] = ctx.profile.unmeasured["layers"]
         return []
-    if ctx.gpu is None and not (pins.evictions or ctx.options.tier_activations or _dram_forces(ctx)):
+    if ctx.gpu is None and not (pins.evictions or ctx.options.tier_activations or "tiering" in levers):
         omitted["activations"] = _tiering_saves_nothing(ctx)
         return []
     evict, prefetch = ctx.tier_curves(ctx.slow)
@@ -318,18 +382,11 @@ def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> list[Act
     return out
 
 
-def _dram_forces(ctx: Context) -> bool:
-    """A DRAM budget that plain training's measured peak exceeds (or that cannot be checked against one)."""
-    memory = ctx.profile.memory
-    budget = ctx.options.dram_budget_bytes
-    return budget is not None and (memory is None or memory.dram_peak_bytes > budget)
-
-
 def _tiering_saves_nothing(ctx: Context) -> str:
     saved = max((x.saved_bytes for x in ctx.profile.layers), default=0)
     total = sum(x.saved_bytes for x in ctx.profile.layers)
-    fits = "" if ctx.options.dram_budget_bytes is None else \
-        f"plain training's measured peak fits --dram-budget {SIZE.format_short(ctx.options.dram_budget_bytes)}; "
+    fits = "" if ctx.budget_source is None else \
+        f"the DRAM budget is kept without it ({ctx.budget_source}); "
     return (f"{fits}saved activations ({SIZE.format_short(total)} per step, {SIZE.format_short(saved)} in the "
             "largest layer) live in host memory, whose allocator keeps the memory evicted tensors free for the next "
             "ones: the process's peak would barely fall while every step waits on the disk (--tier-activations "
@@ -440,15 +497,13 @@ def _too_small(ctx: Context, costs: Costs, template: Choices) -> None:
 # -- prediction ---------------------------------------------------------------------------------------------------
 
 
-def _predicted(ctx: Context, out: Plan, result: Result) -> Predicted:
-    predicted = predicted_of(ctx.profile, out, result)
+def _check_dram(ctx: Context, out: Plan) -> None:
     host = ctx.host.name
-    if predicted.peak_bytes[host] > ctx.dram_bytes:
-        raise HeteroError(f"the plan needs {SIZE.format_short(predicted.peak_bytes[host])} of {host}, over the "
+    if out.predicted.peak_bytes[host] > ctx.dram_bytes:
+        raise HeteroError(f"the plan needs {SIZE.format_short(out.predicted.peak_bytes[host])} of {host}, over the "
                           f"budget {SIZE.format_short(ctx.dram_bytes)}",
                           hint="raise --dram-budget, lower --stay-time, or move the optimizer (--optimizer-device)",
                           exit_code=USAGE)
-    return predicted
 
 
 def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
@@ -456,16 +511,21 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     peak = {tier.name: 0 for tier in profile.machine.tiers} | ({GPU: 0} if profile.machine.gpu else {})
     for tier, used in result.peak_bytes.items():
         peak[tier] = peak.get(tier, 0) + used
+    dram: dict[str, int] = {}
     if profile.memory is not None:
         host = host_tier(profile)
         fast = plan.activations.fast if plan.activations else (GPU if profile.machine.gpu else host)
-        peak[host] = footprint.dram_peak_bytes(profile, plan, peak[host],
-                                               result.act_peak_bytes if fast == host else 0)
+        here = fast == host
+        dram = footprint.contributors(profile, plan, peak[host], result.act_peak_bytes if here else 0,
+                                      result.act_peak_untiered_bytes - result.act_peak_bytes if here else 0)
+        peak[host] = sum(dram.values())
     act = None
     if plan.activations is not None and any(e.evict_bytes for e in plan.activations.schedule):
         act = ActivationPrediction(avg_fast_bytes=result.act_avg_bytes, peak_fast_bytes=result.act_peak_bytes,
                                    avg_fast_untiered_bytes=result.act_avg_untiered_bytes,
                                    peak_fast_untiered_bytes=result.act_peak_untiered_bytes)
     sync = sync_times(profile, plan)
-    return Predicted(iteration_s=_ns(result.iteration_s), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
-                     activations=act)
+    iteration = result.iteration_s + (fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0)
+    return Predicted(iteration_s=_ns(iteration), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
+                     activations=act, dram={k: b for k, b in dram.items() if b > 0},
+                     dram_saved={k: -b for k, b in dram.items() if b < 0})

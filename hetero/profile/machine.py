@@ -26,6 +26,7 @@ from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, ti
 from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.states import AxdimmHome, ChannelDriver
+from hetero.run import process_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
@@ -49,7 +50,8 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     report("machine", 3, len(phases))
     axdimm = measure_axdimm(slowdown=cpu.background_slowdown)
     report("machine", 4, len(phases))
-    return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [])
+    return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [],
+                   memory_limit_bytes=process_memory.memory_limit_bytes())
 
 
 def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = ()) -> dict[str, str]:

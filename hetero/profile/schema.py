@@ -190,6 +190,9 @@ class Machine:
     tiers: list[Tier] = doc("Memory tiers, fastest first.")
     axdimm: Axdimm | None = doc("The AXDIMM; null when there is none.")
     peers: list[Peer] = doc("Links between data-parallel ranks; empty for one process.", default_factory=list)
+    memory_limit_bytes: int | None = doc("The limit of the memory cgroup the profiled process ran in (cgroup v1 "
+                                         "`memory.limit_in_bytes`, v2 `memory.max`); null: none. `hetero plan` "
+                                         "takes it as the default DRAM budget.", unit=SIZE, ge=0, default=None)
 
     def problems(self) -> list[tuple[str, str]]:
         return unique_names(self.tiers, "tiers")
@@ -243,6 +246,18 @@ class Memory:
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
                                               "a GPU.", unit=SIZE, ge=0, default=None)
+    dram_peak_estimated: bool = doc("`dram_peak` was not measured: the profile ran under a budget with freed memory "
+                                    "returned from the start (plain training might not have fit), and `dram_peak` "
+                                    "is then the peak measured that way, a lower bound of plain's.", default=False)
+    dram_peak_returned_bytes: int | None = doc("Peak resident memory over steps run with glibc returning freed "
+                                               "memory to the kernel (the plan's `allocator`); null: not measured.",
+                                               unit=SIZE, ge=0, default=None)
+    returned_step_s: float | None = doc("Mean step time over those steps, to set beside `training.iteration`: "
+                                        "what returning memory costs (page faults); null: not measured.",
+                                        unit=TIME, default=None)
+    profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
+                                     "`freed memory returned from the start, under the 2GiB memory cgroup`.",
+                                     default=None)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,13 +18,15 @@ import torch
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters
+from hetero.plan.axdimm import STORE_CHUNK_BYTES
 from hetero.plan.schema import OptimizerPlan
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.bootstrap import StopScript
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.devices.nvme import NvmeStore
 from hetero.units import SIZE
-from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome, NvmeStaging
+from hetero.run.nvme_states import NvmeStaging, slot_numel
+from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome
 
 ALIGN = 64  # the emulated device aligns every allocation to this
 
@@ -72,7 +74,7 @@ class Placement:
             if tiers[name].channel is not None:
                 need[tiers[name].channel] += 4 * _aligned(p.numel() * FP32)
         if spilled:  # two staging slots, on channels 0 and 1 (or both on 0)
-            largest = 4 * _aligned(max(p.numel() for _, p in spilled) * FP32)
+            largest = 4 * _aligned(max(slot_numel(p) for _, p in spilled) * FP32)
             for slot in range(2):
                 need[slot % channels] += largest
         self.device = EmulatedAxdimm(channel_capacity_bytes=max(need) + ALIGN, channels=channels)
@@ -86,11 +88,15 @@ class Placement:
         return lambda channel, param: HostHome(driver, kernel, param)
 
     def _nvme(self, spilled, make) -> None:
-        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path")
-        largest = max((p for _, p in spilled), key=lambda p: p.numel())
+        # 1 MiB bounce buffers (one per I/O thread): the staged pieces' aligned middles move straight to and from
+        # disk, so larger ones would only hold host memory the plan counts (hetero.plan.footprint)
+        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path", chunk_bytes=STORE_CHUNK_BYTES)
+        largest = max((p for _, p in spilled), key=slot_numel)
+        n = slot_numel(largest)
+        like = largest if largest.device.type != "cpu" else torch.zeros(n)  # what a slot is made for: size, device
         channels = self.plan.channels or 1
-        slots = [make(s % channels if self.device else None, largest) for s in range(2)]
-        self.staging = NvmeStaging(self.store, slots, largest.numel())
+        slots = [make(s % channels if self.device else None, like) for s in range(2)]
+        self.staging = NvmeStaging(self.store, slots, n)
         for name, p in spilled:
             self.staging.add(name, p)
 

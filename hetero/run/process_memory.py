@@ -49,3 +49,60 @@ def peak_line(measured: int, predicted: int | None, plain: int | None, what: str
     if predicted:
         line += f"; predicted {SIZE.format_short(predicted)}, measured {measured / predicted - 1:+.0%}"
     return line
+
+
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned counter (9223372036854771712)
+
+
+def memory_limit_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The limit of the memory cgroup this process runs in, the tightest of its ancestors' included; None when
+    there is none (or cgroups cannot be read). cgroup v1: the `memory` controller's line of /proc/self/cgroup names
+    a folder under `root`/memory whose memory.stat has `hierarchical_memory_limit` (memory.limit_in_bytes where it
+    lacks it); cgroup v2: the `0::` line, and memory.max in that folder and each one above it."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        return _v1_limit(f"{root}/memory{v1.rstrip('/')}")
+    v2 = next((path for hierarchy, controllers, path in lines if hierarchy == "0" and controllers == ""), None)
+    return _v2_limit(root, v2) if v2 is not None else None
+
+
+def _v1_limit(folder: str) -> int | None:
+    limits = [int(line.split()[1]) for line in _lines(f"{folder}/memory.stat")
+              if line.startswith("hierarchical_memory_limit ")]
+    limits += [int(x) for x in _lines(f"{folder}/memory.limit_in_bytes")[:1] if x.strip().isdigit()]
+    tight = min(limits, default=None)
+    return tight if tight is not None and tight < UNLIMITED else None
+
+
+def _v2_limit(root: str, path: str) -> int | None:
+    parts = [p for p in path.split("/") if p]
+    limits = []
+    for depth in range(len(parts), -1, -1):
+        value = _lines(f"{root}/{'/'.join(parts[:depth])}/memory.max".replace("//", "/"))[:1]
+        if value and value[0].strip().isdigit():
+            limits.append(int(value[0]))
+    return min(limits) if limits else None
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def reset_peak() -> bool:
+    """Start the kernel's high-water mark (VmHWM) again from the current resident set (writing 5 to
+    /proc/self/clear_refs); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

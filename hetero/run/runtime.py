@@ -49,6 +49,8 @@ class Mechanism(Protocol):
 
 def mechanisms(plan: Plan) -> list[Mechanism]:
     """The mechanisms this plan asks for."""
+    from hetero.run.allocator import ReturnFreedMemory
+    from hetero.run.budget_watch import BudgetWatch
     from hetero.run.ddp_sync import DdpSync
     from hetero.run.optimizer import OptimizerOffload
     from hetero.run.routing import GradientRouting
@@ -62,7 +64,10 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
     found += [ActivationTiering(plan.activations)] if plan.activations is not None else []
     found += [GradientRouting(plan, ddp)] if plan.routing is not None else []
     overlapped = plan.optimizer is not None and plan.optimizer.device != "gpu" and plan.optimizer.overlap_backward
-    return found + ([ddp] if overlapped or plan.routing is not None else [])
+    found += [ddp] if overlapped or plan.routing is not None else []
+    # first: malloc's settings must hold before any other mechanism allocates
+    found[:0] = [ReturnFreedMemory(plan.allocator)] if plan.allocator is not None else []
+    return found + ([BudgetWatch(plan)] if plan.budget.dram_budget_bytes else [])
 
 
 class Runtime:

@@ -160,6 +160,10 @@ class AxdimmHome:
     def copy_back(self, param: torch.Tensor) -> None:
         self.device.memcpy(self.source.host_data(param), self._regions(param.numel())[0], param.numel() * FP32)
 
+    def host_buffers(self) -> None:
+        """None: the channel's memory is reached through memcpy only (the AXDIMM's rule), so staging bounces."""
+        return None
+
 
 class HostHome:
     """Master copy and Adam states in host memory (pinned when a GPU computes), updated by the host's driver."""
@@ -173,11 +177,11 @@ class HostHome:
 
     def load(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         for dst, src in zip(self.buffers, (master, exp_avg, exp_avg_sq)):
-            dst[:master.numel()].copy_(src.reshape(-1))
+            _copy(dst[:master.numel()], src.reshape(-1))
 
     def store(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         for dst, src in zip((master, exp_avg, exp_avg_sq), self.buffers):
-            dst.copy_(src[:master.numel()])
+            _copy(dst, src[:master.numel()])
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
         ready = self.source.ready(grad)
@@ -200,71 +204,12 @@ class HostHome:
     def copy_back(self, param: torch.Tensor) -> None:
         self.source.host_data(param).copy_(self.buffers[0][:param.numel()])
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """master, m and v as host tensors, for NVMe staging to read into and write from directly."""
+        return self.buffers
 
-class NvmeStaging:
-    """States kept in NVMe files between steps (the AXDIMM paper's overflow, §5.3), updated at `step()` through two
-    staging slots on the update device: while one slot's tensor is updated the next one is read into the other, and
-    an updated tensor is written out (leaves) before its slot takes the next (updated tensors leave first). This is
-    the schedule hetero.plan.simulate predicts; a change here changes the plan's predictions."""
 
-    def __init__(self, store, slots: list, largest: int):
-        self.store = store
-        self.slots = slots  # two staging homes sized for the largest parameter: AxdimmHome or HostHome
-        self.bounce = [tuple(torch.empty(largest) for _ in range(3)) for _ in slots]  # host side of each slot
-        self.writes: list[list] = [[] for _ in slots]
-
-    def add(self, key: str, param: torch.Tensor) -> None:
-        zeros = torch.zeros(param.numel())
-        for part, data in zip("pmv", (flat(param), zeros, zeros)):
-            self.store.write(f"{key}.{part}", data.clone())
-
-    def update_all(self, jobs: list[tuple[str, torch.Tensor, torch.Tensor, Hyperparameters, int]]) -> None:
-        """jobs: (key, param, grad, hyperparameters, step) in update order; params change here, as step() runs."""
-        reads = {0: self._read(0, jobs[0])} if jobs else {}
-        for j, (key, param, grad, hp, step) in enumerate(jobs):
-            if j + 1 < len(jobs):
-                reads[j + 1] = self._read((j + 1) % len(self.slots), jobs[j + 1])  # prefetch the next
-            for handle in reads.pop(j):
-                handle.wait()
-            self._update(j % len(self.slots), key, param, grad, hp, step)
-        for slot in range(len(self.slots)):
-            self._wait_writes(slot)
-
-    def _read(self, slot: int, job) -> list:
-        key, param = job[0], job[1]
-        self._wait_writes(slot)  # the slot's previous tensor has left
-        n = param.numel()
-        return [self.store.read_async(f"{key}.{part}", buf[:n]) for part, buf in zip("pmv", self.bounce[slot])]
-
-    def _update(self, slot: int, key: str, param, grad, hp: Hyperparameters, step: int) -> None:
-        home, n = self.slots[slot], param.numel()
-        ready = home.source.ready(grad)  # here: the driver thread's current stream is not the compute stream
-        master, exp_avg, exp_avg_sq = (b[:n] for b in self.bounce[slot])
-
-        def staged() -> None:  # one job on the slot's driver, the only thread switching its channel
-            home.quiesce()
-            home.load(master, exp_avg, exp_avg_sq)
-            home.run_update(grad, hp, step, ready)
-            home.quiesce()
-            home.copy_back(param)
-            home.store(master, exp_avg, exp_avg_sq)
-
-        home.driver.submit(staged)
-        home.driver.drain()
-        self.writes[slot] = [self.store.write_async(f"{key}.{part}", b) for part, b in
-                             zip("pmv", (master, exp_avg, exp_avg_sq))]
-
-    def _wait_writes(self, slot: int) -> None:
-        for handle in self.writes[slot]:
-            handle.wait()
-        self.writes[slot] = []
-
-    def states(self, key: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty(numel), torch.empty(numel)
-        for part, buf in zip("mv", out):
-            self.store.read(f"{key}.{part}", buf)
-        return out
-
-    def load(self, key: str, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        for part, data in zip("pmv", (master, exp_avg, exp_avg_sq)):
-            self.store.write(f"{key}.{part}", data.reshape(-1).contiguous().clone())
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, nothing when they are the same memory (NVMe staging reads straight into a host home)."""
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)

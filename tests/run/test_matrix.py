@@ -1,6 +1,7 @@
 """Every combination the planner can write, trained against plain PyTorch from the same seed.
 
-optimizer {host, emulated AXDIMM, AXDIMM with NVMe overflow} x overlap {on, off} x tiering {off, on}
+optimizer {host, every state on NVMe staged through host memory (no AXDIMM), emulated AXDIMM, AXDIMM with NVMe
+overflow} x overlap {on, off} x tiering {off, on}
 x {one process, 2-rank DDP over gloo, 2-rank DDP with routing} x script {plain, gradient accumulation 2 (under
 DDP with `no_sync()` on the first micro-batch, and without: every micro-batch all-reduced), clip_grad_norm_}.
 Each cell: losses and final weights `assert_close` to plain torch AdamW (hetero's update is
@@ -34,7 +35,7 @@ from tests.run.test_routing import make_model, routed_plan
 from tests.run.test_tiering import tiering_plan
 
 STEPS = 3
-OPTIMIZERS = ("host", "axdimm", "axdimm+nvme")
+OPTIMIZERS = ("host", "host+nvme", "axdimm", "axdimm+nvme")
 SCRIPTS = ("plain", "accum2", "accum2-synced", "clip")
 SPILLED = ("mid.weight", "out.bias")  # on NVMe in the overflow cells: a large and a small tensor
 
@@ -59,8 +60,9 @@ CELLS = [Cell(o, ov, t, s) for o, ov, t, s in itertools.product(OPTIMIZERS, (Tru
 
 
 def plan_for(cell: Cell, model: nn.Module, workdir: str, routed: bool) -> Plan:
-    device = "host" if cell.optimizer == "host" else "axdimm"
-    nvme = SPILLED if cell.optimizer.endswith("+nvme") else ()
+    device = cell.optimizer.split("+")[0]
+    every = tuple(name for name, _ in model.named_parameters())
+    nvme = {"host+nvme": every, "axdimm+nvme": SPILLED}.get(cell.optimizer, ())
     plan = optimizer_plan(model, device=device, overlap=cell.overlap, nvme=nvme, nvme_path=workdir,
                           micro_batches=2 if cell.script.startswith("accum2") else 1)
     omitted = {"layers": "test"}

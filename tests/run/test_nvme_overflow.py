@@ -54,7 +54,7 @@ def runtime_events(tmp_path) -> tuple[dict, list[str], float]:
     events: dict[str, dict[str, tuple[float, float]]] = {n: {} for n in names}
     for _, name, start, end, _ in sink.spans:
         what, _, key = name.partition(" ")
-        tensor = key.rsplit(".", 1)[0]  # "0.weight.m" -> "0.weight"; p, m and v are read and written together
+        tensor = key.rsplit(".", 2)[0]  # "0.weight.0.m" (piece 0) -> "0.weight"; p, m and v move together
         if what in ("read", "write") and tensor in events and key.rsplit(".", 1)[1] in "pmv":
             before = events[tensor].get(what, (start, end))
             events[tensor][what] = (min(before[0], start), max(before[1], end))

@@ -1,0 +1,135 @@
+"""Keeping a DRAM budget on a machine without a GPU: the plan's predicted whole-process peak (hetero.plan.footprint)
+must not exceed it. When plain training's does, the planner tries every combination of what can lower host memory
+here, each simulated as a whole plan, and keeps the fastest combination that fits:
+
+- `allocator`: glibc returns the memory freed tensors leave (the plan's `allocator` section); the profile measures
+  the peak and the step time that way, so its cost is measured page faults, not a guess;
+- `states`: every Adam state (and its fp32 master copy) on NVMe, staged through host memory inside `step()`;
+- `tiering`: saved activations evicted to the slow tier after each layer's forward (lowers the peak only where
+  freed memory is returned, which the footprint counts).
+
+A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
+I/O; `solve` builds and simulates each candidate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import combinations
+
+from hetero.errors import USAGE, HeteroError
+from hetero.plan.schema import AllocatorPlan, Plan
+from hetero.units import SIZE, short_time
+
+LEVERS = ("allocator", "states", "tiering")  # in the order their effects are described
+# glibc's thresholds when freed memory is returned: blocks from 128 KiB are mapped alone; the profile measures
+# with the same values (hetero.profile.returned)
+MMAP_THRESHOLD_BYTES = 128 << 10
+TRIM_THRESHOLD_BYTES = 128 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    levers: frozenset[str]
+    plan: Plan
+    peak_bytes: int
+    iteration_s: float
+
+
+def applies(profile, gpu, budget_source: str | None) -> bool:
+    """Fitting is done without a GPU, under a budget, from a profile that measured plain training's peak."""
+    return gpu is None and budget_source is not None and profile.memory is not None
+
+
+def available(ctx) -> tuple[list[str], dict[str, str]]:
+    """The levers this profile and these options allow, and why each other one is not."""
+    memory, out, why = ctx.profile.memory, [], {}
+    if memory.dram_peak_returned_bytes is None:
+        why["allocator"] = "the profile did not measure the peak with freed memory returned (re-profile)"
+    else:
+        out.append("allocator")
+    if ctx.profile.training.optimizer == "other" or ctx.device != "host" or ctx.nvme is None:
+        why["states"] = ("the script's optimizer is not hetero's to move" if ctx.device != "host" or
+                         ctx.profile.training.optimizer == "other" else "the profile has no NVMe tier")
+    else:
+        out.append("states")
+    if ctx.slow is None or "layers" in ctx.profile.unmeasured:
+        why["tiering"] = "no slower tier to evict saved activations to"
+    else:
+        out.append("tiering")
+    return out, why
+
+
+def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
+    """The plan under `ctx.dram_bytes`: plain training's when it fits, else the fastest combination of levers that
+    fits; HeteroError (exit 2) when none does."""
+    levers, unusable = available(ctx)
+    forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \
+        else frozenset()
+    seen: dict[frozenset[str], Candidate] = {}
+    for k in range(len(levers) + 1):
+        for combo in combinations(levers, k):
+            chosen = frozenset(combo) | forced
+            if chosen not in seen:
+                p = solve(chosen)
+                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
+    budget = ctx.dram_bytes
+    base = seen[forced]
+    fitting = [c for c in seen.values() if c.peak_bytes <= budget]
+    if not fitting:
+        least = min(seen.values(), key=lambda c: c.peak_bytes)
+        raise HeteroError(
+            f"the plan needs {SIZE.format_short(least.peak_bytes)} of {host} even with "
+            f"{_names(least.levers) or 'nothing moved'}, over the budget {SIZE.format_short(budget)} "
+            f"({ctx.budget_source})" + _unusable_text(unusable),
+            hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes, 3)} or more, or train a smaller "
+                 "model or batch", exit_code=USAGE)
+    best = base if base.peak_bytes <= budget else min(fitting, key=lambda c: (c.iteration_s, len(c.levers),
+                                                                               c.peak_bytes))
+    best.plan.budget.why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
+    return best.plan
+
+
+def allocator_plan(why: str) -> AllocatorPlan:
+    return AllocatorPlan(mmap_threshold_bytes=MMAP_THRESHOLD_BYTES, trim_threshold_bytes=TRIM_THRESHOLD_BYTES,
+                         why=why)
+
+
+def allocator_cost_s(profile) -> float:
+    """What returning freed memory adds to a step, as the profile measured it (0 where it could not compare)."""
+    m = profile.memory
+    if m is None or m.returned_step_s is None or m.dram_peak_estimated:
+        return 0.0
+    return max(0.0, m.returned_step_s - profile.training.iteration_s)
+
+
+def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced: frozenset[str]) -> str:
+    source = f"DRAM budget {SIZE.format_short(ctx.dram_bytes)} ({ctx.budget_source})"
+    if best is base and not best.levers:
+        return f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits, nothing moved"
+    parts = []
+    for lever in (x for x in LEVERS if x in best.levers):
+        without = seen.get(best.levers - {lever})
+        if without is None:
+            parts.append(f"{_NAMES[lever]} (always: plain training's own peak was not measured)")
+            continue
+        parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - best.peak_bytes)} for "
+                     f"{short_time(best.iteration_s - without.iteration_s)} per iteration")
+    plain = "plain training's peak" + (" (estimated)" if forced else "")
+    return (f"{source}: {plain} {SIZE.format_short(seen[frozenset()].peak_bytes if frozenset() in seen else base.peak_bytes)} "
+            f"exceeds it; {'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
+            f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "
+            f"(of {len(seen)} simulated)")
+
+
+_NAMES = {"allocator": "returning freed memory", "states": "optimizer states on NVMe",
+          "tiering": "evicting saved activations"}
+
+
+def _names(levers: frozenset[str]) -> str:
+    return ", ".join(_NAMES[x] for x in LEVERS if x in levers)
+
+
+def _unusable_text(unusable: dict[str, str]) -> str:
+    return "".join(f"; not {_NAMES[k]}: {v}" for k, v in unusable.items())

@@ -1,0 +1,115 @@
+"""Optimizer states kept in NVMe files between steps (ZeRO-Infinity's optimizer on NVMe; the AXDIMM paper's
+overflow, §5.3), updated inside `optimizer.step()` through two staging slots on the update device.
+
+While one slot's piece is updated the next one is read into the other, and an updated piece is written out (leaves)
+before its slot takes the next (updated pieces leave first). This is the schedule hetero.plan.simulate predicts; a
+change here changes the plan's predictions. The update device is either an AXDIMM channel (whose memory is reached
+through memcpy, so the reads land in a host bounce buffer first) or host memory (the reads land in the slot itself).
+
+A parameter of the CPU is staged in pieces of at most `STAGING_CHUNK_PARAMS` elements (Adam is elementwise, so a
+piece's update is the same arithmetic as the whole tensor's), so the slots cost the same few MiB of host memory
+whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's parameter is staged
+whole: its gradient comes down in one copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero.kernels.adam import Hyperparameters
+from hetero.plan.axdimm import STAGING_CHUNK_PARAMS
+from hetero.run.states import flat
+
+Job = tuple[str, torch.Tensor, torch.Tensor, Hyperparameters, int]  # key, param, grad, hyperparameters, step
+
+
+def pieces(numel: int, on_cpu: bool) -> list[tuple[int, int]]:
+    """[start, end) of each staged piece of a tensor of `numel` elements."""
+    step = STAGING_CHUNK_PARAMS if on_cpu else max(numel, 1)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, 0)]
+
+
+def slot_numel(largest: torch.Tensor) -> int:
+    """Elements a staging slot holds: the largest staged piece."""
+    return max(b - a for a, b in pieces(largest.numel(), largest.device.type == "cpu"))
+
+
+class NvmeStaging:
+    """States of the parameters `add`ed, in files of `store`, updated through `slots` (two homes of `slot_numel`
+    elements: AxdimmHome or HostHome)."""
+
+    def __init__(self, store, slots: list, numel: int):
+        self.store = store
+        self.slots = slots
+        # the host side of each slot: the home's own buffers where it has them (no copy), else a bounce buffer
+        self.bounce = [tuple(home.host_buffers() or [torch.empty(numel) for _ in range(3)]) for home in slots]
+        self.writes: list[list] = [[] for _ in slots]
+        self.spans: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, key: str, param: torch.Tensor) -> None:
+        self.spans[key] = pieces(param.numel(), param.device.type == "cpu")
+        data = flat(param)
+        for k, (a, b) in enumerate(self.spans[key]):
+            zeros = torch.zeros(b - a)
+            for part, values in zip("pmv", (data[a:b], zeros, zeros)):
+                self.store.write(f"{key}.{k}.{part}", values.clone())
+
+    def update_all(self, jobs: list[Job]) -> None:
+        """jobs in update order; params change here, as step() runs. Each job's pieces go through the slots in
+        turn, the next piece's read overlapping the current piece's update."""
+        staged = [(f"{key}.{k}", flat(p.data)[a:b] if b - a < p.numel() else p, _piece(g, a, b, p), hp, step)
+                  for key, p, g, hp, step in jobs for k, (a, b) in enumerate(self.spans[key])]
+        reads = {0: self._read(0, staged[0])} if staged else {}
+        for j, (key, param, grad, hp, step) in enumerate(staged):
+            if j + 1 < len(staged):
+                reads[j + 1] = self._read((j + 1) % len(self.slots), staged[j + 1])  # prefetch the next
+            for handle in reads.pop(j):
+                handle.wait()
+            self._update(j % len(self.slots), key, param, grad, hp, step)
+        for slot in range(len(self.slots)):
+            self._wait_writes(slot)
+
+    def _read(self, slot: int, job: Job) -> list:
+        key, param = job[0], job[1]
+        self._wait_writes(slot)  # the slot's previous piece has left
+        n = param.numel()
+        return [self.store.read_async(f"{key}.{part}", buf[:n]) for part, buf in zip("pmv", self.bounce[slot])]
+
+    def _update(self, slot: int, key: str, param, grad, hp: Hyperparameters, step: int) -> None:
+        home, n = self.slots[slot], param.numel()
+        ready = home.source.ready(grad)  # here: the driver thread's current stream is not the compute stream
+        master, exp_avg, exp_avg_sq = (b[:n] for b in self.bounce[slot])
+
+        def staged() -> None:  # one job on the slot's driver, the only thread switching its channel
+            home.quiesce()
+            home.load(master, exp_avg, exp_avg_sq)
+            home.run_update(grad, hp, step, ready)
+            home.quiesce()
+            home.copy_back(param)
+            home.store(master, exp_avg, exp_avg_sq)
+
+        home.driver.submit(staged)
+        home.driver.drain()
+        self.writes[slot] = [self.store.write_async(f"{key}.{part}", b) for part, b in
+                             zip("pmv", (master, exp_avg, exp_avg_sq))]
+
+    def _wait_writes(self, slot: int) -> None:
+        for handle in self.writes[slot]:
+            handle.wait()
+        self.writes[slot] = []
+
+    def states(self, key: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(numel), torch.empty(numel)
+        for k, (a, b) in enumerate(self.spans[key]):
+            for part, buf in zip("mv", out):
+                self.store.read(f"{key}.{k}.{part}", buf[a:b])
+        return out
+
+    def load(self, key: str, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        for k, (a, b) in enumerate(self.spans[key]):
+            for part, data in zip("pmv", (master, exp_avg, exp_avg_sq)):
+                self.store.write(f"{key}.{k}.{part}", data.reshape(-1)[a:b].contiguous().clone())
+
+
+def _piece(grad: torch.Tensor, a: int, b: int, param: torch.Tensor) -> torch.Tensor:
+    return grad if b - a == param.numel() else flat(grad)[a:b]

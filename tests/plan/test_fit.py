@@ -1,0 +1,99 @@
+"""A DRAM budget is a hard limit on the predicted whole-process peak: the planner turns on what it needs, the
+fastest combination that fits, says what each choice saved, and refuses a budget nothing meets."""
+
+import pytest
+
+from hetero import files
+from hetero.errors import USAGE, HeteroError
+from hetero.plan import footprint
+from hetero.plan.solve import PlanOptions, plan
+from hetero.profile.schema import Memory, Profile
+
+MiB = 2**20
+PLAIN, RETURNED = 900 * MiB, 700 * MiB
+
+
+@pytest.fixture
+def cpu(repo) -> Profile:
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    profile.memory = Memory(dram_peak_bytes=PLAIN, dram_peak_returned_bytes=RETURNED,
+                            returned_step_s=profile.training.iteration_s * 1.25)
+    return profile
+
+
+def own_states(profile: Profile) -> int:
+    return footprint.ADAM_STATE_BYTES_PER_PARAM * sum(x.num_params for x in profile.layers)
+
+
+def peak(p) -> int:
+    return p.predicted.peak_bytes["dram"]
+
+
+def test_the_peak_is_the_sum_of_the_plans_own_account(cpu):
+    p = plan(cpu, PlanOptions(dram_budget_bytes=RETURNED + 10 * MiB))
+    assert peak(p) == sum(p.predicted.dram.values()) - sum(p.predicted.dram_saved.values())
+
+
+def test_a_budget_plain_training_fits_moves_nothing_and_says_so(cpu):
+    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
+    assert (p.allocator, p.optimizer, p.activations) == (None, None, None)
+    assert peak(p) == PLAIN and "fits, nothing moved" in p.budget.why
+
+
+def test_returning_freed_memory_is_turned_on_when_it_is_what_fits_and_its_cost_counts(cpu):
+    budget = 800 * MiB  # only freed memory returned reaches it: the states alone save 23MiB
+    p = plan(cpu, PlanOptions(dram_budget_bytes=budget))
+    assert p.allocator is not None and peak(p) <= budget
+    assert "returning freed memory saves 200MiB" in p.budget.why and "--dram-budget" in p.budget.why
+    alone = plan(cpu, PlanOptions(dram_budget_bytes=RETURNED))
+    assert peak(alone) <= RETURNED and p.predicted.iteration_s <= alone.predicted.iteration_s  # the fastest fit
+    cpu.memory.dram_peak_returned_bytes = None
+    states = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN - 10 * MiB))
+    both_off = plan(cpu, PlanOptions())
+    # what returning memory costs a step, as the profile measured it, is in the prediction
+    assert p.predicted.iteration_s == pytest.approx(states.predicted.iteration_s + 0.25 * cpu.training.iteration_s,
+                                                    rel=1e-6) or p.optimizer is None
+    assert both_off.allocator is None
+
+
+def test_below_that_the_planner_adds_what_it_needs_and_each_choice_says_what_it_saved(cpu):
+    budget = RETURNED - 10 * MiB
+    p = plan(cpu, PlanOptions(dram_budget_bytes=budget))
+    assert peak(p) <= budget and p.allocator is not None
+    assert p.optimizer is not None or p.activations is not None
+    for lever, section in (("optimizer states on NVMe", p.optimizer), ("evicting saved activations", p.activations)):
+        assert (f"{lever} saves" in p.budget.why) == (section is not None)
+
+
+def test_optimizer_states_go_to_nvme_when_only_they_fit(cpu):
+    cpu.memory.dram_peak_returned_bytes = None  # no allocator to turn on: the states are the one lever that saves
+    staging = 2 * 3 * 4 * 2**18 + 3 * MiB  # two slots of master, m and v of 256K elements; the store's buffers
+    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN - 10 * MiB))
+    assert p.optimizer.device == "host" and {s.tier for s in p.optimizer.states} == {"nvme"}
+    assert p.optimizer.overlap_backward is False and p.activations is None
+    assert peak(p) == PLAIN - own_states(cpu) + staging
+    assert p.predicted.dram_saved == {footprint.STATES: own_states(cpu)}
+    assert "allocator" not in p.budget.why or "did not measure" in p.budget.why
+
+
+def test_a_budget_nothing_meets_is_refused_with_the_least_the_plan_needs(cpu):
+    with pytest.raises(HeteroError) as e:
+        plan(cpu, PlanOptions(dram_budget_bytes=100 * MiB))
+    assert e.value.exit_code == USAGE and "over the budget 100MiB" in e.value.message
+    assert "\n" not in e.value.message and e.value.hint.startswith("raise --dram-budget to")
+
+
+def test_the_memory_cgroup_is_the_default_budget_and_an_option_above_it_is_refused(cpu):
+    cpu.machine.memory_limit_bytes = 800 * MiB
+    p = plan(cpu, PlanOptions())
+    assert p.budget.dram_budget_bytes == 800 * MiB and "memory cgroup the profile ran in" in p.budget.why
+    assert p.allocator is not None
+    with pytest.raises(HeteroError, match="exceeds the 800MiB limit of the memory cgroup"):
+        plan(cpu, PlanOptions(dram_budget_bytes=900 * MiB))
+
+
+def test_a_profile_that_could_not_measure_plains_peak_always_returns_memory(cpu):
+    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
+                        returned_step_s=cpu.training.iteration_s)
+    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
+    assert p.allocator is not None and "estimated" in p.budget.why

@@ -1,0 +1,90 @@
+"""The runtime keeps what the plan decided about host memory: malloc's thresholds set (and restored) by the plan's
+`allocator` section, training unchanged by them, and one warning when the process nears the plan's DRAM budget."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from hetero.plan import fit
+from hetero.plan.schema import Predicted
+from hetero.run import allocator, process_memory
+from hetero.run.budget_watch import BudgetWatch, warning_line
+from hetero.run.runtime import Runtime, mechanisms
+from tests.run.plans import optimizer_plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def train(net: nn.Module) -> list[float]:
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(torch.randn(16, 32, generator=g)), torch.randint(8, (16,), generator=g))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_returned_memory_and_states_on_nvme_train_as_plain(tmp_path, monkeypatch):
+    calls = []
+    real = allocator.set_thresholds
+    monkeypatch.setattr(allocator, "set_thresholds", lambda m, t: calls.append((m, t)) or real(m, t))
+    reference = model()
+    expected = train(reference)
+    net = model()
+    names = tuple(n for n, _ in net.named_parameters())
+    plan = optimizer_plan(net, device="host", overlap=False, nvme=names, nvme_path=str(tmp_path))
+    plan = replace(plan, allocator=fit.allocator_plan("test"))
+    with Runtime(plan, script=__file__):
+        assert calls == [(fit.MMAP_THRESHOLD_BYTES, fit.TRIM_THRESHOLD_BYTES)]  # before the script runs
+        losses = train(net)
+    assert calls[-1] == (allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
+    assert_close(torch.tensor(losses), torch.tensor(expected))
+    for p, q in zip(net.parameters(), reference.parameters()):
+        assert_close(p, q)
+
+
+def test_no_allocator_section_leaves_malloc_alone(monkeypatch):
+    monkeypatch.setattr(allocator, "set_thresholds", lambda *a: pytest.fail("malloc touched"))
+    with Runtime(optimizer_plan(model(), device="host"), script=__file__):
+        pass
+
+
+def test_the_watch_warns_once_near_the_budget_naming_the_largest_contributors():
+    plan = optimizer_plan(model(), device="host")
+    now = process_memory.dram_peak_bytes()
+    plan.predicted = Predicted(iteration_s=1.0, peak_bytes={}, dram={"plain training": 3 << 30, "staging": 1 << 20,
+                                                                       "hetero optimizer": 1 << 30})
+    out = io.StringIO()
+    far = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=4 * now)), out=out)
+    far.check()
+    assert far.warned is None and out.getvalue() == ""
+    near = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=int(now / 0.97))), out=out)
+    near.check()
+    near.check()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "within 5% of the plan's" in lines[0]
+    assert "plain training 3GiB, hetero optimizer 1GiB, staging 1MiB" in lines[0]
+
+
+def test_a_budget_in_the_plan_starts_the_watch_and_none_does_not():
+    plan = optimizer_plan(model(), device="host")
+    assert not any(isinstance(m, BudgetWatch) for m in mechanisms(plan))
+    budgeted = replace(plan, budget=replace(plan.budget, dram_budget_bytes=1 << 40))
+    assert any(isinstance(m, BudgetWatch) for m in mechanisms(budgeted))
+    assert "over the plan's" in warning_line(2 << 30, 1 << 30, {})

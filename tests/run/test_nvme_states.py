@@ -1,0 +1,61 @@
+"""Optimizer states on NVMe without an AXDIMM: every state in files, staged through host memory in pieces, trains
+exactly as torch's AdamW (fused arithmetic), and its state_dict reads back torch's format from the files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from hetero.run import nvme_states
+from hetero.run.runtime import Runtime
+from tests.run.plans import optimizer_plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+
+
+def train(net: nn.Module, steps: int = 3) -> tuple[list[float], dict]:
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(torch.randn(16, 24, generator=g)), torch.randint(8, (16,), generator=g))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, opt.state_dict()
+
+
+@pytest.mark.parametrize("chunk", [nvme_states.STAGING_CHUNK_PARAMS, 100], ids=["whole", "pieces of 100"])
+def test_every_state_on_nvme_trains_as_torch(chunk, tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme_states, "STAGING_CHUNK_PARAMS", chunk)
+    reference = model()
+    ref_losses, ref_state = train(reference)
+    net = model()
+    names = tuple(n for n, _ in net.named_parameters())
+    with Runtime(optimizer_plan(net, device="host", nvme=names, nvme_path=str(tmp_path)), script=__file__):
+        losses, state = train(net)
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        assert_close(p, q, msg=name)
+    for k, s in ref_state["state"].items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert_close(state["state"][k][field], s[field])
+    assert not list(tmp_path.rglob("*.bin"))  # the files went with the run
+
+
+def test_pieces_cover_a_tensor_once_and_a_gpus_whole():
+    assert nvme_states.pieces(10, on_cpu=True) == [(0, 10)]
+    n = 2 * nvme_states.STAGING_CHUNK_PARAMS + 5
+    spans = nvme_states.pieces(n, on_cpu=True)
+    assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert max(b - a for a, b in spans) == nvme_states.STAGING_CHUNK_PARAMS
+    assert nvme_states.pieces(n, on_cpu=False) == [(0, n)]
