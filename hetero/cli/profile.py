@@ -31,6 +31,10 @@ def profile(
                                                    "repeated transformer block."),
     nvme: str = typer.Option(None, "--nvme", metavar="DIR", help="Directory for the disk tier [default: a temp dir]."),
     model: str = typer.Option(None, "--model", metavar="NAME", help="Which model, when the script has several."),
+    dram_budget: str = typer.Option(None, "--dram-budget", metavar="SIZE",
+                                    help="Profile under this host-memory budget: freed memory is returned from the "
+                                         "start, and plain training's own peak is estimated [default: the limit of "
+                                         "the memory cgroup hetero runs in, if any]."),
     output: Path = typer.Option(Path("profile.yaml"), "-o", "--output", help="Where to write the profile."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout (script output goes "
                                                        "to stderr)."),
@@ -43,7 +47,10 @@ def profile(
     loop instead."""
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
-    options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model)
+    from hetero.cli.plan import _quantity
+
+    options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
+                             dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"))
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.profile import dha, machine, peers, tier_steps
+from hetero.profile import dha, machine, peers, returned, tier_steps
 from hetero.profile import capture
 from hetero.profile.capture import Capture, fingerprint
 from hetero.profile.layers import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
@@ -40,6 +40,7 @@ class ProfileOptions:
     granularity: str = "module"
     nvme_dir: str | None = None  # where to measure the disk tier; a temporary folder by default
     model_name: str | None = None  # `--model`: which of several candidate models to profile
+    dram_budget_bytes: int | None = None  # `--dram-budget`: keep the profile under it (default: the memory cgroup's)
 
     def check(self) -> None:
         if self.warmup < 1:
@@ -96,6 +97,8 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     options.check()
     session = _Session(options, progress or (lambda *a: None))
     session.capture = Capture(session.found, script, options.model_name)
+    budget = returned.budget_of(options.dram_budget_bytes)
+    session.budgeted = returned.Budgeted(budget) if budget is not None else None
     try:
         with session.capture, _watch_clipping() as clips:
             result = run_script(script, args)
@@ -106,6 +109,9 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             raise capture.no_optimizer()
         raise _ended_early(result.exit_code, session.steps_done, options)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
+    if session.returned.peak_bytes is not None:
+        session.memory.dram_peak_returned_bytes = session.returned.peak_bytes
+        session.memory.returned_step_s = measured(session.returned.step_s())
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
@@ -128,6 +134,9 @@ class _Session:
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
+        self.tier_closed = False
+        self.returned = returned.ReturnedSteps()  # steps with freed memory returned, after the others
+        self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
         self.others: capture.OtherOptimizers | None = None
         self.capture: Capture | None = None
         self.compiled = False  # the script calls the model through torch.compile
@@ -156,11 +165,18 @@ class _Session:
         self._start = self.profiler.clock.mark()
 
     def _step_end(self, optimizer, args, kwargs) -> None:
-        if self.tier_steps is not None:
+        if self.returned.active:
+            if self.returned.step_ended():
+                raise StopScript()
+            self.progress("freed memory returned", len(self.returned.ends) - 1, returned.STEPS)
+            return
+        if self.tier_steps is not None and not self.tier_closed:
             done = self.tier_steps.step_ended()
             self.progress("disk beside training", self.tier_steps.steps, tier_steps.STEPS)
             if done:
-                raise StopScript()
+                self.tier_steps.close()  # its tiering must not move anything in the steps after
+                self.tier_closed = True
+                self._after_measuring()
             return
         self.steps_done += 1
         end = self.profiler.clock.mark()
@@ -172,13 +188,21 @@ class _Session:
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
         if self.steps_done == warmup:
-            self.memory = _memory(self.device)  # the warm-up steps ran untouched: plain training's own peaks
+            self.memory = _memory(self.device, self.budgeted)  # the warm-up steps ran untouched: plain's own peaks
             self.profiler.attach()
         elif self.steps_done == total:
             self.profiler.detach()
             self.summary = summarize(self.profiler)
             if not self._start_tier_steps():
-                raise StopScript()
+                self._after_measuring()
+
+    def _after_measuring(self) -> None:
+        """Measure the peak and step with freed memory returned where it can be compared with plain's (a CPU
+        trains, and no budget made the whole profile run that way), then stop the script."""
+        if self.device.type == "cpu" and self.budgeted is None and self.returned.start():
+            self.progress("freed memory returned", 0, returned.STEPS)
+            return
+        raise StopScript()
 
     def _start_tier_steps(self) -> bool:
         """Time the disk beside training where the planner needs it: the CPU computes (a GPU's kernels share no
@@ -196,13 +220,17 @@ class _Session:
 
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
+        self.returned.close()
+        if self.budgeted is not None:
+            self.budgeted.close()
         if self.others is not None:
             self.others.close()
         if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind
             self.profiler.detach()
         if self.tier_steps is None:
             return None
-        self.tier_steps.close()
+        if not self.tier_closed:
+            self.tier_steps.close()
         return self.tier_steps.measured()
 
     def _iteration_s(self) -> float:
@@ -224,11 +252,14 @@ class _Session:
         )
 
 
-def _memory(device: torch.device) -> Memory:
+def _memory(device: torch.device, budgeted: returned.Budgeted | None) -> Memory:
     gpu = process_memory.gpu_peak(device)
-    return Memory(dram_peak_bytes=process_memory.dram_peak_bytes(),
-                  gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
-                  gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)
+    peak = process_memory.dram_peak_bytes()
+    estimated = budgeted is not None and budgeted.applied
+    return Memory(dram_peak_bytes=peak, gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
+                  gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None, dram_peak_estimated=estimated,
+                  dram_peak_returned_bytes=peak if estimated else None,
+                  profiled_under=budgeted.profiled_under if budgeted is not None else None)
 
 
 def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:

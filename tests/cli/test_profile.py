@@ -42,6 +42,20 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert 100 * 2**20 < profile.memory.dram_peak_bytes <= process_memory.dram_peak_bytes()  # torch alone is more
     assert profile.memory.gpu_allocated_peak_bytes is None
     assert 0 <= profile.training.overhead < 0.5
+    # the steps after the others, freed memory returned: what the plan's `allocator` would cost and save
+    assert not profile.memory.dram_peak_estimated and profile.memory.profiled_under is None
+    assert 100 * 2**20 < profile.memory.dram_peak_returned_bytes and profile.memory.returned_step_s > 0
+    assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
+
+
+def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path):
+    out = tmp_path / "profile.yaml"
+    assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
+                 "20GiB", "-o", str(out), *SMALL_GPT]) == 0
+    memory = files.load(out, expect=Profile).memory
+    assert memory.dram_peak_estimated and memory.dram_peak_returned_bytes == memory.dram_peak_bytes
+    assert memory.profiled_under == "freed memory returned from the start, under --dram-budget 20GiB"
+    assert memory.returned_step_s is None  # nothing to compare with
 
 
 def test_the_disk_probe_leaves_nothing_behind(profiled):
