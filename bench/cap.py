@@ -88,7 +88,7 @@ def step_times(text: str) -> list[float]:
     return [b - a for a, b in zip(elapsed, elapsed[1:])]
 
 
-def capped(argv: list[str], limit: int, work: Path, name: str) -> tuple[cgroup.Capped, str]:
+def capped(argv: list[str], limit: int | None, work: Path, name: str) -> tuple[cgroup.Capped, str]:
     log = work / f"{name}.log"
     with open(log, "w") as out:
         result = cgroup.run(argv, limit, f"cap-{name}", cwd=work, env=ENV, stdout=out, stderr=out)
@@ -114,7 +114,7 @@ def prepare_hetero(shape: Shape, layers: int, limit: int, work: Path, uncapped_p
     """Profile and plan under the limit (or the profile outside it); a failed Trial, or None when plan.yaml exists."""
     profile = [*HETERO, "profile", "--warmup", "1", "--steps", "2", "--nvme", str(work / "nvme"), *shape.argv(layers)]
     plan = [*HETERO, "plan"] + (["--dram-budget", str(limit)] if uncapped_profile else [])
-    profiled, text = capped(profile, limit if not uncapped_profile else 64 * 2**30, work, "profile")
+    profiled, text = capped(profile, None if uncapped_profile else limit, work, "profile")
     if not profiled.ok:
         return Trial("hetero", layers, False, failure("hetero profile", profiled, text), 0, profiled.peak_bytes)
     planned, text = capped(plan, limit, work, "plan")

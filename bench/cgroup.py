@@ -42,7 +42,7 @@ class Capped:
     limit killed it (the cgroup's OOM killer fired), and the cgroup's high-water mark of charged bytes."""
 
     exit_code: int
-    limit_bytes: int
+    limit_bytes: int | None  # None: no limit, the cgroup only measured
     peak_bytes: int
     oom_killed: bool
     version: int  # 1 or 2: which cgroup interface measured it
@@ -112,9 +112,11 @@ def _oom_kills(where: Layout, group: Path) -> int:
     return int(fields.get("oom_kill", 0))
 
 
-def _create(where: Layout, purpose: str, limit_bytes: int) -> Path:
+def _create(where: Layout, purpose: str, limit_bytes: int | None) -> Path:
     group = where.parent / f"hetero-{purpose}-{os.getpid()}"
     group.mkdir()
+    if limit_bytes is None:  # measure only: a new cgroup starts unlimited
+        return group
     # Memory before memory+swap: v1 refuses a memsw limit below the memory limit, and both start unlimited.
     (group / where.limit).write_text(str(limit_bytes))
     if where.swap_limit:
@@ -144,9 +146,10 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run(argv: list[str], limit_bytes: int, purpose: str = "run", **popen) -> Capped:
-    """Run `argv` to its end in a new cgroup limited to `limit_bytes` (memory and swap together); `popen` goes to
-    subprocess.Popen (cwd, env, stdout, ...). Raises RuntimeError with `unavailable()`'s line where it cannot."""
+def run(argv: list[str], limit_bytes: int | None, purpose: str = "run", **popen) -> Capped:
+    """Run `argv` to its end in a new cgroup limited to `limit_bytes` (memory and swap together; None: unlimited,
+    to measure the peak the kernel counts); `popen` goes to subprocess.Popen (cwd, env, stdout, ...). Raises
+    RuntimeError with `unavailable()`'s line where it cannot."""
     where = layout()
     if isinstance(where, str):
         raise RuntimeError(f"cannot create a memory cgroup ({where}): {INSTEAD}")
@@ -175,7 +178,7 @@ def run(argv: list[str], limit_bytes: int, purpose: str = "run", **popen) -> Cap
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", required=True, help="memory limit, e.g. 1GiB, 800MiB")
+    parser.add_argument("--limit", required=True, help="memory limit, e.g. 1GiB, 800MiB; none: only measure the peak")
     parser.add_argument("--purpose", default="cli", help="part of the cgroup's name")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -187,13 +190,13 @@ def main() -> int:
         print(f"bench/cgroup.py: {reason}", file=sys.stderr)
         return 2
     try:
-        result = run(command, SIZE.parse(args.limit), args.purpose)
+        result = run(command, None if args.limit == "none" else SIZE.parse(args.limit), args.purpose)
     except KeyboardInterrupt:  # the cgroup is gone already (run's finally); the child had its own SIGINT
         return 130
     killed = " (killed by the memory limit)" if result.oom_killed else ""
-    print(f"bench/cgroup.py: exit {result.exit_code}{killed}, peak {short_size(result.peak_bytes)} of "
-          f"{short_size(result.limit_bytes)}, cgroup v{result.version}, swap {'on' if swap_on() else 'off'}",
-          file=sys.stderr)
+    limit = short_size(result.limit_bytes) if result.limit_bytes is not None else "no limit"
+    print(f"bench/cgroup.py: exit {result.exit_code}{killed}, peak {short_size(result.peak_bytes)} of {limit}, "
+          f"cgroup v{result.version}, swap {'on' if swap_on() else 'off'}", file=sys.stderr)
     return result.exit_code
 
 

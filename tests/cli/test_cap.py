@@ -26,7 +26,7 @@ cgroup = sys.modules["bench_cgroup"] = importlib.util.module_from_spec(_spec)  #
 _spec.loader.exec_module(cgroup)
 
 REASON = cgroup.unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+needs_cgroups = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
 # 21M parameters (a wide vocabulary adds parameters, not compute): plain's cgroup peak is ~705 MiB on the
 # development VM, its AdamW states 168 MiB (docs/benchmarks.md, "Training under a memory cgroup").
@@ -49,6 +49,7 @@ def weights(text: str) -> tuple[float, float]:
     return float(found[-1][0]), float(found[-1][1])
 
 
+@needs_cgroups
 def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path):
     plain = subprocess.run([sys.executable, *SCRIPT], cwd=tmp_path, capture_output=True, text=True, check=True)
     reference = weights(plain.stdout)
@@ -71,3 +72,23 @@ def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path):
     got = weights((tmp_path / "run.log").read_text())
     for mine, theirs in zip(got, reference):
         assert abs(mine - theirs) <= 1e-6 * abs(theirs), (got, reference)
+
+
+@needs_cgroups
+def test_the_runner_reports_the_exit_the_limit_and_the_peak_and_leaves_no_cgroup():
+    where = cgroup.layout()
+    before = {p.name for p in where.parent.iterdir() if p.name.startswith("hetero-")}
+    fill = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); sys.exit(3)"
+    ended = cgroup.run([sys.executable, "-c", fill, "64"], 256 * 2**20, "test")
+    assert (ended.exit_code, ended.oom_killed) == (3, False) and 64 * 2**20 < ended.peak_bytes <= 256 * 2**20
+    killed = cgroup.run([sys.executable, "-c", fill, "512"], 256 * 2**20, "test")
+    assert (killed.exit_code, killed.oom_killed) == (137, True)
+    assert {p.name for p in where.parent.iterdir() if p.name.startswith("hetero-")} == before
+
+
+def test_without_root_one_line_says_what_to_run_instead(monkeypatch):
+    monkeypatch.setattr(cgroup.os, "geteuid", lambda: 1000)
+    line = cgroup.unavailable()
+    assert line.startswith("cannot create a memory cgroup (not root") and "\n" not in line
+    with pytest.raises(RuntimeError, match="systemd-run --scope -p MemoryMax="):
+        cgroup.run(["true"], 2**30)
