@@ -203,6 +203,19 @@ def timing(bench: Bench, layers: int, repeats: int) -> dict[str, list[float]]:
     return runs
 
 
+def growth(shape: Shape, trials: list[Trial]) -> str:
+    """How the cgroup peak grows with the parameters between the smallest and largest size that trained."""
+    peaks: dict[int, int] = {}
+    for t in trials:
+        if t.ok and t.peak_bytes:
+            peaks[t.layers] = min(peaks.get(t.layers, t.peak_bytes), t.peak_bytes)
+    if len(peaks) < 2:
+        return ""
+    small, large = min(peaks), max(peaks)
+    per_param = (peaks[large] - peaks[small]) / (shape.params(large) - shape.params(small))
+    return f", grows {per_param:.1f} B/param ({small}-{large} layers)"
+
+
 def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) -> tuple[list[str], list[str], int]:
     """One limit's table row and notes, and plain's largest size (the next limit's starting point)."""
     bench = Bench(shape, limit, args.profile_uncapped)
@@ -227,7 +240,8 @@ def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) 
         fails = sorted((t for t in tried if not t.ok), key=lambda t: t.layers)
         if fits:
             extra = f", profiled at {short_size(fits[0].profile_peak_bytes)}" if config == "hetero" else ""
-            notes.append(f"  {config}: {most[config]} layers peak {short_size(fits[0].peak_bytes)}{extra}")
+            notes.append(f"  {config}: {most[config]} layers peak {short_size(fits[0].peak_bytes)}{extra}"
+                         f"{growth(shape, tried)}")
         if fails:
             notes.append(f"  {config}: {fails[0].layers} layers {fails[0].why}")
     for t in bench.trials:
