@@ -46,6 +46,10 @@ class NvmeStaging:
         self.writes: list[list] = [[] for _ in slots]
         self.spans: dict[str, list[tuple[int, int]]] = {}
 
+    def host_bytes(self) -> int:
+        """Host memory the slots hold (a host home's buffers, or the bounce buffers beside a channel's)."""
+        return sum(b.nbytes for bounce in self.bounce for b in bounce)
+
     def add(self, key: str, param: torch.Tensor) -> None:
         self.spans[key] = pieces(param.numel(), param.device.type == "cpu")
         data = flat(param)

@@ -363,7 +363,11 @@ class OptimizerOffload:
         # An emulated AXDIMM's channels are host memory (the plan counts them there too).
         on = "gpu" if self.plan.device == "gpu" else "host"
         what = "optimizer states (emulated AXDIMM)" if self.plan.device == "axdimm" else "optimizer states"
-        return {on: {what: device}, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
+        held = {what: device}
+        staging = [opt._placement.staging for opt in self.optimizers if opt._placement is not None]
+        if self.plan.device == "host" and any(staging):
+            held["nvme state staging"] = sum(s.host_bytes() for s in staging if s is not None)
+        return {on: held, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
 
 
 def _refuse_clipping(*args, **kwargs):
