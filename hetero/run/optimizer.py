@@ -20,13 +20,13 @@ from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.plan.axdimm import STORE_CHUNK_BYTES
 from hetero.plan.schema import OptimizerPlan
-from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.bootstrap import StopScript
 from hetero.run.ddp_sync import DdpSync
+from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.devices.nvme import NvmeStore
-from hetero.units import SIZE
 from hetero.run.nvme_states import NvmeStaging, slot_numel
 from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome
+from hetero.units import SIZE
 
 ALIGN = 64  # the emulated device aligns every allocation to this
 
@@ -90,7 +90,8 @@ class Placement:
     def _nvme(self, spilled, make) -> None:
         # 1 MiB bounce buffers (one per I/O thread): the staged pieces' aligned middles move straight to and from
         # disk, so larger ones would only hold host memory the plan counts (hetero.plan.footprint)
-        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path", chunk_bytes=STORE_CHUNK_BYTES)
+        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path",
+                                       chunk_bytes=STORE_CHUNK_BYTES)
         largest = max((p for _, p in spilled), key=slot_numel)
         n = slot_numel(largest)
         like = largest if largest.device.type != "cpu" else torch.zeros(n)  # what a slot is made for: size, device
