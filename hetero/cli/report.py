@@ -11,12 +11,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hetero import files
-from hetero.cli.sources import beside, profile_of
 from hetero.errors import USAGE, HeteroError
-from hetero.plan.schema import Plan
 from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, grouped_warnings, headline
-from hetero.report.schema import Run
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.run import Run
+from hetero.schema.sources import beside, profile_of
 
 
 def report(

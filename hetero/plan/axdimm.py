@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import tiering
 from hetero.plan.model import Curve, Update
-from hetero.plan.schema import StatePlacement
-from hetero.profile.schema import Profile, Tier
+from hetero.schema.plan import StatePlacement
+from hetero.schema.profile import Profile, Tier
 from hetero.units import COUNT, PARAM_RATE, SIZE, TIME
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master copy, gradient, Adam m and v: the four inputs of each update

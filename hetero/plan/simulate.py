@@ -25,16 +25,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from hetero.plan.model import GPU, Choices, Costs, Update, timed
-from hetero.report import trace
-from hetero.report.trace import memory_track
-
-
-@dataclass(kw_only=True, slots=True)
-class Span:
-    lane: str
-    name: str
-    start_s: float
-    end_s: float
+from hetero.schema import trace
+from hetero.schema.trace import Count, Span, TierUse, memory_track
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +44,7 @@ class Result:
     act_avg_untiered_bytes: int
     act_peak_untiered_bytes: int
     spans: list[Span]
-    counters: list[tuple[float, str, int]]  # (time, tier, bytes in use) when recorded
+    counters: list[TierUse]  # when recorded
 
 
 @dataclass(slots=True)
@@ -357,7 +349,7 @@ def _result(st: _State, iteration: float, detail: bool) -> Result:
         if tier is not None:
             peak[tier] = peak.get(tier, 0) + extra
             base = peak[tier] - extra
-            counters += [(t, tier, base + used) for t, used in curve] if st.record else []
+            counters += [TierUse(t, tier, base + used) for t, used in curve] if st.record else []
     return Result(iteration_s=iteration, fp_start_s=st.fp_start, fp_end_s=st.fp_end, bp_start_s=st.bp_start,
                   bp_end_s=st.bp_end, stall_s=st.stall, nvme_late_s=st.nvme_late, peak_bytes=peak,
                   act_avg_bytes=act_avg, act_peak_bytes=act_peak, act_avg_untiered_bytes=untiered_avg,
@@ -408,6 +400,5 @@ def _sweep(events: list[tuple[float, int]], horizon: float) -> tuple[int, int, l
 
 def chrome_trace(result: Result) -> dict:
     """The timeline as Chrome/Perfetto trace JSON: one thread per lane, memory per tier as counters."""
-    spans = [(s.lane, s.name, s.start_s, s.end_s, {}) for s in result.spans]
-    counters = [(t, memory_track(tier), {"predicted": used}) for t, tier, used in result.counters]
-    return trace.chrome(spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes})
+    counters = [Count(u.time_s, memory_track(u.tier), {"predicted": u.used_bytes}) for u in result.counters]
+    return trace.chrome(result.spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes})

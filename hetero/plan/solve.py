@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero import files
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, footprint, gradient_offload, memferry, routing, simulate, tiering
 from hetero.plan.choices import build, host_tier, sync_times
 from hetero.plan.model import GPU, Choices, Costs
-from hetero.plan.schema import (
+from hetero.plan.simulate import Result
+from hetero.schema import files
+from hetero.schema.plan import (
     ActivationPlan,
     ActivationPrediction,
     Budget,
@@ -30,8 +31,7 @@ from hetero.plan.schema import (
     Source,
     StatePlacement,
 )
-from hetero.plan.simulate import Result
-from hetero.profile.schema import Gpu, Profile, Tier
+from hetero.schema.profile import Gpu, Profile, Tier
 from hetero.units import SIZE, short_time, size_change
 
 NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hetero.plan.schema import ActivationPlan, Eviction
-from hetero.profile.schema import CurvePoint, Layer
 from hetero.run import spans
 from hetero.run.tiering import ActivationTiering
+from hetero.schema.plan import ActivationPlan, Eviction
+from hetero.schema.profile import CurvePoint, Layer
 from hetero.units import measured
-
 
 STEPS = 4  # the first creates the store's files and buffers; the others are timed
 MIN_TENSOR_BYTES = 64 * 1024  # the smallest size the profile times a disk trip at (machine.BESIDE_SIZES)

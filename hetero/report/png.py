@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from hetero.errors import USAGE, HeteroError
-from hetero.report.schema import Run
-from hetero.report.trace import memory_track
+from hetero.schema.run import Run
+from hetero.schema.trace import memory_track
 
 MiB = 2**20
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
+from hetero.harness.script import StopScript
 from hetero.kernels.adam import AdamKernel, Hyperparameters
-from hetero.plan.schema import OptimizerPlan
-from hetero.run.devices.axdimm import EmulatedAxdimm
-from hetero.run.bootstrap import StopScript
 from hetero.run.ddp_sync import DdpSync
+from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.devices.nvme import NvmeStore
-from hetero.units import SIZE
 from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome, NvmeStaging
+from hetero.schema.plan import OptimizerPlan
+from hetero.units import SIZE
 
 ALIGN = 64  # the emulated device aligns every allocation to this
 

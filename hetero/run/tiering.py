@@ -1,6 +1,6 @@
 """Activation tiering: the plan's `activations` schedule carried out with saved-tensor hooks (TierTrain §5-6).
 
-Attribution is the profiler's (hetero.profile.layers), so a planned byte means the same thing here: every tensor
+Attribution is the profiler's (hetero.harness.layers), so a planned byte means the same thing here: every tensor
 autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to the
 layer running, or between layers to the last one that ended; a storage saved by several layers belongs to the last
 of them, whose backward needs it first.
@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.plan.schema import ActivationPlan
-from hetero.profile.layers import LayerSpec, _tensors, layers_named
-from hetero.run import hooks
-from hetero.run.bootstrap import StopScript
+from hetero.harness import hooks
+from hetero.harness.layers import LayerSpec, layers_named, tensors
+from hetero.harness.script import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import open_tier
+from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
 
 ACTIVATIONS = "saved activations"  # what the tiers' bytes are, in the run's memory counters
@@ -212,7 +212,7 @@ class ActivationTiering:
             group.ended = True
             self._evict(group, group.live())
         if name in self.after and output is not None:
-            for grad_fn in {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}:
+            for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
                 grad_fn.register_prehook(lambda grads, mb=mb, name=name: self._started(mb, name))
         self._due(mb)
         self._raise_failure()

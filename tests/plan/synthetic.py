@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hetero.profile.schema import (
+from hetero.schema.profile import (
     Axdimm,
     Cpu,
     CurvePoint,

@@ -5,11 +5,11 @@ from dataclasses import replace
 import pytest
 
 from hetero.errors import HeteroError
-from hetero import files
 from hetero.plan import axdimm, tiering
-from hetero.plan.schema import StatePlacement
 from hetero.plan.solve import PlanOptions, build, plan, predict
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.plan import StatePlacement
+from hetero.schema.profile import Profile
 from tests.plan.synthetic import GiB, curve, gpu_profile
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from hetero.plan import routing
 from hetero.plan.solve import PlanOptions, plan
-from hetero.profile.schema import CurvePoint
+from hetero.schema.profile import CurvePoint
 from tests.plan.synthetic import SIZES, gpu_profile
 
 

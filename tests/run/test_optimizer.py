@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from hetero.run.bootstrap import StopScript
+from hetero.harness.script import StopScript
 from hetero.run.runtime import Runtime
 from tests.run.plans import optimizer_plan
 

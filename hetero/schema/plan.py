@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hetero.fields import MAX_CHANNELS, MAX_MICRO_BATCHES, MAX_RANK, doc, unique_names
-from hetero.profile.schema import Backend
+from hetero.schema.fields import MAX_CHANNELS, MAX_MICRO_BATCHES, MAX_RANK, doc, unique_names
+from hetero.schema.profile import Backend
 from hetero.units import SIZE, TIME
 
 Mode = Literal["gfgb", "dha", "dfgb"]
