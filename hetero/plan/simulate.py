@@ -14,7 +14,7 @@ read into only once its previous tensor was written out, and the step returns on
 The planners call `simulate` hundreds of times, so it records spans only when asked.
 
 Without a GPU the background lanes are host threads on the cores compute uses, so compute slows while they work
-(`_Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
+(`Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
 layers before it, prefetches its own and earlier backward starts triggered, updates of the layers before it. A task
 issued later but starting earlier (a prefetch timed by the clock) does not slow the compute it overlaps.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from hetero.plan.background import Background
 from hetero.plan.model import GPU, Choices, Costs, Update, timed
 from hetero.schema import trace
 from hetero.schema.trace import Count, Span, TierUse, memory_track
@@ -70,7 +71,7 @@ class _State:
     opt_end: float = 0.0
     stall: float = 0.0
     nvme_late: float = 0.0
-    background: _Background | None = None  # None: background lanes do not slow compute
+    background: Background | None = None  # None: background lanes do not slow compute
 
     def run(self, lane: str, what: str, i: int, ready: float, duration: float) -> float:
         """Start layer i's task `what` on `lane` once the lane is free and its input is `ready`; its end time."""
@@ -98,7 +99,7 @@ def simulate(costs: Costs, ch: Choices, record: bool = False, detail: bool = Tru
     if len(ch.evict_s) != n:
         ch = timed(costs, replace(ch))
     st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n,
-                background=_Background.of(costs, ch))
+                background=Background.of(costs, ch))
     for name in ("fp_start", "fp_end", "bp_start", "bp_end", "load_end", "evict_start", "evict_end", "pf_start",
                  "pf_end", "ready"):
         setattr(st, name, [0.0] * n)
@@ -262,72 +263,6 @@ def _spilled_updates(st: _State, step: float, c: float) -> float:
         st.opt_end = max(st.opt_end, end)
         t = end
     return c
-
-
-@dataclass(slots=True)
-class _Background:
-    """How background lanes slow compute on a machine without a GPU. While lanes whose workers keep shares s_k of a
-    core busy are working, compute advances at 1 / (1 + (f - 1) * sum s_k) of its profiled speed, f being the
-    profile's background_slowdown. So w seconds of compute that a worker of share s overlaps take (f - 1) * s * w
-    longer, and with a worker streaming throughout f * w, as f was measured. (Charging (f - 1) per second of wall
-    time overlapped instead would count the stretch itself as more overlap: with f > 2 and a busy worker that never
-    settles.)"""
-
-    extra: float  # f - 1
-    # Per lane that slows compute: [its worker's share of a core, its tasks (start, end) in issue order, which is
-    # time order (a lane serves one task at a time), the first of them not ended before the last compute start].
-    lanes: dict[str, list]
-
-    @classmethod
-    def of(cls, costs: Costs, ch: Choices) -> _Background | None:
-        f = costs.background_slowdown
-        lanes = {lane: [share, [], 0] for lane, share in ch.cpu_share.items() if share > 0}
-        if costs.has_gpu or f is None or f <= 1 or not lanes:
-            return None
-        return cls(extra=f - 1, lanes=lanes)
-
-    def add(self, lane: str, start: float, end: float) -> None:
-        if end > start and (busy := self.lanes.get(lane)) is not None:
-            busy[1].append((start, end))
-
-    def finish(self, start: float, work: float) -> float:
-        """When `work` seconds of compute started at `start` end, walking the background load from `start`. Compute
-        starts never go back in time (one compute lane, placed in order), so tasks ended by `start` are skipped
-        for good: each call looks at the few tasks its own span meets."""
-        if work <= 0:
-            return start
-        first = float("inf")
-        for busy in self.lanes.values():
-            tasks, k = busy[1], busy[2]
-            n = len(tasks)
-            while k < n and tasks[k][1] <= start:
-                k += 1
-            busy[2] = k
-            if k < n and tasks[k][0] < first:
-                first = tasks[k][0]
-        if first >= start + work:  # nothing runs beside it
-            return start + work
-        t = start
-        at = [busy[2] for busy in self.lanes.values()]  # this walk's own place in each lane
-        while True:
-            load, change = 0.0, float("inf")  # the load from t on, and when it next changes
-            for j, (share, tasks, _) in enumerate(self.lanes.values()):
-                k, n = at[j], len(tasks)
-                while k < n and tasks[k][1] <= t:
-                    k += 1
-                at[j] = k
-                if k < n:
-                    begin, end = tasks[k]
-                    if begin <= t:
-                        load += share
-                        change = min(change, end)
-                    elif begin < change:
-                        change = begin
-            slow = 1 + self.extra * load
-            if t + work * slow <= change:
-                return t + work * slow
-            work -= (change - t) / slow
-            t = change
 
 
 def _result(st: _State, iteration: float, detail: bool) -> Result:

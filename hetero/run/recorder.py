@@ -268,7 +268,8 @@ class Recorder(spans.Sink):
         for t, tier, source, n in sorted(changes, key=lambda c: c[0]):
             current.setdefault(tier, {})[source] = n
             sample = trace.Count(t, trace.memory_track(tier), dict(current[tier]))
-            if out and (out[-1].time_s, out[-1].track) == (sample.time_s, sample.track):  # several sources sampled at one moment: one event
+            # several sources sampled at one moment: one event
+            if out and (out[-1].time_s, out[-1].track) == (sample.time_s, sample.track):
                 out[-1] = sample
             else:
                 out.append(sample)

@@ -80,7 +80,8 @@ def line_of(path: str | os.PathLike, key: str) -> int | None:
 
 def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     if not isinstance(root, yaml.MappingNode):
-        raise FileProblems([problem_at(name, root.start_mark, "expected a mapping with apiVersion and kind at the top")])
+        raise FileProblems([problem_at(name, root.start_mark,
+                                       "expected a mapping with apiVersion and kind at the top")])
     top = {k.value: v for k, v in root.value if isinstance(k, yaml.ScalarNode)}
     wanted = [expect.__name__] if expect else list(KINDS)
     problems = []

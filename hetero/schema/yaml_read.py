@@ -101,7 +101,8 @@ def guard(text: str, name: str) -> None:
     for token in yaml.scan(text, Loader=_Loader):
         if isinstance(token, (yaml.AnchorToken, yaml.AliasToken)):
             what = "anchor" if isinstance(token, yaml.AnchorToken) else "alias"
-            message = f"YAML {what} {quoted_cut(token.value)}: hetero files take no anchors or aliases (write values out)"
+            message = (f"YAML {what} {quoted_cut(token.value)}: hetero files take no anchors or aliases "
+                       "(write values out)")
             raise FileProblems([problem_at(name, token.start_mark, message)])
         if isinstance(token, _OPEN):
             depth += 1

@@ -12,10 +12,9 @@ Rules the store keeps:
 - I/O bypasses the page cache (O_DIRECT) where the file system allows: cached writes look fast but free no memory,
   which defeats the point of offloading. `direct` says which. A key's data starts in its file at the source's offset
   within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
-  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer:
-  measured on bench/tiering.py, this took the CPU cost of moving ~1 GiB out and back per step from 0.25 s to 0.05 s.
-  A file is written with one `pwritev` (head block, middle, tail block), not three writes: each blocking call costs
-  the writer a wake-up on a busy VM (a traced demo run: evict lane 92-113 -> 76-83 ms per step).
+  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
+  (docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle, tail block),
+  not three writes: each blocking call costs the writer a wake-up on a busy VM.
 - Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
   and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
 
@@ -153,7 +152,7 @@ class NvmeStore:
 
     def write(self, key: str, tensor: Any) -> None:
         """`write_async(key, tensor).wait()` on the calling thread: a worker's hand-off costs two thread wake-ups,
-        about 1 ms each on a busy 2-core VM (bench/lanes.py), more than a 1 MiB direct write itself."""
+        more than a 1 MiB direct write itself on a busy machine (docs/benchmarks.md, "Design figures")."""
         self._inline(key, self._write_job(key, tensor, self._write_file))
 
     def read(self, key: str, out: Any) -> None:
