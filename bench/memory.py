@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetero import files  # noqa: E402
-from hetero.plan.schema import Plan  # noqa: E402
+from hetero.schema import files  # noqa: E402
+from hetero.schema.plan import Plan  # noqa: E402
 from hetero.units import SIZE  # noqa: E402
 
 HETERO = [sys.executable, "-m", "hetero"]

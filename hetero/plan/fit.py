@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan.schema import AllocatorPlan, Plan
+from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "states", "tiering")  # in the order their effects are described

@@ -19,17 +19,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
+from hetero.harness import capture
+from hetero.harness.capture import Capture, fingerprint
+from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
+from hetero.harness.layers import select_layers
+from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, returned, tier_steps
-from hetero.profile import capture
-from hetero.profile.capture import Capture, fingerprint
-from hetero.profile.layers import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
-from hetero.units import measured
-from hetero.profile.schema import Layer, Machine, Memory, ModelInfo, Profile, Training
 from hetero.run import process_memory
-from hetero.run.bootstrap import StopScript, run_script
 from hetero.run.devices import workdir
+from hetero.schema import files
+from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Training
+from hetero.units import measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 

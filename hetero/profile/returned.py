@@ -67,7 +67,7 @@ def _child(out: str, steps: int, script: str, args: list[str]) -> int:
         return 1
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from hetero.run.bootstrap import StopScript, run_script
+    from hetero.harness.script import StopScript, run_script
 
     ends: list[float] = []
 
