@@ -23,7 +23,7 @@ from hetero.plan.axdimm import STORE_CHUNK_BYTES
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.devices.nvme import NvmeStore
-from hetero.run.nvme_states import NvmeStaging, slot_numel
+from hetero.run.nvme_states import NvmeStaging, on_host, slot_numel
 from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome
 from hetero.schema.plan import NvmeOverflow, OptimizerPlan
 from hetero.units import SIZE
@@ -94,7 +94,7 @@ class Homes:
                                        chunk_bytes=STORE_CHUNK_BYTES)
         largest = max((p for _, p in spilled), key=slot_numel)
         n = slot_numel(largest)
-        like = largest if largest.device.type != "cpu" else torch.zeros(n)  # what a slot is made for: size, device
+        like = torch.zeros(n) if on_host(largest) else largest  # what a slot is made for: its size and device
         channels = self.plan.channels or 1
         slots = [make(NvmeOverflow.staging_channel(s, channels) if self.device else None, like)
                  for s in range(NvmeOverflow.STAGING_SLOTS)]
