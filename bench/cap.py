@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import cgroup  # noqa: E402
 
-from hetero import files  # noqa: E402
-from hetero.plan.schema import Plan  # noqa: E402
+from hetero.schema import files  # noqa: E402
+from hetero.schema.plan import Plan  # noqa: E402
 from hetero.units import SIZE, short_size  # noqa: E402
 
 CONFIGS = ("plain", "checkpoint", "hetero")

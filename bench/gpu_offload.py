@@ -187,9 +187,9 @@ def planned(a, n_layer: int):
 
 def policy_plan(a, n_layer: int):
     """The least GPU memory hetero can plan: every layer read from host memory, every gradient written there."""
-    from hetero.plan.schema import Budget, LayerPlan, OptimizerPlan, Plan, Predicted, Source, StatePlacement
-    from hetero.profile.capture import fingerprint
-    from hetero.profile.layers import select_layers
+    from hetero.harness.capture import fingerprint
+    from hetero.harness.layers import select_layers
+    from hetero.schema.plan import Budget, LayerPlan, OptimizerPlan, Plan, Predicted, Source, StatePlacement
 
     model = build(a, n_layer, "meta")
     opt = OptimizerPlan(kind="adamw", device="host", overlap_backward=True,

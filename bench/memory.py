@@ -29,11 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetero import files  # noqa: E402
-from hetero.plan.schema import Plan  # noqa: E402
+from hetero.schema import files  # noqa: E402
+from hetero.schema.plan import Plan  # noqa: E402
 from hetero.units import SIZE  # noqa: E402
 
 HETERO = [sys.executable, "-m", "hetero"]
+PROFILE_STEPS = 12
 ENV = dict(os.environ, GOMP_SPINCOUNT="1000")
 
 
@@ -71,8 +72,9 @@ def spread(values: list[float], fmt) -> str:
 def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str], env: dict[str, str]) -> list[str]:
     work = Path(tempfile.mkdtemp(prefix="hetero-bench-memory-"))
     args = script_args(size, steps)
-    subprocess.run([*HETERO, "profile", "--nvme", str(work / "disk"), *args], cwd=work, env=ENV, check=True,
-                   capture_output=True)
+    # the profile runs 2 warm-up, 5 measured and 4 disk-timing steps
+    subprocess.run([*HETERO, "profile", "--nvme", str(work / "disk"), *script_args(size, max(steps, PROFILE_STEPS))],
+                   cwd=work, env=ENV, check=True, capture_output=True)
     subprocess.run([*HETERO, "plan", *plan_flags], cwd=work, env=ENV, check=True, capture_output=True)
     plan = files.load(work / "plan.yaml", expect=Plan)
     sections = [s for s in ("optimizer", "activations") if getattr(plan, s) is not None]
@@ -84,6 +86,7 @@ def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str], env: di
     plain_step = statistics.median(s.step_s for s in runs["plain"])
     hetero_peak = statistics.median(s.peak_bytes for s in runs["hetero"])
     predicted = plan.predicted.peak_bytes.get("dram")
+    sections += ["allocator"] if plan.allocator is not None else []
     settings = " ".join(f"{k}={v}" for k, v in env.items())
     rows = [f"{size}: plan {' '.join(plan_flags) or '(default)'}: {', '.join(sections) or 'plain'}"
             + (f"; both under {settings}" if settings else "")]
@@ -96,6 +99,11 @@ def bench_size(size: str, pairs: int, steps: int, plan_flags: list[str], env: di
     if predicted:
         error = hetero_peak / predicted - 1
         rows.append(f"  predicted DRAM peak {SIZE.format_short(predicted)}: measured {error:+.1%}")
+    budget = plan.budget.dram_budget_bytes
+    if budget:
+        worst = max(s.peak_bytes for s in runs["hetero"])
+        rows.append(f"  DRAM budget {SIZE.format_short(budget)}: hetero's highest peak {SIZE.format_short(worst)} "
+                    f"({'under' if worst <= budget else 'OVER'}); plan: {plan.budget.why}")
     return rows
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hetero import files  # noqa: E402
 from hetero.cli.main import main as cli  # noqa: E402
 from hetero.plan.solve import PlanOptions, plan  # noqa: E402
+from hetero.schema import files  # noqa: E402
 from tests.plan.synthetic import gap_study, gpu_profile  # noqa: E402
 
 

@@ -35,13 +35,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hetero.harness.capture import fingerprint  # noqa: E402
 from hetero.plan.model import Curve  # noqa: E402
 from hetero.plan.routing import Link, route  # noqa: E402
-from hetero.plan.schema import Budget, Plan, Predicted, RoutingPlan, Source  # noqa: E402
 from hetero.profile import peers  # noqa: E402
-from hetero.profile.capture import fingerprint  # noqa: E402
 from hetero.run.routing import union_s  # noqa: E402
 from hetero.run.runtime import Runtime  # noqa: E402
+from hetero.schema.plan import Budget, Plan, Predicted, RoutingPlan, Source  # noqa: E402
 
 VOCAB, WIDTH, BLOCKS, TOKENS = 4096, 256, 4, (1, 16)  # few tokens: communication, not compute, dominates
 KiB, MiB = 2**10, 2**20

@@ -64,9 +64,9 @@ def main() -> None:
 
 
 def _plan(work: Path, script: list[str], args) -> Path:
-    from hetero import files
-    from hetero.plan.schema import Plan
-    from hetero.profile.schema import Profile
+    from hetero.schema import files
+    from hetero.schema.plan import Plan
+    from hetero.schema.profile import Profile
     from hetero.units import SIZE
 
     nvme = args.nvme or str(work / "nvme")
@@ -104,7 +104,7 @@ def _predicted(profile, plan) -> str:
 def _resolve(profile, acts, min_tensor: int) -> None:
     """The planner's TierTrain queue again, under another threshold, with the plan's rule and stay time."""
     from hetero.plan import tiering
-    from hetero.plan.schema import Eviction
+    from hetero.schema.plan import Eviction
 
     evict, prefetch = tiering.curves(profile, acts.slow)
     layers = profile.layers
@@ -146,9 +146,9 @@ def _has_cuda() -> bool:
 def _worker(args) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from hetero import files
-    from hetero.plan.schema import Plan
-    from hetero.run.bootstrap import run_script
+    from hetero.harness.script import run_script
+    from hetero.schema import files
+    from hetero.schema.plan import Plan
 
     plan = files.load(args.plan, expect=Plan)
     steps: list[tuple[float, float]] = [(perf_counter(), process_time())]
@@ -188,7 +188,7 @@ class _Baseline:
     def __init__(self, kind: str, plan, script: str):
         import torch
 
-        from hetero.profile.capture import Capture
+        from hetero.harness.capture import Capture
         from hetero.run.devices.nvme import NvmeStore
         from hetero.run.devices.residency import Ledger
 

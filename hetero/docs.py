@@ -10,8 +10,8 @@ import sys
 import typing
 from pathlib import Path
 
-from hetero.fields import describe, is_schema, specs, strip_optional
-from hetero.files import KINDS
+from hetero.schema.fields import describe, is_schema, specs, strip_optional
+from hetero.schema.files import KINDS
 
 BEGIN = "<!-- BEGIN GENERATED: python -m hetero.docs docs/plan-format.md -->"
 END = "<!-- END GENERATED -->"

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from decimal import Context, Decimal, InvalidOperation
 
 LIMIT = Decimal(2**63 - 1)  # the largest quantity a file may hold, in its base unit: an int64, finite as a float
-_DIGITS = 40  # longest number text, and largest exponent, parsed before LIMIT is checked
+MAX_DIGITS = 40  # longest number text, and largest exponent, parsed before LIMIT is checked
 
 
-def _cut(value: object, width: int = 80) -> str:
+def quoted_cut(value: object, width: int = 80) -> str:
     """`value` as a message echoes it: repr, at most `width` characters."""
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
@@ -46,29 +46,29 @@ class Unit:
         else:
             value = self._parse_text(raw)
         if not value.is_finite() or abs(value) > LIMIT:
-            raise ValueError(f"{self.name} {_cut(raw)} is out of range (at most {LIMIT:.3e} {self.base})")
+            raise ValueError(f"{self.name} {quoted_cut(raw)} is out of range (at most {LIMIT:.3e} {self.base})")
         if value < 0:
-            raise ValueError(f"negative {self.name} {_cut(raw)} (a {self.name} is >= 0)")
+            raise ValueError(f"negative {self.name} {quoted_cut(raw)} (a {self.name} is >= 0)")
         return int(value.to_integral_value()) if self.integral else float(value)
 
     def _parse_text(self, text: str) -> Decimal:
         match = _NUMBER.match(text)
         if not match:
-            raise ValueError(f"bad {self.name} {_cut(text)} (write a number with a unit, e.g. {self.example()})")
+            raise ValueError(f"bad {self.name} {quoted_cut(text)} (write a number with a unit, e.g. {self.example()})")
         number, word = match.groups()
-        if len(number) > _DIGITS:
-            raise ValueError(f"{self.name} {_cut(text)} has too many digits (at most {_DIGITS})")
+        if len(number) > MAX_DIGITS:
+            raise ValueError(f"{self.name} {quoted_cut(text)} has too many digits (at most {MAX_DIGITS})")
         try:
-            huge = Decimal(number).adjusted() > _DIGITS  # refused before any arithmetic on it
+            huge = Decimal(number).adjusted() > MAX_DIGITS  # refused before any arithmetic on it
         except InvalidOperation:  # an exponent beyond what Decimal holds
             huge = True
         if huge:
-            raise ValueError(f"{self.name} {_cut(text)} is out of range (at most {LIMIT:.3e} {self.base})")
+            raise ValueError(f"{self.name} {quoted_cut(text)} is out of range (at most {LIMIT:.3e} {self.base})")
         if word not in self.words:
             close = difflib.get_close_matches(word, list(self.words), n=1, cutoff=0.5)
             guess = f"; did you mean '{number}{close[0]}'?" if close else ""
             raise ValueError(
-                f"bad {self.name} {_cut(text)}: unknown unit {_cut(word)} (use {self.unit_list()}){guess}"
+                f"bad {self.name} {quoted_cut(text)}: unknown unit {quoted_cut(word)} (use {self.unit_list()}){guess}"
             )
         return Decimal(number) * self.words[word]
 

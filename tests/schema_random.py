@@ -7,7 +7,7 @@ import random
 import typing
 from typing import Any
 
-from hetero.fields import FieldSpec, choices, is_optional, is_schema, specs, strip_optional
+from hetero.schema.fields import FieldSpec, choices, is_optional, is_schema, specs, strip_optional
 
 # Strings that break naive YAML writers: booleans and numbers in disguise, indicators, quotes, unicode.
 TRICKY = ["h.0.attn", "0", "true", "yes", "off", "null", "~", "1e5", "0x1f", "1:20", "a: b", "x # y", "", " lead",

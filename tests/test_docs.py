@@ -1,6 +1,6 @@
 from hetero import docs
-from hetero.fields import specs
-from hetero.files import KINDS
+from hetero.schema.fields import specs
+from hetero.schema.files import KINDS
 
 
 def test_plan_format_reference_is_up_to_date(repo):

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
-from hetero.plan.schema import Plan
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
 
 PLANS = sorted((Path(__file__).resolve().parents[1] / "plans").glob("*.plan.yaml"))
 

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import typer
 
-from hetero import files
-from hetero.cli import sources
 from hetero.errors import INVALID_FILE, FileProblems
-from hetero.plan.schema import Plan
-from hetero.profile.schema import Profile
+from hetero.schema import files, sources
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
 
 
 def check(files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile or plan files.")) -> None:

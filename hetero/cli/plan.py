@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -11,15 +10,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hetero import __version__, files
+from hetero import __version__
 from hetero.errors import USAGE, HeteroError
-from hetero.cli.sources import beside, profile_of
-from hetero.plan.from_run import measured_profile
-from hetero.plan.schema import ActivationPrediction, Plan
 from hetero.plan.solve import PlanOptions
 from hetero.plan.solve import plan as solve
-from hetero.profile.schema import Profile
-from hetero.report.schema import Run
+from hetero.report.retime import retime
+from hetero.schema import files
+from hetero.schema.plan import ActivationPrediction, Plan
+from hetero.schema.profile import Profile
+from hetero.schema.sources import written_profile_path
 from hetero.units import SIZE, TIME, Unit
 
 
@@ -56,15 +55,16 @@ def plan(
     tiering and routing, with the simulator's predicted iteration. Every decision carries a `# why:` comment."""
     old = files.load(previous, expect=Plan) if previous else None
     if from_run is not None:
-        profile, prof, old = _measured(from_run, profile, old, output)
+        retimed = retime(from_run, profile, output)
+        print(f"wrote {retimed.path}: {retimed.ran.source.profile} with the layer timings measured in {from_run}")
+        profile, prof, old = retimed.path, retimed.profile, old or retimed.ran
     else:
         profile = profile or Path("profile.yaml")
         prof = files.load(profile, expect=Profile)
     if emulate not in (None, "axdimm"):
         raise HeteroError(f"--emulate {emulate}: only axdimm can be emulated", hint="--emulate axdimm",
                           exit_code=USAGE)
-    # a relative profile path is written relative to the plan, so that the plan finds it from any directory
-    source = str(profile) if profile.is_absolute() else os.path.relpath(profile.resolve(), output.resolve().parent)
+    source = written_profile_path(profile, output)
     options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, profile_path=source,
                           reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory, "--gpu-memory"),
                           dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"),
@@ -81,25 +81,6 @@ def plan(
         print(json.dumps(files.to_data(result), indent=2))
         return
     _summary(prof, result, output)
-
-
-def _measured(run_path: Path, profile_path: Path | None, old: Plan | None,
-              output: Path) -> tuple[Path, Profile, Plan]:
-    """The profile with the run's timings, written beside the new plan (which names it, so `hetero run` can check
-    the plan against it), and the plan whose pinned entries survive: --from, else the one the run carried out."""
-    run = files.load(run_path, expect=Run)
-    ran_path = beside(run.source.plan, run_path)
-    if not ran_path.is_file():
-        raise HeteroError(f"{run_path} ran {run.source.plan}, which is not here", exit_code=USAGE,
-                          hint="run this where the run was made, or pass the plan with --from")
-    ran = files.load(ran_path, expect=Plan)
-    base = files.load(profile_path, expect=Profile) if profile_path else profile_of(ran, ran_path, "it is re-timed")
-    merged = measured_profile(base, ran, run)
-    target = output.with_name(f"{output.stem}.profile.yaml")
-    files.save(merged, target, header=(f"the profile of {ran.source.profile} with the timings measured in {run_path}",
-                                       "Written by hetero plan --from-run."))
-    print(f"wrote {target}: {ran.source.profile} with the layer timings measured in {run_path}")
-    return target, merged, old or ran
 
 
 def _quantity(unit: Unit, text: str | None, flag: str):

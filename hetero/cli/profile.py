@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hetero import files
 from hetero.cli.run import MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC, RDZV, torchrun
-from hetero.profile.schema import Profile
-from hetero.run import launch
+from hetero.launch import launcher as launch
+from hetero.schema import files
+from hetero.schema.profile import Profile
 from hetero.units import SIZE, TIME
 
 EXAMPLE = ("Example: hetero profile --steps 5 examples/train_gpt.py --batch-size 8   (then: hetero plan; data "

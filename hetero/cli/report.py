@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -11,12 +10,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hetero import files
-from hetero.cli.sources import beside, profile_of
 from hetero.errors import USAGE, HeteroError
-from hetero.plan.schema import Plan
 from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, grouped_warnings, headline
-from hetero.report.schema import Run
+from hetero.report.png import draw_run
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.run import Run
+from hetero.schema.sources import beside, profile_of
 
 
 def report(
@@ -42,7 +42,8 @@ def report(
     rows = compare(run, plan, profile)
     _print(run_path, plan_path, run, rows, note)
     if png is not None:
-        _png(run, run_path, plan, profile, png)
+        draw_run(run, run_path, plan, profile, png)
+        print(f"wrote {png}")
 
 
 def _profile(plan: Plan, plan_path: Path):
@@ -78,26 +79,6 @@ def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str
         console.print(f"warning: {escape(line)} (more than {TOLERANCE:.0%} off)", style="yellow")
     if off:
         console.print(f"hint: plan again with the times this run measured: hetero plan --from-run {run_path}")
-
-
-def _png(run: Run, run_path: Path, plan: Plan, profile, png: Path) -> None:
-    from hetero.plan.solve import predict
-    from hetero.report import png as drawing
-
-    trace_path = beside(run.source.trace, run_path) if run.source.trace else None
-    if trace_path is None or not trace_path.is_file():
-        raise HeteroError(f"--png draws from the run's trace, and {trace_path or 'none'} is not there",
-                          hint="keep the trace beside run.yaml (hetero run --trace run.json)", exit_code=USAGE)
-    try:
-        trace = json.loads(trace_path.read_text())
-    except (OSError, ValueError) as e:
-        raise HeteroError(f"cannot read the trace {trace_path}: {e}", hint="record it again") from None
-    predicted: dict[str, list] = {}
-    if profile is not None:
-        for t, tier, used in predict(profile, plan, record=True).counters:
-            predicted.setdefault(tier, []).append((t, used))
-    drawing.draw(run, trace, predicted, png)
-    print(f"wrote {png}")
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from hetero.run import launch
+from hetero.launch import launcher as launch
 
 # torchrun's own options, shared with `hetero profile`
 NPROC = typer.Option(None, "--nproc-per-node", metavar="N", help="Workers on this node, started by torchrun "

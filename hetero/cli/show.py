@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hetero import files
-from hetero.fields import FieldSpec, is_schema, specs, strip_optional
-from hetero.profile.schema import CurvePoint
+from hetero.schema import files
+from hetero.schema.fields import FieldSpec, is_schema, specs, strip_optional
+from hetero.schema.profile import CurvePoint
 from hetero.units import RATE, TIME
 
 
@@ -121,11 +121,11 @@ def _cell(value: Any, spec: FieldSpec) -> str:
 
 
 def _timeline(path: Path, output: Path | None, timeline: bool) -> None:
-    from hetero.cli.sources import profile_of
     from hetero.errors import USAGE, HeteroError
-    from hetero.plan.schema import Plan
     from hetero.plan.simulate import chrome_trace
     from hetero.plan.solve import predict
+    from hetero.schema.plan import Plan
+    from hetero.schema.sources import profile_of
 
     if not timeline:
         raise HeteroError("-o is only used with --timeline", hint=f"hetero show --timeline {path} -o {output}",

@@ -1,1 +1,1 @@
-"""Pure planning: a Profile in, a Plan out. No torch, no CUDA, no I/O (files are read in `hetero.files`)."""
+"""Pure planning: a Profile in, a Plan out. No torch, no CUDA, no I/O (files are read in `hetero.schema.files`)."""

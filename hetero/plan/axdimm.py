@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import tiering
 from hetero.plan.model import Curve, Update
-from hetero.plan.schema import StatePlacement
-from hetero.profile.schema import Profile, Tier
+from hetero.schema.plan import NvmeOverflow, StatePlacement
+from hetero.schema.profile import Profile, Tier
 from hetero.units import COUNT, PARAM_RATE, SIZE, TIME
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master copy, gradient, Adam m and v: the four inputs of each update
@@ -133,9 +133,11 @@ def place(params: list[Param], update_order: list[int], channels: int, capacity_
     chans = [w if label == "axdimm" else None for w in where]
     used = [sum(state_bytes(p) for p, w in zip(params, where) if w == c) for c in range(channels)]
     spilled = total - sum(used)
-    return Placement(tiers=tiers, channels=chans, channel_bytes=used, nvme_bytes=spilled, staging_bytes=2 * slot, why=(
+    slots = NvmeOverflow.STAGING_SLOTS
+    return Placement(tiers=tiers, channels=chans, channel_bytes=used, nvme_bytes=spilled, staging_bytes=slots * slot,
+                     why=(
         f"states {SIZE.format_short(total)} > {_fits(channels, capacity_bytes)}: the {tiers.count(nvme)} parameters "
-        f"updated last ({SIZE.format_short(spilled)}) go to {nvme}, read back before their updates through two "
+        f"updated last ({SIZE.format_short(spilled)}) go to {nvme}, read back before their updates through {slots} "
         f"{SIZE.format_short(slot)} staging slots (updated ones leave first); the rest by room in update order"))
 
 
@@ -147,10 +149,10 @@ def _fits(channels: int, capacity: int) -> str:
 def _overflow(params: list[Param], update_order: list[int], channels: int, capacity: int) -> tuple[list, int]:
     """Each parameter's channel (None: NVMe) and the staging slot. In update order, each tensor goes to the channel
     with the most room if it fits there, so the ones updated last spill; two staging slots, each as large as the
-    largest spilled tensor, sit on channels 0 and 1 (both on 0 with one channel), which is how the runtime stages."""
+    largest spilled tensor, sit where NvmeOverflow's staging rule puts them (the runtime stages by the same rule)."""
     slot = 0
     while True:  # the slot only grows, the spilled set with it: this settles within len(params) rounds
-        room = [capacity - slot * len(range(c, 2, channels)) for c in range(channels)]
+        room = [capacity - slot * _slots_on(c, channels) for c in range(channels)]
         where: list[int | None] = [None] * len(params)
         for k in update_order:
             c = max(range(channels), key=lambda c: (room[c], -c))
@@ -161,6 +163,10 @@ def _overflow(params: list[Param], update_order: list[int], channels: int, capac
         if largest <= slot:
             return where, slot
         slot = largest
+
+
+def _slots_on(channel: int, channels: int) -> int:
+    return sum(NvmeOverflow.staging_channel(s, channels) == channel for s in range(NvmeOverflow.STAGING_SLOTS))
 
 
 def _round_robin(params: list[Param], channels: int, capacity: int,

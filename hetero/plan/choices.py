@@ -7,8 +7,8 @@ from __future__ import annotations
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, routing, tiering
 from hetero.plan.model import GPU, Choices, Costs, LayerCosts, costs, timed
-from hetero.plan.schema import LayerPlan, OptimizerPlan, Plan
-from hetero.profile.schema import Profile
+from hetero.schema.plan import LayerPlan, OptimizerPlan, Plan
+from hetero.schema.profile import Profile
 
 
 def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan.schema import AllocatorPlan, Plan
+from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "states", "tiering")  # in the order their effects are described
@@ -117,8 +117,8 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
         parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - best.peak_bytes)} for "
                      f"{short_time(best.iteration_s - without.iteration_s)} per iteration")
     plain = "plain training's peak" + (" (estimated)" if forced else "")
-    return (f"{source}: {plain} {SIZE.format_short(seen[frozenset()].peak_bytes if frozenset() in seen else base.peak_bytes)} "
-            f"exceeds it; {'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
+    plain_peak = seen[frozenset()].peak_bytes if frozenset() in seen else base.peak_bytes
+    return (f"{source}: {plain} {SIZE.format_short(plain_peak)} exceeds it; {'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
             f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "
             f"(of {len(seen)} simulated)")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from hetero.plan import axdimm
 from hetero.plan.choices import host_static_bytes
-from hetero.plan.schema import OptimizerPlan, Plan
-from hetero.profile.schema import Profile
+from hetero.schema.plan import OptimizerPlan, Plan
+from hetero.schema.profile import Profile
 
 ADAM_STATE_BYTES_PER_PARAM = 8  # fp32 m and v, as torch's Adam(W) keeps them beside each parameter
 PLAIN = "plain training"  # its measured peak

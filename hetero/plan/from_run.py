@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan.schema import LayerPlan, Plan
-from hetero.profile.schema import Layer, Profile
-from hetero.report.schema import Run, RunLayer
+from hetero.schema.plan import LayerPlan, Plan
+from hetero.schema.profile import Layer, Profile
+from hetero.schema.run import Run, RunLayer
 
 
 def measured_profile(profile: Profile, plan: Plan, run: Run) -> Profile:

@@ -8,7 +8,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from hetero.errors import USAGE, HeteroError
-from hetero.profile.schema import CurvePoint, Profile
+from hetero.schema.profile import CurvePoint, Profile
 
 GPU = "gpu"  # the key of GPU memory in `predicted.peak` and the fast tier of activations on a GPU
 

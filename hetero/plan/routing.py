@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.plan.model import Curve
-from hetero.profile.schema import Profile
+from hetero.schema.profile import Profile
 from hetero.units import RATE, SIZE, short_time
 
 FULL_RATE = 0.9  # COARSE's "full bandwidth", as a fraction of the best rate measured

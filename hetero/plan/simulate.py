@@ -6,7 +6,7 @@ prefetches as backward progresses; gradients in backward order; updates in gradi
 ones in the optimizer's order), so the simulation is one pass over the layers: a task starts when its lane is free
 and its inputs are ready.
 
-Optimizer states spilled to NVMe are simulated as the runtime handles them (hetero.run.states.NvmeStaging): read,
+Optimizer states spilled to NVMe are simulated as the runtime handles them (hetero.run.nvme_states.NvmeStaging): read,
 updated and written back inside `optimizer.step()`, after backward, in parameter (forward) order, through two
 staging slots that alternate, slot k on channel k: the next tensor's read overlaps the current update, a slot is
 read into only once its previous tensor was written out, and the step returns once every write is done.
@@ -14,7 +14,7 @@ read into only once its previous tensor was written out, and the step returns on
 The planners call `simulate` hundreds of times, so it records spans only when asked.
 
 Without a GPU the background lanes are host threads on the cores compute uses, so compute slows while they work
-(`_Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
+(`Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
 layers before it, prefetches its own and earlier backward starts triggered, updates of the layers before it. A task
 issued later but starting earlier (a prefetch timed by the clock) does not slow the compute it overlaps.
 """
@@ -24,17 +24,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from hetero.plan.background import Background
 from hetero.plan.model import GPU, Choices, Costs, Update, timed
-from hetero.report import trace
-from hetero.report.trace import memory_track
-
-
-@dataclass(kw_only=True, slots=True)
-class Span:
-    lane: str
-    name: str
-    start_s: float
-    end_s: float
+from hetero.schema import trace
+from hetero.schema.trace import Count, Span, TierUse, memory_track
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +45,7 @@ class Result:
     act_avg_untiered_bytes: int
     act_peak_untiered_bytes: int
     spans: list[Span]
-    counters: list[tuple[float, str, int]]  # (time, tier, bytes in use) when recorded
+    counters: list[TierUse]  # when recorded
 
 
 @dataclass(slots=True)
@@ -78,7 +71,7 @@ class _State:
     opt_end: float = 0.0
     stall: float = 0.0
     nvme_late: float = 0.0
-    background: _Background | None = None  # None: background lanes do not slow compute
+    background: Background | None = None  # None: background lanes do not slow compute
 
     def run(self, lane: str, what: str, i: int, ready: float, duration: float) -> float:
         """Start layer i's task `what` on `lane` once the lane is free and its input is `ready`; its end time."""
@@ -106,7 +99,7 @@ def simulate(costs: Costs, ch: Choices, record: bool = False, detail: bool = Tru
     if len(ch.evict_s) != n:
         ch = timed(costs, replace(ch))
     st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n,
-                background=_Background.of(costs, ch))
+                background=Background.of(costs, ch))
     for name in ("fp_start", "fp_end", "bp_start", "bp_end", "load_end", "evict_start", "evict_end", "pf_start",
                  "pf_end", "ready"):
         setattr(st, name, [0.0] * n)
@@ -272,72 +265,6 @@ def _spilled_updates(st: _State, step: float, c: float) -> float:
     return c
 
 
-@dataclass(slots=True)
-class _Background:
-    """How background lanes slow compute on a machine without a GPU. While lanes whose workers keep shares s_k of a
-    core busy are working, compute advances at 1 / (1 + (f - 1) * sum s_k) of its profiled speed, f being the
-    profile's background_slowdown. So w seconds of compute that a worker of share s overlaps take (f - 1) * s * w
-    longer, and with a worker streaming throughout f * w, as f was measured. (Charging (f - 1) per second of wall
-    time overlapped instead would count the stretch itself as more overlap: with f > 2 and a busy worker that never
-    settles.)"""
-
-    extra: float  # f - 1
-    # Per lane that slows compute: [its worker's share of a core, its tasks (start, end) in issue order, which is
-    # time order (a lane serves one task at a time), the first of them not ended before the last compute start].
-    lanes: dict[str, list]
-
-    @classmethod
-    def of(cls, costs: Costs, ch: Choices) -> _Background | None:
-        f = costs.background_slowdown
-        lanes = {lane: [share, [], 0] for lane, share in ch.cpu_share.items() if share > 0}
-        if costs.has_gpu or f is None or f <= 1 or not lanes:
-            return None
-        return cls(extra=f - 1, lanes=lanes)
-
-    def add(self, lane: str, start: float, end: float) -> None:
-        if end > start and (busy := self.lanes.get(lane)) is not None:
-            busy[1].append((start, end))
-
-    def finish(self, start: float, work: float) -> float:
-        """When `work` seconds of compute started at `start` end, walking the background load from `start`. Compute
-        starts never go back in time (one compute lane, placed in order), so tasks ended by `start` are skipped
-        for good: each call looks at the few tasks its own span meets."""
-        if work <= 0:
-            return start
-        first = float("inf")
-        for busy in self.lanes.values():
-            tasks, k = busy[1], busy[2]
-            n = len(tasks)
-            while k < n and tasks[k][1] <= start:
-                k += 1
-            busy[2] = k
-            if k < n and tasks[k][0] < first:
-                first = tasks[k][0]
-        if first >= start + work:  # nothing runs beside it
-            return start + work
-        t = start
-        at = [busy[2] for busy in self.lanes.values()]  # this walk's own place in each lane
-        while True:
-            load, change = 0.0, float("inf")  # the load from t on, and when it next changes
-            for j, (share, tasks, _) in enumerate(self.lanes.values()):
-                k, n = at[j], len(tasks)
-                while k < n and tasks[k][1] <= t:
-                    k += 1
-                at[j] = k
-                if k < n:
-                    begin, end = tasks[k]
-                    if begin <= t:
-                        load += share
-                        change = min(change, end)
-                    elif begin < change:
-                        change = begin
-            slow = 1 + self.extra * load
-            if t + work * slow <= change:
-                return t + work * slow
-            work -= (change - t) / slow
-            t = change
-
-
 def _result(st: _State, iteration: float, detail: bool) -> Result:
     fast, slow = _activation_events(st, tiered=True)
     untiered_peak = untiered_avg = slow_peak = act_avg = 0
@@ -357,7 +284,7 @@ def _result(st: _State, iteration: float, detail: bool) -> Result:
         if tier is not None:
             peak[tier] = peak.get(tier, 0) + extra
             base = peak[tier] - extra
-            counters += [(t, tier, base + used) for t, used in curve] if st.record else []
+            counters += [TierUse(t, tier, base + used) for t, used in curve] if st.record else []
     return Result(iteration_s=iteration, fp_start_s=st.fp_start, fp_end_s=st.fp_end, bp_start_s=st.bp_start,
                   bp_end_s=st.bp_end, stall_s=st.stall, nvme_late_s=st.nvme_late, peak_bytes=peak,
                   act_avg_bytes=act_avg, act_peak_bytes=act_peak, act_avg_untiered_bytes=untiered_avg,
@@ -408,6 +335,5 @@ def _sweep(events: list[tuple[float, int]], horizon: float) -> tuple[int, int, l
 
 def chrome_trace(result: Result) -> dict:
     """The timeline as Chrome/Perfetto trace JSON: one thread per lane, memory per tier as counters."""
-    spans = [(s.lane, s.name, s.start_s, s.end_s, {}) for s in result.spans]
-    counters = [(t, memory_track(tier), {"predicted": used}) for t, tier, used in result.counters]
-    return trace.chrome(spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes})
+    counters = [Count(u.time_s, memory_track(u.tier), {"predicted": u.used_bytes}) for u in result.counters]
+    return trace.chrome(result.spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes})

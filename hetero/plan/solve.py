@@ -8,21 +8,22 @@ predict the iteration. `predict` simulates any plan, edited ones included, the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from hetero import files
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, fit, footprint, gradient_offload, memferry, routing, simulate, tiering
+from hetero.plan import axdimm, fit, footprint, gradient_offload, memferry, memferry_solve, routing, simulate, tiering
 from hetero.plan.choices import build, host_tier, sync_times
+from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.model import GPU, Choices, Costs
-from hetero.plan.schema import (
+from hetero.plan.simulate import Result
+from hetero.schema import files
+from hetero.schema.plan import (
     ActivationPlan,
     ActivationPrediction,
     Budget,
     Eviction,
     LayerPlan,
     NvmeOverflow,
-    OptimizerDevice,
     OptimizerPlan,
     Plan,
     Predicted,
@@ -30,28 +31,11 @@ from hetero.plan.schema import (
     Source,
     StatePlacement,
 )
-from hetero.plan.simulate import Result
-from hetero.profile.schema import Gpu, Profile, Tier
+from hetero.schema.profile import Profile
 from hetero.units import SIZE, short_time, size_change
 
 NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"
 ONE_PROCESS = "the profile has one process: no gradient synchronization to route"
-
-
-@dataclass(kw_only=True, slots=True)
-class PlanOptions:
-    """The command line of `hetero plan`, checked against the profile by `plan`."""
-
-    profile_path: str = "profile.yaml"
-    reserve: float = 0.5
-    gpu_memory_bytes: int | None = None
-    dram_budget_bytes: int | None = None
-    optimizer_device: str | None = None  # default: a real AXDIMM when the profile has one, else host
-    emulate: bool = False  # --emulate axdimm: the emulated AXDIMM may hold states (tests and demonstrations)
-    tier_activations: bool = False  # --tier-activations: schedule evictions even where they save no process memory
-    slow_tier: str | None = None
-    stay_time_s: float = 1e-3
-    previous: Plan | None = None  # --from: its pinned entries are kept
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,137 +46,7 @@ class _Pins:
     routing: RoutingPlan | None
 
 
-@dataclass(kw_only=True, slots=True)
-class Context:
-    """The options checked against the machine, and what every phase reads from the profile."""
-
-    profile: Profile
-    options: PlanOptions
-    gpu: Gpu | None
-    host: Tier  # host memory: the fast tier without a GPU
-    fast: str
-    slow: str | None
-    nvme: Tier | None  # where optimizer states overflow
-    device: OptimizerDevice | None  # None: --optimizer-device none, the script's optimizer stays its own
-    params: list[axdimm.Param]
-    update_order: list[int]
-    device_bytes: int
-    budget_bytes: int
-    dram_bytes: int
-    budget_source: str | None  # where a DRAM budget came from: the option or the memory cgroup; None: no budget
-    host_model_bytes: int  # host memory besides optimizer states: parameters, gradients, activations without a GPU
-    links: list[routing.Link]
-    ranks: int
-
-    def rates(self, device: str) -> axdimm.Rates:
-        return axdimm.rates(self.profile, device)
-
-    def tier_curves(self, slow: str):
-        return tiering.curves(self.profile, slow)
-
-
-def context(profile: Profile, o: PlanOptions) -> Context:
-    m = profile.machine
-    if not m.tiers:
-        raise HeteroError("the profile lists no memory tiers", hint="re-run `hetero profile`", exit_code=USAGE)
-    host = next((t for t in m.tiers if t.kind == "dram"), m.tiers[0])
-    device_bytes, budget = _gpu_budget(m.gpu, o)
-    if not 0 <= o.reserve <= 1:
-        raise HeteroError(f"--reserve {o.reserve:g} is not a fraction", hint="use a value from 0 to 1", exit_code=USAGE)
-    dram, source = _dram_budget(m, host, o)
-    fast = GPU if m.gpu else host.name
-    params = axdimm.params(profile)
-    layers = profile.layers
-    model = 2 * sum(x.params_bytes for x in layers) + (0 if m.gpu else sum(x.saved_bytes for x in layers))
-    links, ranks = routing.links(profile)
-    return Context(profile=profile, options=o, gpu=m.gpu, host=host, fast=fast, slow=_slow_tier(profile, o, fast),
-                   nvme=axdimm.nvme_tier(profile), device=_device(profile, o), params=params,
-                   update_order=axdimm.update_order(profile, params), device_bytes=device_bytes, budget_bytes=budget,
-                   dram_bytes=dram, budget_source=source, host_model_bytes=model, links=links, ranks=ranks)
-
-
-CGROUP = "the memory cgroup the profile ran in"
-
-
-def _dram_budget(m, host: Tier, o: PlanOptions) -> tuple[int, str | None]:
-    """The DRAM budget and where it came from: --dram-budget, else the profile's memory cgroup limit, else none
-    (the host's capacity bounds the plan)."""
-    limit = m.memory_limit_bytes
-    if o.dram_budget_bytes is None:
-        if limit is None:
-            return host.capacity_bytes, None
-        return min(limit, host.capacity_bytes), CGROUP
-    dram = o.dram_budget_bytes
-    if dram > host.capacity_bytes:
-        raise HeteroError(f"--dram-budget {SIZE.format_short(dram)} exceeds the "
-                          f"{SIZE.format_short(host.capacity_bytes)} the profile measured for {host.name}",
-                          hint="lower --dram-budget", exit_code=USAGE)
-    if limit is not None and dram > limit:
-        raise HeteroError(f"--dram-budget {SIZE.format_short(dram)} exceeds the {SIZE.format_short(limit)} limit of "
-                          f"{CGROUP}", hint=f"use at most --dram-budget {SIZE.format_short(limit)}", exit_code=USAGE)
-    return dram, "--dram-budget"
-
-
-def _gpu_budget(gpu: Gpu | None, o: PlanOptions) -> tuple[int, int]:
-    if gpu is None:
-        if o.gpu_memory_bytes is not None:
-            raise HeteroError(f"--gpu-memory {SIZE.format_short(o.gpu_memory_bytes)} given, but the profile has no GPU",
-                              hint="drop --gpu-memory, or profile on a machine with a CUDA device", exit_code=USAGE)
-        return 0, 0
-    if o.gpu_memory_bytes is None:
-        return gpu.memory_bytes, gpu.memory_bytes
-    if o.gpu_memory_bytes > gpu.memory_bytes:
-        raise HeteroError(f"--gpu-memory {SIZE.format_short(o.gpu_memory_bytes)} exceeds the GPU's "
-                          f"{SIZE.format_short(gpu.memory_bytes)} ({gpu.name})",
-                          hint=f"use at most --gpu-memory {SIZE.format_short(gpu.memory_bytes)}", exit_code=USAGE)
-    return gpu.memory_bytes, o.gpu_memory_bytes
-
-
-def _device(profile: Profile, o: PlanOptions) -> OptimizerDevice | None:
-    """An emulated AXDIMM lives in host DRAM and shares the host's cores: never the default, only asked for."""
-    m = profile.machine
-    if o.optimizer_device == "none" and not o.emulate:
-        return None
-    usable = m.axdimm is not None and (m.axdimm.backend != "emulated" or o.emulate)
-    device = o.optimizer_device or ("axdimm" if usable else "host")
-    if device not in ("axdimm", "host", "gpu"):
-        raise HeteroError(f"--optimizer-device {device}: not a device", hint="use axdimm, host, gpu or none",
-                          exit_code=USAGE)
-    if o.emulate and (m.axdimm is None or device != "axdimm"):
-        raise HeteroError("--emulate axdimm, but " + ("the profile has no emulated AXDIMM" if m.axdimm is None else
-                                                      f"--optimizer-device is {device}"),
-                          hint="drop one of the two options" if m.axdimm else "re-run `hetero profile`",
-                          exit_code=USAGE)
-    if device == "axdimm" and m.axdimm is None:
-        raise HeteroError("--optimizer-device axdimm, but the profile has no AXDIMM",
-                          hint="use --optimizer-device host", exit_code=USAGE)
-    if device == "gpu" and m.gpu is None:
-        raise HeteroError("--optimizer-device gpu, but the profile has no GPU",
-                          hint="use --optimizer-device host" + (" or axdimm" if m.axdimm else ""), exit_code=USAGE)
-    return device
-
-
-def _slow_tier(profile: Profile, o: PlanOptions, fast: str) -> str | None:
-    """--slow-tier, checked; by default host memory below a GPU, else the first NVMe tier, else any slower tier
-    with measured transfer times."""
-    tiers = profile.machine.tiers
-    names = [t.name for t in tiers]
-    if o.slow_tier is not None:
-        tier = next((t for t in tiers if t.name == o.slow_tier), None)
-        if tier is None:
-            raise HeteroError(f"--slow-tier {o.slow_tier}: the profile has no such tier",
-                              hint=f"tiers in the profile: {', '.join(names)}", exit_code=USAGE)
-        if tier.name == fast or tier.kind == "hbm":
-            raise HeteroError(f"--slow-tier {o.slow_tier} is where layers compute, not a slower tier",
-                              hint=f"pick another of: {', '.join(n for n in names if n != fast)}", exit_code=USAGE)
-        if not (tier.read and tier.write) and not (profile.machine.gpu and tier.kind == "dram"):
-            raise HeteroError(f"--slow-tier {o.slow_tier} has no measured read/write times",
-                              hint="re-run `hetero profile` to measure it, or pick another tier", exit_code=USAGE)
-        return tier.name
-    if profile.machine.gpu:
-        return next(t.name for t in tiers if t.kind == "dram") if any(t.kind == "dram" for t in tiers) else None
-    usable = [t for t in tiers if t.name != fast and t.kind != "hbm" and t.read and t.write]
-    return next((t.name for t in usable if t.kind == "nvme"), usable[0].name if usable else None)
+UNPREDICTED = Predicted(iteration_s=0.0, peak_bytes={})  # a draft's: the simulator never reads it
 
 
 def plan(profile: Profile, options: PlanOptions) -> Plan:
@@ -204,9 +58,10 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
         return fit.fit(ctx, lambda levers: _solve(ctx, pins, levers), ctx.host.name)
     out = _solve(ctx, pins, frozenset())
     _check_dram(ctx, out)
-    if ctx.budget_source is not None:
-        out.budget.why = f"DRAM budget {SIZE.format_short(ctx.dram_bytes)} ({ctx.budget_source})"
-    return out
+    if ctx.budget_source is None:
+        return out
+    return replace(out, budget=replace(out.budget, why=f"DRAM budget {SIZE.format_short(ctx.dram_bytes)} "
+                                                       f"({ctx.budget_source})"))
 
 
 def _solve(ctx: Context, pins: _Pins, levers: frozenset[str]) -> Plan:
@@ -216,17 +71,15 @@ def _solve(ctx: Context, pins: _Pins, levers: frozenset[str]) -> Plan:
     schedules = _activations(ctx, pins, omitted, levers)
     route = _routing(ctx, pins, omitted)
     budget = ctx.dram_bytes if ctx.budget_source is not None else None
-    out = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
-                             model_fingerprint=ctx.profile.model.fingerprint),
-               budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
-                             reserve=ctx.options.reserve),
-               layers=[], optimizer=optimizer, activations=None, routing=route,
-               predicted=Predicted(iteration_s=0.0, peak_bytes={}), omitted=omitted,
-               allocator=_allocator(ctx) if "allocator" in levers else None)
-    out.activations = _pick_schedule(ctx, out, schedules)
-    _layers(ctx, out, pins)
-    out.predicted = predicted_of(ctx.profile, out, predict(ctx.profile, out))
-    return out
+    draft = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
+                               model_fingerprint=ctx.profile.model.fingerprint),
+                 budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
+                               reserve=ctx.options.reserve),
+                 layers=[], optimizer=optimizer, activations=None, routing=route, predicted=UNPREDICTED,
+                 omitted=omitted, allocator=_allocator(ctx) if "allocator" in levers else None)
+    draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
+    draft = _layers(ctx, draft, pins)
+    return replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft)))
 
 
 def _allocator(ctx: Context):
@@ -307,8 +160,9 @@ def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str], levers: froze
                         why=f"{placement.why}; Adam at {axdimm.rate_text(rates)}; {overlap_why}")
     if device == "axdimm" and ax.backend == "emulated":
         added = footprint.added_host_bytes(ctx.profile, out)
-        out.why += (f"; emulated (--emulate axdimm): its channels are host DRAM, {SIZE.format_short(added)} more "
-                    "there than plain training, for tests and demonstrations")
+        return replace(out, why=f"{out.why}; emulated (--emulate axdimm): its channels are host DRAM, "
+                                f"{SIZE.format_short(added)} more there than plain training, for tests and "
+                                "demonstrations")
     return out
 
 
@@ -397,12 +251,11 @@ def _tier_path(profile: Profile, name: str) -> str | None:
     return next((t.path for t in profile.machine.tiers if t.name == name), None)
 
 
-def _pick_schedule(ctx: Context, out: Plan, candidates: list[ActivationPlan]) -> ActivationPlan | None:
+def _pick_schedule(ctx: Context, draft: Plan, candidates: list[ActivationPlan]) -> ActivationPlan | None:
     """The faster schedule in simulation, then the one leaving less in fast memory on average."""
     scored = []
     for cand in candidates:
-        out.activations = cand
-        r = predict(ctx.profile, out)
+        r = predict(ctx.profile, replace(draft, activations=cand))
         scored.append((_ns(r.iteration_s), r.act_avg_bytes, r.act_peak_bytes, r))
     if not scored:
         return None
@@ -411,10 +264,10 @@ def _pick_schedule(ctx: Context, out: Plan, candidates: list[ActivationPlan]) ->
     others = "; ".join(f"{c.why} rule: {short_time(s[0])}, average {SIZE.format_short(s[1])}"
                        for k, (c, s) in enumerate(zip(candidates, scored)) if k != best)
     basis = "simulated with every layer GFGB" if ctx.gpu else "simulated"
-    chosen.why = (f"{chosen.why} prefetch rule, {basis}: iteration {short_time(r.iteration_s)}, {ctx.fast} activations "
-                  f"{size_change(r.act_avg_untiered_bytes, r.act_avg_bytes)} on average, "
-                  f"{size_change(r.act_peak_untiered_bytes, r.act_peak_bytes)} at peak (the {others})")
-    return chosen
+    return replace(chosen, why=f"{chosen.why} prefetch rule, {basis}: iteration {short_time(r.iteration_s)}, "
+                               f"{ctx.fast} activations {size_change(r.act_avg_untiered_bytes, r.act_avg_bytes)} on "
+                               f"average, {size_change(r.act_peak_untiered_bytes, r.act_peak_bytes)} at peak "
+                               f"(the {others})")
 
 
 def _ns(seconds: float) -> float:
@@ -441,31 +294,31 @@ def _routing(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> RoutingPlan 
 # -- layers (GPU) -------------------------------------------------------------------------------------------------
 
 
-def _layers(ctx: Context, out: Plan, pins: _Pins) -> None:
+def _layers(ctx: Context, draft: Plan, pins: _Pins) -> Plan:
+    """`draft` with every layer's GPU mode and gradient place (MemFerry, GO-MemFerry)."""
     layers = ctx.profile.layers
     if ctx.gpu is None:
-        out.omitted["layers"] = NO_GPU
-        return
-    if out.optimizer is None or out.optimizer.device == "gpu":
+        return replace(draft, omitted=draft.omitted | {"layers": NO_GPU})
+    if draft.optimizer is None or draft.optimizer.device == "gpu":
         reason = "the optimizer updates parameters on the GPU: every parameter and gradient stays there"
-        out.layers = [_pinned(pins, x.name) or LayerPlan(name=x.name, mode="gfgb", grad="gpu", why=reason)
-                      for x in layers]
+        out = replace(draft, layers=[_pinned(pins, x.name) or LayerPlan(name=x.name, mode="gfgb", grad="gpu",
+                                                                          why=reason) for x in layers])
         _check_fits(ctx, out)
-        return
-    costs, template = build(ctx.profile, out)
+        return out
+    costs, template = build(ctx.profile, draft)
     items = [gradient_offload.GradItem(name=c.name, size_bytes=c.params_bytes, pinned=_pin(pins, c.name, "grad"),
                                        gain_s=None if c.bp_grad_host_s is None else c.bp_grad_host_s - c.bp_s)
              for c in costs.layers]
     go = gradient_offload.offload(items, ctx.options.reserve)
-    out.budget.grad_grid_bytes = go.grid_bytes
     template.grads = ["gpu" if keep else "host" for keep in go.keep]
     fixed = {i: pins.layers[x.name].mode for i, x in enumerate(layers) if x.name in pins.layers}
-    chosen, why = memferry.solve(costs, template, fixed, ctx.device_bytes, ctx.budget_bytes)
+    chosen, why = memferry_solve.solve(costs, template, fixed, ctx.device_bytes, ctx.budget_bytes)
     if chosen is None:
         _too_small(ctx, costs, template)
-    out.layers = [_pinned(pins, x.name) or LayerPlan(name=x.name, mode=chosen.modes[i], grad=template.grads[i],
-                                                     why=f"{why[i]}; grad: {go.why[i]}")
-                  for i, x in enumerate(layers)]
+    entries = [_pinned(pins, x.name) or LayerPlan(name=x.name, mode=chosen.modes[i], grad=template.grads[i],
+                                                  why=f"{why[i]}; grad: {go.why[i]}")
+               for i, x in enumerate(layers)]
+    return replace(draft, layers=entries, budget=replace(draft.budget, grad_grid_bytes=go.grid_bytes))
 
 
 def _pin(pins: _Pins, name: str, field: str) -> str | None:
@@ -487,7 +340,7 @@ def _check_fits(ctx: Context, out: Plan) -> None:
 
 def _too_small(ctx: Context, costs: Costs, template: Choices) -> None:
     fewest = [next((m for m in ("dha", "dfgb", "gfgb") if m in memferry.allowed_modes(c))) for c in costs.layers]
-    least = memferry.evaluate(costs, template, fewest).gpu_bytes
+    least = memferry_solve.evaluate(costs, template, fewest).gpu_bytes
     raise HeteroError(f"the GPU budget {SIZE.format_short(ctx.budget_bytes)} is too small: even with every layer "
                       f"in host memory the plan needs {SIZE.format_short(least)} (kept gradients and activations)",
                       hint=f"use --gpu-memory {SIZE.format_short(least, 3)} or more, or a lower --reserve",

@@ -19,7 +19,7 @@ import bisect
 from dataclasses import dataclass, field, replace
 
 from hetero.plan.model import Curve, chunks_time_s, chunks_within
-from hetero.profile.schema import Profile, Tier
+from hetero.schema.profile import Profile, Tier
 from hetero.units import short_size, short_time
 
 _SLACK_S = 1e-9  # float noise: a partial eviction ends exactly ST before its prefetch (Eq. 7), never "late" by it

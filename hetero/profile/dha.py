@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.harness import hooks
+from hetero.harness.layer_timing import CpuClock, CudaClock
+from hetero.harness.layers import LayerSpec, select_layers, tensors
 from hetero.kernels.dha import CudaDevice, Device, carve, map_host, offsets, pinned_host
-from hetero.profile.layers import CpuClock, CudaClock, LayerSpec, _tensors, select_layers
-from hetero.profile.schema import Layer
-from hetero.run import hooks
 from hetero.run.grad_offload import HostGrads
+from hetero.schema.profile import Layer
 from hetero.units import measured
 
 MiB = 2**20
@@ -155,13 +156,13 @@ def _run(module: nn.Module, call: tuple, params: list[nn.Parameter], clock, repe
          ) -> tuple[float, float]:
     """Median forward and backward time of the layer alone; the first run warms up."""
     args, kwargs = call
-    leaves = [t for t in _tensors([args, list(kwargs.values())]) if t.requires_grad]
+    leaves = [t for t in tensors([args, list(kwargs.values())]) if t.requires_grad]
     marks = []
     for _ in range(repeats + 1):
         for t in leaves + params:
             t.grad = None
         start = clock.mark()
-        out = [t for t in _tensors(module(*args, **kwargs)) if t.requires_grad]
+        out = [t for t in tensors(module(*args, **kwargs)) if t.requires_grad]
         mid = clock.mark()
         if out:
             torch.autograd.backward(out, [torch.randn_like(t) for t in out])

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 from hetero.errors import USAGE, HeteroError
-from hetero.units import measured
 from hetero.profile import dha
 from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.timing import beside_compute, median_time, share
 from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, time_updates, update_job
-from hetero.profile.schema import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.states import AxdimmHome, ChannelDriver
 from hetero.run import process_memory
+from hetero.schema.profile import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
+from hetero.units import measured
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.profile.machine import HOST_SIZES
-from hetero.profile.schema import CurvePoint, Peer
+from hetero.schema.profile import CurvePoint, Peer
 from hetero.units import measured
 
 REPEATS = 7

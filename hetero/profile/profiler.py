@@ -8,6 +8,7 @@ runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measur
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import tempfile
 from collections import Counter
@@ -18,17 +19,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetero import files
 from hetero.errors import FAILURE, USAGE, HeteroError
+from hetero.harness import capture
+from hetero.harness.capture import Capture, fingerprint
+from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
+from hetero.harness.layers import select_layers
+from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, returned, tier_steps
-from hetero.profile import capture
-from hetero.profile.capture import Capture, fingerprint
-from hetero.profile.layers import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, select_layers, summarize
-from hetero.units import measured
-from hetero.profile.schema import Layer, Machine, Memory, ModelInfo, Profile, Training
 from hetero.run import process_memory
-from hetero.run.bootstrap import StopScript, run_script
 from hetero.run.devices import workdir
+from hetero.schema import files
+from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Training
+from hetero.units import measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -109,9 +111,15 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             raise capture.no_optimizer()
         raise _ended_early(result.exit_code, session.steps_done, options)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
-    if session.returned.peak_bytes is not None:
-        session.memory.dram_peak_returned_bytes = session.returned.peak_bytes
-        session.memory.returned_step_s = measured(session.returned.step_s())
+    # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
+    # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
+    if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
+        session.progress("freed memory returned", 0, 1)
+        found = returned.measure(script, args, options.warmup)
+        session.progress("freed memory returned", 1, 1)
+        if found is not None:
+            session.memory.dram_peak_returned_bytes = found.peak_bytes
+            session.memory.returned_step_s = measured(found.step_s)
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
@@ -134,8 +142,6 @@ class _Session:
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
-        self.tier_closed = False
-        self.returned = returned.ReturnedSteps()  # steps with freed memory returned, after the others
         self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
         self.others: capture.OtherOptimizers | None = None
         self.capture: Capture | None = None
@@ -165,18 +171,11 @@ class _Session:
         self._start = self.profiler.clock.mark()
 
     def _step_end(self, optimizer, args, kwargs) -> None:
-        if self.returned.active:
-            if self.returned.step_ended():
-                raise StopScript()
-            self.progress("freed memory returned", len(self.returned.ends) - 1, returned.STEPS)
-            return
-        if self.tier_steps is not None and not self.tier_closed:
+        if self.tier_steps is not None:
             done = self.tier_steps.step_ended()
             self.progress("disk beside training", self.tier_steps.steps, tier_steps.STEPS)
             if done:
-                self.tier_steps.close()  # its tiering must not move anything in the steps after
-                self.tier_closed = True
-                self._after_measuring()
+                raise StopScript()
             return
         self.steps_done += 1
         end = self.profiler.clock.mark()
@@ -194,15 +193,7 @@ class _Session:
             self.profiler.detach()
             self.summary = summarize(self.profiler)
             if not self._start_tier_steps():
-                self._after_measuring()
-
-    def _after_measuring(self) -> None:
-        """Measure the peak and step with freed memory returned where it can be compared with plain's (a CPU
-        trains, and no budget made the whole profile run that way), then stop the script."""
-        if self.device.type == "cpu" and self.budgeted is None and self.returned.start():
-            self.progress("freed memory returned", 0, returned.STEPS)
-            return
-        raise StopScript()
+                raise StopScript()
 
     def _start_tier_steps(self) -> bool:
         """Time the disk beside training where the planner needs it: the CPU computes (a GPU's kernels share no
@@ -220,7 +211,6 @@ class _Session:
 
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
-        self.returned.close()
         if self.budgeted is not None:
             self.budgeted.close()
         if self.others is not None:
@@ -229,8 +219,7 @@ class _Session:
             self.profiler.detach()
         if self.tier_steps is None:
             return None
-        if not self.tier_closed:
-            self.tier_steps.close()
+        self.tier_steps.close()
         return self.tier_steps.measured()
 
     def _iteration_s(self) -> float:

@@ -2,25 +2,39 @@
 can count both (hetero.plan.fit's `allocator` lever).
 
 Two ways, one per case:
-- Without a budget, after the other measured steps, `ReturnedSteps` sets glibc's thresholds as the runtime would
-  (hetero.run.allocator), returns what the heap holds free (malloc_trim), restarts the kernel's high-water mark
-  and runs `STEPS` more steps: their peak, and the mean time of all but the first (which also faults back what the
-  trim returned).
+- Without a budget, `measure` runs the script once more in a fresh process that sets glibc's thresholds as the
+  runtime does (hetero.run.allocator) before the script starts, for the warm-up steps and `TIMED_STEPS` more: its
+  peak (VmHWM), and the mean time of the timed steps. A fresh process, because the profile's own has grown its heap
+  the default way already: measured there, the peak says more about the profile than about a planned run.
 - Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
   profile must not die of it: `Budgeted` returns freed memory from before the script's first allocation, the
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
   measured: the profile writes the measured one as an estimate (a lower bound) and says so.
+
+`python -m hetero.profile.returned OUT STEPS SCRIPT [ARGS]` is the fresh process; it writes `OUT` (JSON).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 from hetero.plan.fit import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from hetero.run import allocator, process_memory
 from hetero.units import SIZE
 
-STEPS = 3
+TIMED_STEPS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    peak_bytes: int
+    step_s: float
 
 
 def returning() -> bool:
@@ -33,41 +47,47 @@ def restore() -> None:
     allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
 
 
-class ReturnedSteps:
-    """`STEPS` optimizer steps with freed memory returned; `step_ended` after each, True after the last."""
-
-    def __init__(self):
-        self.ends: list[float] = []
-        self.peak_bytes: int | None = None
-        self.active = False
-
-    def start(self) -> bool:
-        if not returning() or not process_memory.reset_peak():
-            restore()
-            return False
-        self.active = True
-        self.ends = [time.perf_counter()]
-        return True
-
-    def step_ended(self) -> bool:
-        self.ends.append(time.perf_counter())
-        if len(self.ends) <= STEPS:
-            return False
-        self.peak_bytes = process_memory.dram_peak_bytes()
-        self.close()
-        return True
-
-    def step_s(self) -> float | None:
-        """Mean time of the steps after the first, once all ran."""
-        if self.peak_bytes is None:
+def measure(script: str, args: list[str], warmup: int) -> Returned | None:
+    """The script's peak and step time with freed memory returned, from a fresh process; None when it could not
+    run that many steps (or malloc is not glibc)."""
+    with tempfile.TemporaryDirectory(prefix="hetero-returned-") as work:
+        out = os.path.join(work, "returned.json")
+        steps = warmup + TIMED_STEPS
+        done = subprocess.run([sys.executable, "-m", "hetero.profile.returned", out, str(steps), script, *args],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if done.returncode != 0 or not os.path.exists(out):
             return None
-        times = [b - a for a, b in zip(self.ends[1:], self.ends[2:])]
-        return sum(times) / len(times)
+        with open(out) as f:
+            data = json.load(f)
+    return Returned(peak_bytes=data["peak_bytes"], step_s=data["step_s"])
 
-    def close(self) -> None:
-        if self.active:
-            restore()
-            self.active = False
+
+def _child(out: str, steps: int, script: str, args: list[str]) -> int:
+    if not returning():
+        return 1
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from hetero.harness.script import StopScript, run_script
+
+    ends: list[float] = []
+
+    def step_ended(optimizer, *_):
+        ends.append(time.perf_counter())
+        if len(ends) == steps:
+            raise StopScript()
+
+    handle = register_optimizer_step_post_hook(step_ended)
+    try:
+        result = run_script(script, args)
+    finally:
+        handle.remove()
+    if not result.stopped or len(ends) < steps:
+        return 1
+    timed = ends[-TIMED_STEPS - 1:]
+    with open(out, "w") as f:
+        json.dump({"peak_bytes": process_memory.dram_peak_bytes(),
+                   "step_s": (timed[-1] - timed[0]) / TIMED_STEPS}, f)
+    return 0
 
 
 def budget_of(option_bytes: int | None) -> tuple[int, str] | None:
@@ -95,3 +115,7 @@ class Budgeted:
         if self.applied:
             restore()
             self.applied = False
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]))

@@ -9,10 +9,8 @@ layer evicting, the last excepted: its backward follows at once). Two things com
 - how much compute those workers cost: the timed steps' extra time over the measured steps', waits for late
   prefetches taken out, per second the workers were busy.
 
-Why not a synthetic load: on a shared 2-core VM a 1 MiB write issued while the model computed took 2.5-4 ms in
-`hetero run`, against 1.5 ms beside the GEMM loop the profile used to time it by, and the loop's slowdown per busy
-worker second read anywhere from 0.3 to 0.9 between profiles where training's stayed near 0.3. No synthetic loop
-(GEMMs of the model's shapes, its forward and backward with a writer beside them) reproduced the run; timing the
+Why not a synthetic load: no synthetic loop (GEMMs of the model's shapes, its forward and backward with a writer
+beside them) reproduced the writes and slowdowns of the run (docs/benchmarks.md, "Design figures"); timing the
 runtime itself needs no explanation of it.
 """
 
@@ -25,12 +23,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hetero.plan.schema import ActivationPlan, Eviction
-from hetero.profile.schema import CurvePoint, Layer
 from hetero.run import spans
 from hetero.run.tiering import ActivationTiering
+from hetero.schema.plan import ActivationPlan, Eviction
+from hetero.schema.profile import CurvePoint, Layer
 from hetero.units import measured
-
 
 STEPS = 4  # the first creates the store's files and buffers; the others are timed
 MIN_TENSOR_BYTES = 64 * 1024  # the smallest size the profile times a disk trip at (machine.BESIDE_SIZES)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.plan.schema import Plan, Predicted
 from hetero.plan.simulate import Result
 from hetero.plan.solve import predict, predicted_of
-from hetero.profile.schema import Profile
-from hetero.report.schema import Run
+from hetero.schema.plan import Plan, Predicted
+from hetero.schema.profile import Profile
+from hetero.schema.run import Run
 from hetero.units import SIZE, TIME, Unit
 
 TOLERANCE = 0.15  # entries further off than this get a warning line

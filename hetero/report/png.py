@@ -3,12 +3,17 @@ prediction. matplotlib is the optional extra `hetero[viz]`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from hetero.errors import USAGE, HeteroError
-from hetero.report.schema import Run
-from hetero.report.trace import memory_track
+from hetero.plan.solve import predict
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
+from hetero.schema.run import Run
+from hetero.schema.sources import beside
+from hetero.schema.trace import memory_track
 
 MiB = 2**20
 
@@ -72,3 +77,22 @@ def _pyplot():
         raise HeteroError("--png needs matplotlib, which is not installed",
                           hint="pip install 'hetero[viz]' (or: pip install matplotlib)", exit_code=USAGE) from None
     return plt
+
+
+def draw_run(run: Run, run_path: Path, plan: Plan, profile: Profile | None, png: Path) -> None:
+    """Draw the run's last recorded step from its trace (found beside run.yaml), with the plan's prediction when
+    its profile is at hand, into `png`."""
+
+    trace_path = beside(run.source.trace, run_path) if run.source.trace else None
+    if trace_path is None or not trace_path.is_file():
+        raise HeteroError(f"--png draws from the run's trace, and {trace_path or 'none'} is not there",
+                          hint="keep the trace beside run.yaml (hetero run --trace run.json)", exit_code=USAGE)
+    try:
+        trace = json.loads(trace_path.read_text())
+    except (OSError, ValueError) as e:
+        raise HeteroError(f"cannot read the trace {trace_path}: {e}", hint="record it again") from None
+    predicted: dict[str, list] = {}
+    if profile is not None:
+        for t, tier, used in predict(profile, plan, record=True).counters:
+            predicted.setdefault(tier, []).append((t, used))
+    draw(run, trace, predicted, png)

@@ -17,7 +17,7 @@ import ctypes
 import ctypes.util
 import sys
 
-from hetero.plan.schema import AllocatorPlan
+from hetero.schema.plan import AllocatorPlan
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3

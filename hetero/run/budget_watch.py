@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from hetero.plan.schema import Plan
+from hetero.schema.plan import Plan
 from hetero.run import process_memory
 from hetero.units import SIZE
 

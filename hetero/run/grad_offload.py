@@ -34,7 +34,7 @@ from hetero.units import SIZE
 
 
 @dataclass(eq=False, slots=True)
-class Slot:
+class HostGrad:
     param: nn.Parameter
     host: torch.Tensor  # pinned
     alias: torch.Tensor  # the device view of `host`
@@ -47,7 +47,7 @@ class Slot:
 class HostGrads:
     def __init__(self, device: Device, params: list[tuple[str, nn.Parameter]], model: nn.Module):
         self.device = device
-        self.slots: dict[int, Slot] = {}
+        self.slots: dict[int, HostGrad] = {}
         self.handles: list = []
         self.counts: Counter = Counter()  # direct (written by the kernel), copied (by the hook), fallback
         live = [p for _, p in params if p.requires_grad]
@@ -55,7 +55,7 @@ class HostGrads:
         self.host = device.pinned(total)  # one flat buffer for every host gradient, one mapping of it
         self.alias = device.alias(self.host)
         for p, offset in zip(live, where):
-            slot = self.slots[id(p)] = Slot(p, carve(self.host, offset, p), carve(self.alias, offset, p))
+            slot = self.slots[id(p)] = HostGrad(p, carve(self.host, offset, p), carve(self.alias, offset, p))
             self.handles += [p.register_hook(partial(self._arrive, slot)),
                              p.register_post_accumulate_grad_hook(partial(self._landed, slot))]
         users = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
@@ -82,7 +82,7 @@ class HostGrads:
         slot = self.slots.get(id(p))
         return slot.host if slot is not None else None
 
-    def _arrive(self, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
+    def _arrive(self, slot: HostGrad, grad: torch.Tensor) -> torch.Tensor:
         if slot.param.grad is not None:
             return grad
         if same_memory(grad, slot.alias):
@@ -93,7 +93,7 @@ class HostGrads:
         self.counts["copied"] += 1
         return out
 
-    def _landed(self, slot: Slot, p: nn.Parameter) -> None:
+    def _landed(self, slot: HostGrad, p: nn.Parameter) -> None:
         if p.grad is not None and not same_memory(p.grad, slot.alias):
             self.device.write(slot.alias, p.grad.detach())
             p.grad = slot.view()

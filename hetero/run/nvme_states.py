@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hetero.kernels import dha
 from hetero.kernels.adam import Hyperparameters
 from hetero.plan.axdimm import STAGING_CHUNK_PARAMS
 from hetero.run.states import flat
@@ -29,9 +30,14 @@ def pieces(numel: int, on_cpu: bool) -> list[tuple[int, int]]:
     return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, 0)]
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """The tensor is trained in host memory (no GPU makes its gradient): it is staged in pieces."""
+    return dha.devices.of(t) is None
+
+
 def slot_numel(largest: torch.Tensor) -> int:
     """Elements a staging slot holds: the largest staged piece."""
-    return max(b - a for a, b in pieces(largest.numel(), largest.device.type == "cpu"))
+    return max(b - a for a, b in pieces(largest.numel(), on_host(largest)))
 
 
 class NvmeStaging:
@@ -46,8 +52,12 @@ class NvmeStaging:
         self.writes: list[list] = [[] for _ in slots]
         self.spans: dict[str, list[tuple[int, int]]] = {}
 
+    def host_bytes(self) -> int:
+        """Host memory the slots hold (a host home's buffers, or the bounce buffers beside a channel's)."""
+        return sum(b.nbytes for bounce in self.bounce for b in bounce)
+
     def add(self, key: str, param: torch.Tensor) -> None:
-        self.spans[key] = pieces(param.numel(), param.device.type == "cpu")
+        self.spans[key] = pieces(param.numel(), on_host(param))
         data = flat(param)
         for k, (a, b) in enumerate(self.spans[key]):
             zeros = torch.zeros(b - a)

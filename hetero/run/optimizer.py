@@ -17,22 +17,22 @@ from dataclasses import dataclass
 import torch
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
+from hetero.harness.script import StopScript
 from hetero.kernels.adam import AdamKernel, Hyperparameters
 from hetero.plan.axdimm import STORE_CHUNK_BYTES
-from hetero.plan.schema import OptimizerPlan
-from hetero.run.devices.axdimm import EmulatedAxdimm
-from hetero.run.bootstrap import StopScript
 from hetero.run.ddp_sync import DdpSync
+from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.devices.nvme import NvmeStore
-from hetero.units import SIZE
-from hetero.run.nvme_states import NvmeStaging, slot_numel
+from hetero.run.nvme_states import NvmeStaging, on_host, slot_numel
 from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome
+from hetero.schema.plan import NvmeOverflow, OptimizerPlan
+from hetero.units import SIZE
 
 ALIGN = 64  # the emulated device aligns every allocation to this
 
 
 @dataclass(eq=False, slots=True)
-class Slot:
+class ParamState:
     """One parameter's place in the optimizer."""
 
     name: str
@@ -42,7 +42,7 @@ class Slot:
     launched: bool = False  # this step's update is already running
 
 
-class Placement:
+class Homes:
     """Builds every parameter's home from the plan once the parameters have names; owns devices and drivers."""
 
     def __init__(self, plan: OptimizerPlan):
@@ -53,7 +53,7 @@ class Placement:
         self.store: NvmeStore | None = None
         self.staging: NvmeStaging | None = None
 
-    def build(self, named: list[tuple[str, torch.nn.Parameter]]) -> dict[torch.nn.Parameter, Slot]:
+    def build(self, named: list[tuple[str, torch.nn.Parameter]]) -> dict[torch.nn.Parameter, ParamState]:
         missing = [name for name, _ in named if name not in self.where]
         if missing:
             raise HeteroError(f"the plan places no optimizer state for {len(missing)} parameter(s), e.g. "
@@ -62,7 +62,7 @@ class Placement:
         tiers = {name: self.where[name] for name, _ in named}
         spilled = [(n, p) for n, p in named if tiers[n].tier == "nvme"]
         make = self._axdimm(named, tiers, spilled) if self.plan.device == "axdimm" else self._host()
-        slots = {p: Slot(n, None if tiers[n].tier == "nvme" else make(tiers[n].channel, p)) for n, p in named}
+        slots = {p: ParamState(n, None if tiers[n].tier == "nvme" else make(tiers[n].channel, p)) for n, p in named}
         if spilled:
             self._nvme(spilled, make)
         return slots
@@ -73,10 +73,10 @@ class Placement:
         for name, p in named:
             if tiers[name].channel is not None:
                 need[tiers[name].channel] += 4 * _aligned(p.numel() * FP32)
-        if spilled:  # two staging slots, on channels 0 and 1 (or both on 0)
+        if spilled:
             largest = 4 * _aligned(max(slot_numel(p) for _, p in spilled) * FP32)
-            for slot in range(2):
-                need[slot % channels] += largest
+            for slot in range(NvmeOverflow.STAGING_SLOTS):
+                need[NvmeOverflow.staging_channel(slot, channels)] += largest
         self.device = EmulatedAxdimm(channel_capacity_bytes=max(need) + ALIGN, channels=channels)
         drivers = [ChannelDriver(self.device, c) for c in range(channels)]
         self.drivers += drivers
@@ -90,12 +90,14 @@ class Placement:
     def _nvme(self, spilled, make) -> None:
         # 1 MiB bounce buffers (one per I/O thread): the staged pieces' aligned middles move straight to and from
         # disk, so larger ones would only hold host memory the plan counts (hetero.plan.footprint)
-        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path", chunk_bytes=STORE_CHUNK_BYTES)
+        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path",
+                                       chunk_bytes=STORE_CHUNK_BYTES)
         largest = max((p for _, p in spilled), key=slot_numel)
         n = slot_numel(largest)
-        like = largest if largest.device.type != "cpu" else torch.zeros(n)  # what a slot is made for: size, device
+        like = torch.zeros(n) if on_host(largest) else largest  # what a slot is made for: its size and device
         channels = self.plan.channels or 1
-        slots = [make(s % channels if self.device else None, like) for s in range(2)]
+        slots = [make(NvmeOverflow.staging_channel(s, channels) if self.device else None, like)
+                 for s in range(NvmeOverflow.STAGING_SLOTS)]
         self.staging = NvmeStaging(self.store, slots, n)
         for name, p in spilled:
             self.staging.add(name, p)
@@ -116,10 +118,20 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Where an optimizer's states are. 4 fp32 buffers per parameter live on the device (master, m, v, gradient);
+    3 in NVMe files (no gradient)."""
+
+    device: int
+    nvme: int
+    params: int  # parameters placed so far (0 before the first step)
+
+
 class Offloaded:
     """Mixed into torch's Adam/AdamW by `OptimizerOffload`, which sets the class attributes below for the run."""
 
-    placement_for = None  # callable: OptimizerPlan-bound factory of Placement, set per run
+    homes_for = None  # callable: OptimizerPlan-bound factory of Homes, set per run
     micro_batches = 1
     overlap = False
     on_first_use = None  # callable(optimizer): the runtime binds parameter names before the first update
@@ -134,8 +146,8 @@ class Offloaded:
                 raise HeteroError(f"{e.message}, but the plan offloads the script's {type(self).__name__}",
                                   hint="plan again from a profile of this script: hetero plan leaves such an "
                                        "optimizer to the script", exit_code=UNSUPPORTED_SCRIPT) from None
-        self._slots: dict[torch.nn.Parameter, Slot] = {}
-        self._placement: Placement | None = None
+        self._params: dict[torch.nn.Parameter, ParamState] = {}
+        self._homes: Homes | None = None
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
         for group in self.param_groups:
@@ -147,7 +159,7 @@ class Offloaded:
         """Give the states their homes; called by the runtime once it knows the model. An optimizer none of whose
         parameters belong to the model (a second model's, e.g. a GAN's other half) stays torch's own; one that
         mixes the model's parameters with others cannot be placed by the plan and is refused."""
-        if self._placement is not None or self._own:
+        if self._homes is not None or self._own:
             return
         order = [p for group in self.param_groups for p in group["params"]]
         outside = [p for p in order if p not in names]
@@ -158,24 +170,29 @@ class Offloaded:
             raise HeteroError(f"the script's {type(self).__name__} also updates {len(outside)} parameter(s) outside "
                               "the planned model", exit_code=UNSUPPORTED_SCRIPT,
                               hint="make the parameters it updates submodules of the one model the script trains")
-        self._placement = self.placement_for()
-        self._slots = self._placement.build([(names[p], p) for p in order])
+        self._homes = self.homes_for()
+        self._params = self._homes.build([(names[p], p) for p in order])
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
 
     def close(self) -> None:
-        if self._placement is not None:
-            self._placement.close()
+        if self._homes is not None:
+            self._homes.close()
+
+    def state_bytes(self) -> StateBytes:
+        on_device = [p.numel() for p, s in self._params.items() if s.home is not None]
+        in_files = [p.numel() for p, s in self._params.items() if s.home is None]
+        return StateBytes(4 * FP32 * sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
 
     def _group(self, p: torch.nn.Parameter) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def _grad_final(self, p: torch.nn.Parameter) -> None:
-        if self._placement is None and not self._own:
+        if self._homes is None and not self._own:
             type(self).on_first_use(self)
         if self._own:
             return
-        slot = self._slots[p]
+        slot = self._params[p]
         slot.grads_seen += 1
         if slot.grads_seen == self.micro_batches and slot.home is not None and not type(self).synced(p):
             self._launch(p, slot, p.grad)
@@ -185,17 +202,17 @@ class Offloaded:
         post-accumulate-grad hook (which counts micro-batches) runs inside AccumulateGrad, before DDP's own
         post-hook marks the parameter ready, so the count is current when the bucket completes."""
         for p, grad in zip(params, grads):
-            slot = self._slots.get(p)
+            slot = self._params.get(p)
             if slot is not None and slot.home is not None and slot.grads_seen == self.micro_batches:
                 self._launch(p, slot, grad)
 
-    def _launch(self, p: torch.nn.Parameter, slot: Slot, grad: torch.Tensor) -> None:
+    def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor) -> None:
         slot.step += 1
         slot.launched = True
         slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
 
     def step(self, closure=None):
-        if self._placement is None and not self._own:
+        if self._homes is None and not self._own:
             type(self).on_first_use(self)
         if self._own:
             # torch's step itself, not its step-hook wrapper: this step's hooks have run already
@@ -212,7 +229,7 @@ class Offloaded:
                 loss = closure()
         self._check_micro_batches()
         spilled = []
-        for p, slot in self._slots.items():
+        for p, slot in self._params.items():
             if p.grad is None or slot.launched:
                 continue
             if slot.home is None:
@@ -221,9 +238,9 @@ class Offloaded:
             else:
                 self._launch(p, slot, p.grad)
         if spilled:
-            self._placement.staging.update_all(spilled)
-        self._placement.drain()
-        for p, slot in self._slots.items():
+            self._homes.staging.update_all(spilled)
+        self._homes.drain()
+        for p, slot in self._params.items():
             if slot.launched:
                 slot.home.copy_back(p)
             slot.launched, slot.grads_seen = False, 0
@@ -232,7 +249,7 @@ class Offloaded:
     def _check_micro_batches(self) -> None:
         if not self.overlap:
             return
-        seen = {slot.grads_seen for p, slot in self._slots.items() if p.grad is not None}
+        seen = {slot.grads_seen for p, slot in self._params.items() if p.grad is not None}
         if seen - {self.micro_batches}:
             raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
                 f"the plan overlaps updates with the backward of micro-batch {self.micro_batches} of each step, but "
@@ -244,19 +261,19 @@ class Offloaded:
         """torch's Adam state_dict, read back from wherever the states live."""
         if self._own:
             return super().state_dict()
-        if self._placement is not None:
-            self._placement.drain()
+        if self._homes is not None:
+            self._homes.drain()
         saved = self.state
-        self.state = defaultdict(dict, {p: self._export(p, slot) for p, slot in self._slots.items() if slot.step})
+        self.state = defaultdict(dict, {p: self._export(p, slot) for p, slot in self._params.items() if slot.step})
         try:
             return super().state_dict()
         finally:
             self.state = saved
 
-    def _export(self, p: torch.nn.Parameter, slot: Slot) -> dict:
+    def _export(self, p: torch.nn.Parameter, slot: ParamState) -> dict:
         n = p.numel()
         if slot.home is None:
-            exp_avg, exp_avg_sq = self._placement.staging.states(slot.name, n)
+            exp_avg, exp_avg_sq = self._homes.staging.states(slot.name, n)
         else:
             exp_avg, exp_avg_sq = torch.empty(n), torch.empty(n)
             slot.home.store(torch.empty(n), exp_avg, exp_avg_sq)
@@ -268,21 +285,21 @@ class Offloaded:
         if self._own:
             return
         loaded, self.state = self.state, defaultdict(dict)
-        if self._placement is None:
+        if self._homes is None:
             self._pending_state = dict(loaded)
         else:
             self._apply_state(loaded)
 
     def _apply_state(self, loaded: dict) -> None:
-        self._placement.drain()
-        for p, slot in self._slots.items():
+        self._homes.drain()
+        for p, slot in self._params.items():
             if p not in loaded:
                 continue
             s = loaded[p]
             slot.step = int(s["step"])
             master, m, v = (t.detach().reshape(-1).float().cpu() for t in (p.data, s["exp_avg"], s["exp_avg_sq"]))
             if slot.home is None:
-                self._placement.staging.load(slot.name, master, m, v)
+                self._homes.staging.load(slot.name, master, m, v)
             else:
                 slot.home.load(master, m, v)
         self._pending_state = None
@@ -317,7 +334,7 @@ class OptimizerOffload:
                     opt.bind(self.names)
             return __init__
 
-        settings = {"placement_for": staticmethod(lambda: Placement(self.plan)), "overlap": self.plan.overlap_backward,
+        settings = {"homes_for": staticmethod(lambda: Homes(self.plan)), "overlap": self.plan.overlap_backward,
                     "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use),
                     "synced": staticmethod(self.ddp.synced)}
         if self.plan.overlap_backward:
@@ -343,27 +360,32 @@ class OptimizerOffload:
         for opt in self.optimizers:
             opt.close()
 
+    def _state_bytes(self) -> StateBytes:
+        placed = [opt.state_bytes() for opt in self.optimizers]
+        return StateBytes(sum(b.device for b in placed), sum(b.nvme for b in placed), sum(b.params for b in placed))
+
     def summary(self) -> list[str]:
-        slots = [slot for opt in self.optimizers for slot in opt._slots.items()]
-        if not slots:
+        placed = self._state_bytes()
+        if not placed.params:
             return []
         where = f"emulated AXDIMM ({self.plan.channels} channels)" if self.plan.device == "axdimm" else self.plan.device
-        # 4 fp32 buffers per parameter live on the device (master, m, v, gradient); 3 in NVMe files (no gradient)
-        device = sum(4 * FP32 * p.numel() for p, slot in slots if slot.home is not None)
-        nvme = sum(3 * FP32 * p.numel() for p, slot in slots if slot.home is None)
+        device, nvme = placed.device, placed.nvme
         return [f"optimizer states: {SIZE.format_short(device)} on {where}, {SIZE.format_short(nvme)} on NVMe; "
                 f"updates {'overlapped with' if self.plan.overlap_backward else 'after'} backward, in torch's fused "
                 "AdamW arithmetic (bit-equal to fused=True; ~1 ULP per step from torch's default on CPU)"]
 
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
-        slots = [slot for opt in self.optimizers for slot in opt._slots.items()]
-        device = sum(4 * FP32 * p.numel() for p, slot in slots if slot.home is not None)
-        nvme = sum(3 * FP32 * p.numel() for p, slot in slots if slot.home is None)
+        placed = self._state_bytes()
+        device, nvme = placed.device, placed.nvme
         # An emulated AXDIMM's channels are host memory (the plan counts them there too).
         on = "gpu" if self.plan.device == "gpu" else "host"
         what = "optimizer states (emulated AXDIMM)" if self.plan.device == "axdimm" else "optimizer states"
-        return {on: {what: device}, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
+        held = {what: device}
+        staging = [opt._homes.staging for opt in self.optimizers if opt._homes is not None]
+        if self.plan.device == "host" and any(staging):
+            held["nvme state staging"] = sum(s.host_bytes() for s in staging if s is not None)
+        return {on: held, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
 
 
 def _refuse_clipping(*args, **kwargs):

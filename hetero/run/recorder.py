@@ -1,6 +1,6 @@
 """`hetero run --trace`: what happened in a window of optimizer steps, as a Chrome trace and run.yaml.
 
-Compute is measured by the profiler's own layer hooks (hetero.profile.layers), so a measured layer time means what a
+Compute is measured by the profiler's own layer hooks (hetero.harness.layers), so a measured layer time means what a
 profiled one means and `hetero plan --from-run` can use it; on a GPU its tokens are CUDA events, read once after the
 window (no device-wide synchronization inside a recorded step) and placed on the host's timeline through one anchor
 event. Workers (AXDIMM channels, NVMe, the evict and prefetch threads, gradient sync) report their spans through
@@ -19,21 +19,24 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from hetero import __version__, files
+from hetero import __version__
 from hetero.errors import HeteroError
+from hetero.harness.layer_timing import CpuClock, CudaClock, LayerProfiler, PassTokens, resolve, summarize
+from hetero.harness.layers import layers_named
 from hetero.plan.model import GPU
-from hetero.plan.schema import ActivationPrediction, Plan
-from hetero.profile.layers import CpuClock, CudaClock, LayerProfiler, MicroBatch, layers_named, resolve, summarize
-from hetero.report import trace
-from hetero.report.schema import Run, RunLayer, RunSource, RunTiming, StepEnd
 from hetero.run import spans
 from hetero.run.tiering import ACTIVATIONS, ActivationTiering
+from hetero.schema import files, trace
+from hetero.schema.plan import ActivationPrediction, Plan
+from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
 from hetero.units import measured
+
 
 @dataclass(kw_only=True)
 class Outputs:
@@ -48,12 +51,29 @@ class Outputs:
         return self.trace.with_suffix(".yaml")
 
 
+class StepMarks(NamedTuple):
+    """Clock tokens of one recorded `optimizer.step()` call."""
+
+    start: Any
+    end: Any
+    previous_end: Any  # the step before's end: start of this iteration
+
+
+class Sample(NamedTuple):
+    """Every tier's bytes by source when a recorded step ended."""
+
+    step: int
+    at: float  # perf_counter seconds
+    resident: dict[str, dict[str, int]]  # tier -> source -> bytes
+    late_prefetches: int  # the tiering ledger's count so far
+
+
 @dataclass
 class _Window:
     """Host-side marks of the recorded steps."""
 
-    marks: list[tuple] = field(default_factory=list)  # (step start, step end, previous step end) clock tokens
-    ends: list[tuple[int, float, dict[str, dict[str, int]], int]] = field(default_factory=list)  # step, t, bytes, late
+    marks: list[StepMarks] = field(default_factory=list)
+    ends: list[Sample] = field(default_factory=list)
     start: float = 0.0
 
 
@@ -139,7 +159,7 @@ class Recorder(spans.Sink):
         self.step += 1
         end = self.clock.mark()
         if self.recording:
-            self.window.marks.append((self._start, end, self._previous))
+            self.window.marks.append(StepMarks(self._start, end, self._previous))
             self._sample()
         self._previous = end
         if self.step == self.out.warmup:
@@ -169,7 +189,7 @@ class Recorder(spans.Sink):
         with lock:
             resident = self._resident()
             late = self.tiering.ledger.late if self.tiering is not None else 0
-            self.window.ends.append((self.step, perf_counter(), resident, late))
+            self.window.ends.append(Sample(self.step, perf_counter(), resident, late))
 
     def _resident(self) -> dict[str, dict[str, int]]:
         names = tier_names(self.plan)
@@ -196,8 +216,8 @@ class Recorder(spans.Sink):
         run = self._run(summary, counters)
         meta = {"hetero": __version__, "plan": self.out.plan_path, "script": self.out.script,
                 "iteration_s": run.timing.iteration_s}
-        data = trace.chrome([(lane, name, s - origin, e - origin, args) for lane, name, s, e, args in recorded],
-                            [(t - origin, track, values) for t, track, values in counters], meta)
+        data = trace.chrome([s._replace(start_s=s.start_s - origin, end_s=s.end_s - origin) for s in recorded],
+                            [c._replace(time_s=c.time_s - origin) for c in counters], meta)
         header = (f"hetero run of {self.out.script} under {self.out.plan_path}",
                   f"Compare: hetero report {self.out.summary} --plan {self.out.plan_path}")
         try:
@@ -214,7 +234,7 @@ class Recorder(spans.Sink):
         host, event = self.anchor
         return host + event.elapsed_time(token) / 1e3
 
-    def _micro_batches(self) -> list[MicroBatch]:
+    def _micro_batches(self) -> list[PassTokens]:
         return [mb for mb in self.profiler.micro_batches if mb.backward_end is not None]
 
     def _compute_spans(self) -> list[trace.Span]:
@@ -222,33 +242,34 @@ class Recorder(spans.Sink):
         names = [spec.name for spec in self.profiler.layers]
         out: list[trace.Span] = []
         for mb in self._micro_batches():
-            intervals = [(i, self._absolute(s), self._absolute(e)) for i, s, e, _ in mb.intervals]
-            out += [("compute", f"fp {names[i]}", s, e, {}) for i, s, e in own_segments(intervals)]
+            intervals = [(x.layer, self._absolute(x.start), self._absolute(x.end)) for x in mb.intervals]
+            out += [trace.Span("compute", f"fp {names[i]}", s, e) for i, s, e in own_segments(intervals)]
             t = resolve(mb, self.clock, len(names))
             base = self._absolute(mb.start)
-            out += [("compute", f"bp {names[i]}", base + t["bp_start"][i], base + t["bp_start"][i] + t["bp"][i], {})
-                    for i in range(len(names)) if t["bp"][i] > 0]
+            out += [trace.Span("compute", f"bp {names[i]}", base + t.bp_start[i], base + t.bp_start[i] + t.bp[i])
+                    for i in range(len(names)) if t.bp[i] > 0]
         return out
 
     def _step_spans(self) -> list[trace.Span]:
-        return [("optimizer.step", "optimizer.step", self._absolute(s), self._absolute(e), {})
-                for s, e, _ in self.window.marks]
+        return [trace.Span("optimizer.step", "optimizer.step", self._absolute(m.start), self._absolute(m.end))
+                for m in self.window.marks]
 
     def _counters(self) -> list[trace.Count]:
         """Counter samples per tier, each carrying every source's latest bytes (a viewer stacks them)."""
-        changes = [(t, tier, source, n) for _, t, resident, _ in self.window.ends
-                   for tier, sources in resident.items() for source, n in sources.items()]
+        changes = [(e.at, tier, source, n) for e in self.window.ends
+                   for tier, sources in e.resident.items() for source, n in sources.items()]
         if self.tiering is not None:
             ledger = self.tiering.ledger
-            end = self.window.ends[-1][1]
+            end = self.window.ends[-1].at
             changes += [(ledger.start + t, tier, ACTIVATIONS, n) for t, tier, n in list(ledger.events)
                         if tier != "saved" and self.window.start <= ledger.start + t <= end]
         current: dict[str, dict[str, int]] = {}
         out: list[trace.Count] = []
         for t, tier, source, n in sorted(changes, key=lambda c: c[0]):
             current.setdefault(tier, {})[source] = n
-            sample = (t, trace.memory_track(tier), dict(current[tier]))
-            if out and out[-1][:2] == sample[:2]:  # several sources sampled at one moment: one event
+            sample = trace.Count(t, trace.memory_track(tier), dict(current[tier]))
+            # several sources sampled at one moment: one event
+            if out and (out[-1].time_s, out[-1].track) == (sample.time_s, sample.track):
                 out[-1] = sample
             else:
                 out.append(sample)
@@ -257,8 +278,8 @@ class Recorder(spans.Sink):
     def _run(self, summary, counters: list[trace.Count]) -> Run:
         steps = len(self.window.marks)
         seconds = lambda a, b: self._absolute(b) - self._absolute(a)  # noqa: E731
-        iteration = sum(seconds(prev, end) for _, end, prev in self.window.marks) / steps
-        step_call = sum(seconds(s, e) for s, e, _ in self.window.marks) / steps
+        iteration = sum(seconds(m.previous_end, m.end) for m in self.window.marks) / steps
+        step_call = sum(seconds(m.start, m.end) for m in self.window.marks) / steps
         mbs = self._micro_batches()
         busy = sum(seconds(mb.start, mb.backward_end) for mb in mbs) / steps
         micro = max(1, round(len(mbs) / steps))
@@ -276,16 +297,16 @@ class Recorder(spans.Sink):
                            trace=str(self.out.trace.resolve()))
         ends = self.window.ends
         return Run(source=source, timing=timing, peak_bytes=_peaks(counters), activations=self._activations(),
-                   late_prefetches=ends[-1][3] - ends[0][3], layers=layers,
-                   steps=[StepEnd(step=k, at_s=measured(t - self.window.start),
-                                  resident_bytes={tier: sum(s.values()) for tier, s in resident.items()})
-                          for k, t, resident, _ in ends[1:]])
+                   late_prefetches=ends[-1].late_prefetches - ends[0].late_prefetches, layers=layers,
+                   steps=[StepEnd(step=e.step, at_s=measured(e.at - self.window.start),
+                                  resident_bytes={tier: sum(s.values()) for tier, s in e.resident.items()})
+                          for e in ends[1:]])
 
     def _activations(self) -> ActivationPrediction | None:
         """Time-averaged and peak saved bytes in the fast tier over the window, with the tiering and without."""
         if self.tiering is None:
             return None
-        ledger, start, end = self.tiering.ledger, self.window.start, self.window.ends[-1][1]
+        ledger, start, end = self.tiering.ledger, self.window.start, self.window.ends[-1].at
         fast, saved = ledger.tiers[0], ledger.tiers[2]
         series = {fast: [], saved: []}
         for t, tier, n in list(ledger.events):

@@ -46,15 +46,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero.errors import HeteroError
-from hetero.plan.schema import Plan, RoutingPlan
-from hetero.profile.capture import fingerprint, unwrap
-from hetero.profile.layers import CpuClock, CudaClock
-from hetero.run import hooks
-from hetero.run.bootstrap import StopScript
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.harness import hooks
+from hetero.harness.capture import fingerprint, unwrap
+from hetero.harness.layer_timing import CpuClock, CudaClock
+from hetero.harness.script import StopScript
 from hetero.run.ddp_sync import DdpSync
-from hetero.run.launch import check_routing
 from hetero.run.spans import span as record_span
+from hetero.schema.plan import Plan, RoutingPlan
 from hetero.units import SIZE, TIME
 
 PRIORITY, LATENCY, BANDWIDTH = "priority", "latency", "bandwidth"
@@ -325,3 +324,16 @@ def drift(measured_s: float, steps: int, predicted: float | None) -> list[str]:
 def predicted_sync_s(plan: Plan) -> float | None:
     """What the plan predicts for one step's gradient synchronization (null when it predicts none)."""
     return plan.predicted.sync_s
+
+
+def check_routing(routing: RoutingPlan, world: int) -> None:
+    """A plan made for more ranks than this run has, or with no shard size, cannot be carried out."""
+    for name in ("latency_peer", "bandwidth_peer"):
+        rank = getattr(routing, name)
+        if rank >= world:
+            raise HeteroError(f"the plan's routing.{name} is rank {rank}, but this run has {world} rank(s) "
+                              f"(0 to {world - 1})", hint="profile and plan again with the same --nproc-per-node and "
+                              "--nnodes, or edit routing in the plan", exit_code=STALE_PLAN)
+    if routing.shard_bytes < 1:
+        raise HeteroError("the plan's routing.shard is 0B", hint="give a shard size, e.g. shard: 4MiB",
+                          exit_code=STALE_PLAN)

@@ -15,9 +15,9 @@ from typing import Protocol
 from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.plan.schema import Plan
-from hetero.profile.capture import Capture, fingerprint
+from hetero.harness.capture import Capture, fingerprint
 from hetero.run.recorder import Outputs, Recorder
+from hetero.schema.plan import Plan
 
 
 class Patches:

@@ -40,15 +40,14 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
+from hetero.harness import hooks
+from hetero.harness.layers import tensors
 from hetero.kernels import dha
 from hetero.kernels.dha import Device, carve, offsets
-from hetero.plan.schema import LayerPlan, Plan
-from hetero.profile.layers import _tensors
-from hetero.profile.schema import ROOT_LAYER
-from hetero.run import hooks
 from hetero.run.grad_offload import HostGrads
+from hetero.schema.plan import LayerPlan, Plan
+from hetero.schema.profile import ROOT_LAYER
 from hetero.units import SIZE
-
 
 # -- the pure part: plan -> storage per parameter and the stream plan ---------------------------------------------
 
@@ -232,7 +231,7 @@ class ShadowModel:
         if not st.copied and st not in self.pending:
             self.device.record_compute(st.forward_end)
             self.pending.append(st)
-        for grad_fn in {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}:
+        for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
             grad_fn.register_prehook(partial(self._before_backward, st))
 
     def _forward_done(self, model, args, output) -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from time import perf_counter
-from typing import Any
 
-Span = tuple[str, str, float, float, dict[str, Any]]  # lane, name, start, end (perf_counter seconds), args
+from hetero.schema.trace import NO_ARGS, Span
 
 
 class Sink:
@@ -33,11 +32,11 @@ def timed(lane: str, name: str, nbytes: int = 0) -> Iterator[None]:
     try:
         yield
     finally:
-        sink.spans.append((lane, name, start, perf_counter(), {"bytes": nbytes} if nbytes else {}))
+        sink.spans.append(Span(lane, name, start, perf_counter(), {"bytes": nbytes} if nbytes else NO_ARGS))
 
 
 def span(lane: str, name: str, start: float, end: float, nbytes: int = 0) -> None:
     """Record a span whose times are already known (work that completes on another thread)."""
     sink = active
     if sink is not None and sink.recording:
-        sink.spans.append((lane, name, start, end, {"bytes": nbytes} if nbytes else {}))
+        sink.spans.append(Span(lane, name, start, end, {"bytes": nbytes} if nbytes else NO_ARGS))

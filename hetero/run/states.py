@@ -162,7 +162,7 @@ class AxdimmHome:
 
     def host_buffers(self) -> None:
         """None: the channel's memory is reached through memcpy only (the AXDIMM's rule), so staging bounces."""
-        return None
+        return
 
 
 class HostHome:

@@ -1,6 +1,6 @@
 """Activation tiering: the plan's `activations` schedule carried out with saved-tensor hooks (TierTrain §5-6).
 
-Attribution is the profiler's (hetero.profile.layers), so a planned byte means the same thing here: every tensor
+Attribution is the profiler's (hetero.harness.layers), so a planned byte means the same thing here: every tensor
 autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to the
 layer running, or between layers to the last one that ended; a storage saved by several layers belongs to the last
 of them, whose backward needs it first.
@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.plan.schema import ActivationPlan
-from hetero.profile.layers import LayerSpec, _tensors, layers_named
-from hetero.run import hooks
-from hetero.run.bootstrap import StopScript
+from hetero.harness import hooks
+from hetero.harness.layers import LayerSpec, layers_named, tensors
+from hetero.harness.script import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import open_tier
+from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
 
 ACTIVATIONS = "saved activations"  # what the tiers' bytes are, in the run's memory counters
@@ -60,7 +60,7 @@ class Group:
     """A layer's saved storages in one micro-batch."""
 
     layer: str
-    mb: MicroBatch
+    mb: TieredPass
     budget: int  # bytes the plan evicts
     committed: int = 0  # bytes queued for eviction so far
     ended: bool = False  # the layer's forward has ended (at least once)
@@ -72,7 +72,7 @@ class Group:
 
 
 @dataclass(eq=False)
-class MicroBatch:
+class TieredPass:
     start: float
     timed: list[tuple[float, str]]  # prefetches due by time (from the forward start), earliest first
     groups: dict[str, Group] = field(default_factory=dict)
@@ -103,8 +103,8 @@ class ActivationTiering:
         self.note: str | None = None
         self.handles: list = []
         self.names: dict[int, str] = {}
-        self.current: MicroBatch | None = None  # the micro-batch whose forward is running
-        self.last: MicroBatch | None = None  # the last one whose forward ended
+        self.current: TieredPass | None = None  # the micro-batch whose forward is running
+        self.last: TieredPass | None = None  # the last one whose forward ended
         self.stack: list[str] = []
         self.last_ended: str | None = None
         self.param_storages: set[int] = set()
@@ -177,7 +177,7 @@ class ActivationTiering:
         if self.current is not None or not torch.is_grad_enabled():
             return  # evaluation forwards save nothing
         self.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        self.current = MicroBatch(start=perf_counter(), timed=list(self.timed))
+        self.current = TieredPass(start=perf_counter(), timed=list(self.timed))
         self.stack, self.last_ended = [], None
         self.hooks.__enter__()
 
@@ -212,7 +212,7 @@ class ActivationTiering:
             group.ended = True
             self._evict(group, group.live())
         if name in self.after and output is not None:
-            for grad_fn in {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}:
+            for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
                 grad_fn.register_prehook(lambda grads, mb=mb, name=name: self._started(mb, name))
         self._due(mb)
         self._raise_failure()
@@ -241,7 +241,7 @@ class ActivationTiering:
         keep = None if record.movable else tensor
         return Saved(record, keep, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
-    def _record(self, mb: MicroBatch, storage: torch.UntypedStorage, ptr: int, layer: str | None) -> Record:
+    def _record(self, mb: TieredPass, storage: torch.UntypedStorage, ptr: int, layer: str | None) -> Record:
         ref = mb.storages.get(ptr)
         record = ref() if ref is not None else None
         if record is not None and record.alias.expired():
@@ -258,7 +258,7 @@ class ActivationTiering:
             self._own(mb, record, layer)
         return record
 
-    def _own(self, mb: MicroBatch, record: Record, layer: str) -> None:
+    def _own(self, mb: TieredPass, record: Record, layer: str) -> None:
         """`layer` saved the record last: it owns it now, and its schedule decides whether the bytes move."""
         old = record.group
         if old is not None:
@@ -309,7 +309,7 @@ class ActivationTiering:
 
     # -- backward progress and prefetch ---------------------------------------------------------------------
 
-    def _started(self, mb: MicroBatch, layer: str) -> None:
+    def _started(self, mb: TieredPass, layer: str) -> None:
         """`layer`'s backward has started: queue the prefetches the plan keyed to it (and, at the first one of
         the micro-batch, every prefetch still waiting for its time)."""
         if mb.backward and layer in mb.started:
@@ -326,7 +326,7 @@ class ActivationTiering:
             for target in self.after.get(layer, ()):
                 self._request(mb, target)
 
-    def _due(self, mb: MicroBatch) -> None:
+    def _due(self, mb: TieredPass) -> None:
         """Time-keyed prefetches whose time has come, for layers whose forward has ended."""
         now = perf_counter() - mb.start
         if not mb.timed or mb.timed[0][0] > now:
@@ -341,7 +341,7 @@ class ActivationTiering:
                     waiting.append((at, target))
             mb.timed = waiting
 
-    def _request(self, mb: MicroBatch, layer: str) -> None:
+    def _request(self, mb: TieredPass, layer: str) -> None:
         group = mb.groups.get(layer)
         if group is None:
             group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
-from hetero.plan.schema import Plan
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_cgroup", REPO / "bench" / "cgroup.py")

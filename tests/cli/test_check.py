@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
+from hetero.schema import files
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "plans"
 PLAN = (EXAMPLES / "gpt-tiny-cpu.plan.yaml").read_text()

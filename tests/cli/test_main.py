@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from hetero import __version__, files
+from hetero import __version__
 from hetero.cli import main as cli
+from hetero.schema import files
 
 
 def test_version(capsys):

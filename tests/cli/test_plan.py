@@ -5,9 +5,9 @@ import re
 import shutil
 from pathlib import Path
 
-from hetero import files
 from hetero.cli.main import main
-from hetero.plan.schema import Plan
+from hetero.schema import files
+from hetero.schema.plan import Plan
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = "tests/plan/fixtures/handworked.profile.yaml"

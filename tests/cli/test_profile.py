@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
-from hetero.profile.schema import Profile
 from hetero.run import process_memory
+from hetero.schema import files
+from hetero.schema.profile import Profile
 from tests.conftest import REPO
 from tests.profile import scripts
 

@@ -6,8 +6,8 @@ import json
 import sys
 from dataclasses import replace
 
-from hetero import files
 from hetero.cli.main import main
+from hetero.schema import files
 from tests.report.test_compare import shipped, synthetic_run
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
-from hetero.run.launch import PLAN_ENV, build
+from hetero.launch.launcher import PLAN_ENV, build
+from hetero.schema import files
 from tests.profile import scripts
 from tests.run.plans import optimizer_plan
 

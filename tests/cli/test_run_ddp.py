@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 
-from hetero import files
 from hetero.cli.main import main
 from hetero.errors import HeteroError
-from hetero.profile.schema import Profile
-from hetero.run.launch import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build
-from hetero.run.torchrun import first_failure
+from hetero.launch.launcher import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build
+from hetero.launch.torchrun import first_failure
+from hetero.schema import files
+from hetero.schema.profile import Profile
 from tests.cli.test_run import net
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
@@ -43,9 +43,9 @@ def workdir(tmp_path, monkeypatch):
 
 def test_build_starts_torchrun_with_the_worker_entry_and_the_scripts_own_arguments(tmp_path):
     launch = build("train.py", ["--lr", "3"], tmp_path / "plan.yaml", allow_stale=True, torchrun=Torchrun(2))
-    assert launch.command == [sys.executable, "-m", "hetero.run.torchrun", "--nproc-per-node", "2", "--nnodes", "1",
+    assert launch.command == [sys.executable, "-m", "hetero.launch.torchrun", "--nproc-per-node", "2", "--nnodes", "1",
                               "--max-restarts", "0", "--monitor-interval", "0.1", "--standalone",
-                              "-m", "hetero.run.bootstrap", "train.py", "--lr", "3"]
+                              "-m", "hetero.launch.worker", "train.py", "--lr", "3"]
     assert launch.argv == ["train.py", "--lr", "3"]  # no --local_rank: workers read LOCAL_RANK from the environment
     assert launch.env == {PLAN_ENV: str((tmp_path / "plan.yaml").resolve()), ALLOW_STALE_ENV: "1"}
     assert build("train.py", [], tmp_path / "plan.yaml").command is None  # one process: the script runs in hetero
@@ -137,7 +137,7 @@ def test_profile_with_a_failing_worker_says_which_rank_failed_and_passes_its_cod
 
 
 def test_one_line_per_failed_rank_first_first_and_a_file_cut_short_is_skipped(tmp_path):
-    from hetero.run.torchrun import failures, report_failures, write_exit
+    from hetero.launch.torchrun import failures, report_failures, write_exit
 
     write_exit(tmp_path, 1, 3, "ValueError: bad\nbatch", at_ns=100)
     write_exit(tmp_path, 0, 143, "terminated by SIGTERM", at_ns=200)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
+from hetero.schema import files
 from tests.cli.test_run import net
 from tests.profile import scripts
 from tests.run.test_tiering import tiering_plan

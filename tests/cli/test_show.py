@@ -1,8 +1,8 @@
 import json
 from pathlib import Path
 
-from hetero import files
 from hetero.cli.main import main
+from hetero.schema import files
 from hetero.units import RATE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "plans"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
 from hetero.errors import FileProblems
+from hetero.schema import files
 
 PLANS = sorted((Path(__file__).resolve().parents[2] / "plans").glob("*.yaml"))
 
@@ -165,7 +165,7 @@ def test_mutated_shipped_files_are_exit_0_or_3_never_a_traceback(tmp_path, shipp
 
 
 def test_a_profile_with_more_layers_than_the_bound_is_refused(tmp_path, monkeypatch):
-    from hetero.profile import schema
+    from hetero.schema import profile as schema
 
     profile = next(p for p in PLANS if p.name.endswith(".profile.yaml"))
     monkeypatch.setattr(schema, "MAX_LAYERS", 3)  # the shipped profile has more; the real bound is 20,000

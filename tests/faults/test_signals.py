@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files, interrupts
+from hetero import interrupts
 from hetero.cli.main import main
 from hetero.errors import Interrupted
 from hetero.run.devices.workdir import host
+from hetero.schema import files
 from tests.cli.test_run import net
 from tests.cli.test_run_ddp import DDP_TRAIN
 from tests.cli.test_run_tiering import TRAIN, workdir  # noqa: F401  (workdir: a fixture)

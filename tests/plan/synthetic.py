@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hetero.profile.schema import (
+from hetero.schema.profile import (
     Axdimm,
     Cpu,
     CurvePoint,
@@ -92,26 +92,26 @@ def gap_study(instances: int, layers: int, seed: int = 0, forward_only: bool = F
     method (Alg. 1 + greedy DFGB) and of the planner (plus local search and the budget family), and how often each
     was slower than the optimum. With `budget_fraction`, the GPU budget is that fraction of what the unconstrained
     optimum uses (instances where nothing fits are skipped; the paper's method is then not compared)."""
-    from hetero.plan import memferry
+    from hetero.plan import memferry, memferry_solve
 
     allowed = memferry.FORWARD_MODES if forward_only else memferry.MODES
     stats = {"paper_worst": 0.0, "paper_worse": 0, "ours_worst": 0.0, "ours_worse": 0, "instances": 0}
     device = 80 * GiB
     for k in range(instances):
         costs, template = search_case(layers, seed + k)
-        optimum = memferry.exhaustive(costs, template, device, allowed)
+        optimum = memferry_solve.exhaustive(costs, template, device, allowed)
         budget = device if budget_fraction is None else int(budget_fraction * optimum.gpu_bytes)
-        optimum = memferry.exhaustive(costs, template, budget, allowed)
+        optimum = memferry_solve.exhaustive(costs, template, budget, allowed)
         if optimum is None:
             continue
         stats["instances"] += 1
-        ours, _ = memferry.solve(costs, template, {}, device, budget, allowed)
+        ours, _ = memferry_solve.solve(costs, template, {}, device, budget, allowed)
         results = [("ours", ours)]
         if budget_fraction is None:
             alg1 = memferry.forward_modes(costs.layers, {}, allowed)
-            first = memferry.evaluate(costs, template, alg1.modes)
+            first = memferry_solve.evaluate(costs, template, alg1.modes)
             dfgb = memferry.choose_dfgb(costs, alg1.modes, first.result, device, {}, allowed)
-            results.append(("paper", memferry.evaluate(costs, template, dfgb.modes)))
+            results.append(("paper", memferry_solve.evaluate(costs, template, dfgb.modes)))
         for name, e in results:
             gap = e.time_s / optimum.time_s - 1
             stats[f"{name}_worst"] = max(stats[f"{name}_worst"], gap)

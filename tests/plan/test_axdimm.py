@@ -5,11 +5,12 @@ from dataclasses import replace
 import pytest
 
 from hetero.errors import HeteroError
-from hetero import files
 from hetero.plan import axdimm, tiering
-from hetero.plan.schema import StatePlacement
 from hetero.plan.solve import PlanOptions, build, plan, predict
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.plan import StatePlacement
+from hetero.schema.profile import Profile
+from tests.figures import figures
 from tests.plan.synthetic import GiB, curve, gpu_profile
 
 
@@ -22,8 +23,7 @@ def test_round_robin_by_bytes_balances_alternating_weights_and_biases():
     placed = axdimm.place(ps, list(range(6))[::-1], 2, GiB, "nvme0", "axdimm")
     assert placed.channels == [0, 1, 1, 0, 0, 1]  # a plain turn-by-turn would put every weight on channel 0
     assert placed.channel_bytes == [1700 * 16, 1000 * 16]
-    assert placed.why == ("all states fit in 2 x 1GiB channels; round-robin by bytes: 42.2KiB of states (16 B/param),"
-                          " ch0 26.6KiB, ch1 15.6KiB")
+    assert figures(placed.why) == ['2x', '1GiB', '42.2KiB', '16B/param', '0', '26.6KiB', '1', '15.6KiB']
 
 
 def test_overflow_goes_to_nvme_for_the_parameters_updated_last():
@@ -34,8 +34,7 @@ def test_overflow_goes_to_nvme_for_the_parameters_updated_last():
     assert placed.tiers == ["nvme0"] * 4 + ["axdimm"] * 6
     assert (placed.nvme_bytes, placed.staging_bytes, placed.channel_bytes) == (6400, 3200, [4800, 4800])
     assert all(b <= 6400 - 1600 for b in placed.channel_bytes)  # each channel keeps its half of the staging
-    assert placed.why.startswith("states 15.6KiB > 2 x 6.25KiB channels: the 4 parameters updated last (6.25KiB) go "
-                                 "to nvme0, read back before their updates through two 1.56KiB staging slots")
+    assert figures(placed.why)[:8] == ['15.6KiB', '2x', '6.25KiB', '4', '6.25KiB', '0', '2', '1.56KiB']
     assert placed.channels[4:] == [1, 0, 1, 0, 1, 0]  # by room, in update order (layer 9 first)
     states = axdimm.states(ps, placed)
     assert [s.tier for s in states[:5]] == ["nvme"] * 4 + ["axdimm"] and states[0].channel is None
@@ -50,7 +49,7 @@ def test_no_room_and_no_nvme_is_an_error_with_a_hint():
 def test_host_placement():
     placed = axdimm.place(params(1000, 10), [1, 0], 1, 10**6, "nvme0", "host")
     assert placed.tiers == ["host", "host"] and placed.channels == [None, None]
-    assert placed.why == "all states fit in host memory: 15.8KiB (16 B/param) of 977KiB free"
+    assert figures(placed.why) == ['15.8KiB', '16B/param', '977KiB']
 
 
 def test_nvme_reads_and_their_waits_in_the_simulated_iteration():
@@ -85,7 +84,7 @@ def test_gpu_and_host_devices():
     assert {x.mode for x in gpu.layers} == {"gfgb"} and {x.grad for x in gpu.layers} == {"gpu"}
     host = plan(profile, PlanOptions(optimizer_device="host"))
     assert {s.tier for s in host.optimizer.states} == {"host"}
-    assert host.optimizer.why.startswith("all states fit in host memory")
+    assert host.optimizer.nvme is None  # all states fit in host memory
     with pytest.raises(HeteroError, match="needs .* over the GPU budget") as e:
         plan(profile, PlanOptions(optimizer_device="gpu", gpu_memory_bytes=2**20))
     assert e.value.hint.startswith("use --optimizer-device host")

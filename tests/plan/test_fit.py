@@ -3,11 +3,11 @@ fastest combination that fits, says what each choice saved, and refuses a budget
 
 import pytest
 
-from hetero import files
+from hetero.schema import files
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import footprint
 from hetero.plan.solve import PlanOptions, plan
-from hetero.profile.schema import Memory, Profile
+from hetero.schema.profile import Memory, Profile
 
 MiB = 2**20
 PLAIN, RETURNED = 900 * MiB, 700 * MiB

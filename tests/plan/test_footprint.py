@@ -2,10 +2,10 @@
 
 import pytest
 
-from hetero import files
 from hetero.errors import HeteroError
 from hetero.plan.solve import PlanOptions, plan
-from hetero.profile.schema import Memory, Profile
+from hetero.schema import files
+from hetero.schema.profile import Memory, Profile
 from tests.plan.synthetic import GiB, gpu_profile
 
 MiB = 2**20

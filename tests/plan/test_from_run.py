@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
 from hetero.errors import HeteroError
+from hetero.launch.launcher import check_profile
 from hetero.plan.from_run import _layer, measured_profile
 from hetero.plan.model import costs
-from hetero.plan.schema import LayerPlan, Plan
-from hetero.run.launch import check_profile
+from hetero.schema import files
+from hetero.schema.plan import LayerPlan, Plan
 from tests.cli.test_report import write_run
 from tests.report.test_compare import shipped, synthetic_run
 

@@ -4,7 +4,8 @@ import pytest
 
 from hetero.plan import routing
 from hetero.plan.solve import PlanOptions, plan
-from hetero.profile.schema import CurvePoint
+from hetero.schema.profile import CurvePoint
+from tests.figures import figures
 from tests.plan.synthetic import SIZES, gpu_profile
 
 
@@ -44,7 +45,7 @@ def test_route_picks_the_latency_and_bandwidth_peers():
     r = routing.route(links, 4, 100_000_000, 10e-3, 2e-3)
     assert (r.latency_peer, r.bandwidth_peer, r.shard_bytes) == (1, 2, 16 * 2**20)
     assert r.threshold_bytes == pytest.approx(100_000, abs=1)
-    assert r.why.startswith("rank 1 (latency 5.82us) and rank 2 (20GB/s) take 25us at 97.7KiB; shard 16MiB")
+    assert figures(r.why)[:7] == ['1', '5.82us', '2', '20GB/s', '25us', '97.7KiB', '16MiB']
     same = routing.route([routing.Link(peer=1, curve=BW)], 2, 1000, 1e-3, 1e-3)
     assert (same.threshold_bytes, same.why[:31]) == (0, "rank 1 is best at every size; s")
 

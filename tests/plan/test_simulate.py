@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from hetero import files
 from hetero.plan.choices import build
 from hetero.plan.model import Choices, Costs, Curve, LayerCosts, Update, costs
-from hetero.plan.schema import Plan
 from hetero.plan.simulate import chrome_trace, simulate
-from hetero.profile.schema import CurvePoint, Profile
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.profile import CurvePoint, Profile
 from tests.plan.synthetic import gpu_profile
 
 MS = 1e-3

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from hetero import files
 from hetero.errors import HeteroError
 from hetero.plan.gradient_offload import grid_bytes
-from hetero.plan.schema import Plan
 from hetero.plan.solve import NO_GPU, ONE_PROCESS, PlanOptions, plan, predict
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
 from tests.plan.synthetic import GiB, gpu_profile
 
 EXAMPLE = "plans/gpt-tiny-cpu.profile.yaml"

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.harness.layer_timing import CpuClock
+from hetero.harness.layers import select_layers
 from hetero.kernels.standin import StandInDevice
 from hetero.profile.dha import FIELDS, RootInputs, measure_layers, unmeasured
-from hetero.profile.layers import CpuClock, select_layers
-from hetero.profile.schema import Layer
+from hetero.schema.profile import Layer
 from tests.conftest import REPO
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hetero.profile import machine, timing, updates
-from hetero.profile.schema import CurvePoint, Tier
 from hetero.profile.tier_steps import DiskBeside
+from hetero.schema.profile import CurvePoint, Tier
 
 
 def test_background_slowdown_is_bounded_work_and_within_bounds(monkeypatch):

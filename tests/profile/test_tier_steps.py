@@ -1,6 +1,5 @@
 """The disk timed as the runtime's tiering drives it, beside a script's own training steps."""
 
-import time
 
 import torch
 import torch.nn as nn
@@ -8,8 +7,8 @@ import torch.nn.functional as F
 
 from hetero.profile import tier_steps
 from hetero.profile.profiler import ProfileOptions, measure_script
-from hetero.profile.schema import Layer
 from hetero.run import spans
+from hetero.schema.profile import Layer
 from tests.profile import scripts
 from tests.waits import until
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from hetero import files
-from hetero.plan.schema import Plan
 from hetero.plan.solve import predict, predicted_of
-from hetero.profile.schema import Profile
 from hetero.report.compare import compare, warnings
-from hetero.report.schema import Run, RunLayer, RunSource, RunTiming, StepEnd
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
+from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
 from tests.conftest import REPO
 
 PLAN = REPO / "plans/gpt-tiny-cpu.plan.yaml"

@@ -2,8 +2,8 @@
 
 from torch import nn
 
-from hetero.plan.schema import (Budget, NvmeOverflow, OptimizerPlan, Plan, Predicted, Source, StatePlacement)
-from hetero.profile.capture import fingerprint
+from hetero.harness.capture import fingerprint
+from hetero.schema.plan import Budget, NvmeOverflow, OptimizerPlan, Plan, Predicted, Source, StatePlacement
 
 
 def optimizer_plan(model: nn.Module, *, device: str = "axdimm", channels: int = 2, overlap: bool = True,

@@ -13,7 +13,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from hetero.plan import fit
-from hetero.plan.schema import Predicted
+from hetero.schema.plan import Predicted
 from hetero.run import allocator, process_memory
 from hetero.run.budget_watch import BudgetWatch, warning_line
 from hetero.run.runtime import Runtime, mechanisms

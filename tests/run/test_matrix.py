@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from hetero.errors import STALE_PLAN
-from hetero.plan.schema import Plan
-from hetero.run.bootstrap import StopScript
+from hetero.harness.script import StopScript
 from hetero.run.runtime import Runtime
+from hetero.schema.plan import Plan
 from tests.run.plans import optimizer_plan
 from tests.run.test_routing import make_model, routed_plan
 from tests.run.test_tiering import tiering_plan

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from hetero.run.bootstrap import StopScript
+from hetero.harness.script import StopScript
 from hetero.run.runtime import Runtime
 from tests.run.plans import optimizer_plan
 
@@ -216,6 +216,6 @@ def test_an_optimizer_of_another_model_stays_torchs_own():
     with Runtime(optimizer_plan(model), script=__file__):
         out, _ = train(model)
         opt = side(other)
-        assert opt._own and not opt._slots and set(opt.state_dict()["state"]) == {0, 1}
+        assert opt._own and opt.state_bytes().params == 0 and set(opt.state_dict()["state"]) == {0, 1}
     compare(ref, ref_model, out, model)
     assert_close(other.weight, other_ref.weight)

@@ -13,7 +13,7 @@ def test_cgroup_v1_limit_and_unlimited(tmp_path):
     folder = tmp_path / "fs/memory/box/job"
     write(folder / "memory.limit_in_bytes", "2147483648\n")
     write(folder / "memory.stat", "cache 0\nhierarchical_memory_limit 1073741824\n")  # the parent's is tighter
-    read = lambda: process_memory.memory_limit_bytes(str(tmp_path / "cgroup"), str(tmp_path / "fs"))  # noqa: E731
+    read = lambda: process_memory.memory_limit_bytes(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
     assert read() == 1 << 30
     write(folder / "memory.stat", "hierarchical_memory_limit 9223372036854771712\n")
     write(folder / "memory.limit_in_bytes", "9223372036854771712\n")

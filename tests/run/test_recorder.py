@@ -11,10 +11,10 @@ from collections import defaultdict
 
 import pytest
 
-from hetero import files
 from hetero.cli.main import main
-from hetero.report.schema import Run
 from hetero.run.recorder import _sweep, own_segments
+from hetero.schema import files
+from hetero.schema.run import Run
 from tests.conftest import REPO
 
 STEPS = 4  # 1 warm-up + 3 recorded

@@ -12,12 +12,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from hetero.plan.schema import Budget, Plan, Predicted, RoutingPlan, Source
-from hetero.profile.capture import fingerprint
-from hetero.run.bootstrap import StopScript
-from hetero.run.routing import (BANDWIDTH, GradientRouting, LATENCY, PRIORITY, Message, drift, first_layers, messages,
-                                predicted_sync_s, ring_through, union_s)
+from hetero.harness.capture import fingerprint
+from hetero.harness.script import StopScript
+from hetero.run.routing import (
+    BANDWIDTH,
+    LATENCY,
+    PRIORITY,
+    GradientRouting,
+    Message,
+    drift,
+    first_layers,
+    messages,
+    predicted_sync_s,
+    ring_through,
+    union_s,
+)
 from hetero.run.runtime import Runtime
+from hetero.schema.plan import Budget, Plan, Predicted, RoutingPlan, Source
 
 KiB = 1024
 STEPS = 5

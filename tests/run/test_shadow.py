@@ -14,13 +14,13 @@ from torch import nn
 from torch.testing import assert_close
 
 from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
+from hetero.harness.layers import select_layers
+from hetero.harness.script import StopScript
 from hetero.kernels.dha import same_memory
 from hetero.kernels.standin import StandInDevice
-from hetero.plan.schema import LayerPlan, Plan
-from hetero.profile.layers import select_layers
-from hetero.run.bootstrap import StopScript
 from hetero.run.runtime import Runtime
 from hetero.run.shadow import ShadowModel, schedule
+from hetero.schema.plan import LayerPlan, Plan
 from tests.run.plans import optimizer_plan
 
 STEPS = 10

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 
 import pytest
 import torch
@@ -13,12 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+from hetero.harness.capture import fingerprint
+from hetero.harness.layers import select_layers
+from hetero.harness.script import StopScript
 from hetero.plan.model import chunks
-from hetero.plan.schema import ActivationPlan, Budget, Eviction, Plan, Predicted, Source
-from hetero.profile.capture import fingerprint
-from hetero.profile.layers import select_layers
-from hetero.run.bootstrap import StopScript
 from hetero.run.runtime import Runtime
+from hetero.schema.plan import ActivationPlan, Budget, Eviction, Plan, Predicted, Source
 from tests.waits import until
 
 STEPS = 10

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-from hetero import files
 from hetero.cli.main import main
-from hetero.plan.schema import (ActivationPlan, Budget, Eviction, OptimizerPlan, Plan, Predicted, Source,
-                                StatePlacement)
+from hetero.harness.script import run_script
 from hetero.profile.profiler import ProfileOptions, assemble, measure_script
-from hetero.profile.schema import Profile
-from hetero.run.bootstrap import run_script
+from hetero.schema import files
+from hetero.schema.plan import ActivationPlan, Budget, Eviction, OptimizerPlan, Plan, Predicted, Source, StatePlacement
+from hetero.schema.profile import Profile
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLIC = Path(__file__).resolve().parent / "public"

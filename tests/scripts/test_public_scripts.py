@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from hetero import files
 from hetero.cli.main import main
 from hetero.errors import UNSUPPORTED_SCRIPT, HeteroError
 from hetero.profile.profiler import ProfileOptions, measure_script
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.profile import Profile
 from tests.run.plans import optimizer_plan
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain

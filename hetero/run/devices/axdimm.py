@@ -11,11 +11,11 @@ Arbiter rules (§3.2), which the emulation enforces rather than assumes:
 
 The emulation keeps each channel's DRAM in one preallocated host arena (pinned where CUDA exists, so GPU copies can
 be asynchronous later) and runs the real Adam kernel (hetero.kernels.adam) on a worker thread per channel.
-Measured (bench/adam.py --axdimm, 2-core VM, 2 channels x 50M params): two channel workers running torch's 2-thread
-fused op at once oversubscribe the cores; they gain 0-7% total rate (1,172 vs 1,117 M params/s) but finish together
-(81 and 85 ms), while serialized compute has the first channel's results after 47 ms of 90. The emulation therefore
-serializes kernel compute across channels by default (`serialize_compute=True`), so that, as in the paper's
-pipeline (§5.2), the host can use one channel while the other one computes. The API is asynchronous either way.
+Two channel workers running torch's multi-threaded fused op at once oversubscribe the cores: they gain little total
+rate but finish together, while serialized compute has the first channel's results after about half the time
+(docs/benchmarks.md, "Design figures"). The emulation therefore serializes kernel compute across channels by
+default (`serialize_compute=True`), so that, as in the paper's pipeline (§5.2), the host can use one channel while
+the other one computes. The API is asynchronous either way.
 """
 
 from __future__ import annotations

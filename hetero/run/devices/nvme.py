@@ -12,10 +12,9 @@ Rules the store keeps:
 - I/O bypasses the page cache (O_DIRECT) where the file system allows: cached writes look fast but free no memory,
   which defeats the point of offloading. `direct` says which. A key's data starts in its file at the source's offset
   within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
-  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer:
-  measured on bench/tiering.py, this took the CPU cost of moving ~1 GiB out and back per step from 0.25 s to 0.05 s.
-  A file is written with one `pwritev` (head block, middle, tail block), not three writes: each blocking call costs
-  the writer a wake-up on a busy VM (a traced demo run: evict lane 92-113 -> 76-83 ms per step).
+  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
+  (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle, tail block),
+  not three writes: each blocking call costs the writer a wake-up on a busy VM.
 - Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
   and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
 
@@ -25,7 +24,6 @@ torch is not imported here: tensors are recognised only when the caller has impo
 from __future__ import annotations
 
 import atexit
-import errno
 import itertools
 import os
 import queue
@@ -43,11 +41,7 @@ import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.run import spans
-from hetero.run.devices import workdir
-
-_IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX)
-_BLOCK = 4096  # O_DIRECT alignment of buffer, offset and length; a multiple of every common logical block size
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+from hetero.run.devices import direct_io, workdir
 
 
 class Handle:
@@ -81,14 +75,15 @@ class NvmeStore:
 
     def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
                  direct: bool = True) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % _BLOCK:
-            raise HeteroError(f"NVMe chunk size {chunk_bytes} bytes", hint=f"use a positive multiple of {_BLOCK}")
+        if chunk_bytes <= 0 or chunk_bytes % direct_io.BLOCK:
+            raise HeteroError(f"NVMe chunk size {chunk_bytes} bytes",
+                              hint=f"use a positive multiple of {direct_io.BLOCK}")
         self.directory = Path(directory)
         self._made_dirs = _make_dirs(self.directory)
         self._prefix = f"hetero-{os.getpid()}-{secrets.token_hex(4)}-"  # two stores may share a directory
         self._chunk = chunk_bytes
         try:
-            self.direct = direct and _direct_io_works(self.directory / f"{self._prefix}probe")
+            self.direct = direct and direct_io.direct_io_works(self.directory / f"{self._prefix}probe")
         except BaseException:
             _remove_dirs(self._made_dirs)
             raise
@@ -153,7 +148,7 @@ class NvmeStore:
 
     def write(self, key: str, tensor: Any) -> None:
         """`write_async(key, tensor).wait()` on the calling thread: a worker's hand-off costs two thread wake-ups,
-        about 1 ms each on a busy 2-core VM (bench/lanes.py), more than a 1 MiB direct write itself."""
+        more than a 1 MiB direct write itself on a busy machine (docs/benchmarks.md, "Design figures")."""
         self._inline(key, self._write_job(key, tensor, self._write_file))
 
     def read(self, key: str, out: Any) -> None:
@@ -238,8 +233,8 @@ class NvmeStore:
                 os.close(fd)
         except BaseException as e:
             self._remove(path)
-            if isinstance(e, OSError) and e.errno in _NO_SPACE:
-                raise _no_space(self.directory, src.nbytes) from e
+            if isinstance(e, OSError) and e.errno in direct_io.NO_SPACE:
+                raise direct_io.no_space(self.directory, src.nbytes) from e
             raise
         with self._lock:
             old = self._files.get(key)
@@ -248,27 +243,13 @@ class NvmeStore:
             self._remove(old.path)
 
     def _write_chunks(self, fd: int, src: np.ndarray) -> int:
-        """Write `src`; the file offset its byte 0 went to. With O_DIRECT the data lands at its address's offset
-        within a block, so the block-aligned middle of the buffer goes to disk straight from it and only the first
-        and last blocks pass through the bounce buffer (saving a full copy of every large tensor)."""
         if not self.direct:
-            _pwritev_all(fd, [src[o:o + self._chunk] for o in range(0, src.nbytes, self._chunk)], 0)
-            return 0
-        shift = src.ctypes.data % _BLOCK
-        head = min(src.nbytes, -shift % _BLOCK)
-        middle = head + (src.nbytes - head) // _BLOCK * _BLOCK  # where the block-aligned middle ends
+            return direct_io.write_buffered(fd, src, self._chunk)
         bounce = self._take_bounce()
         try:
-            parts = [_in_block(bounce[:_BLOCK], src[:head], shift)] if head else []
-            parts += [src[o:min(o + self._chunk, middle)] for o in range(head, middle, self._chunk)]
-            if middle < src.nbytes:
-                tail = bounce[_BLOCK:2 * _BLOCK] if bounce.nbytes >= 2 * _BLOCK else _aligned_buffer(_BLOCK)
-                parts.append(_in_block(tail, src[middle:], 0))
-            # One call for the whole file: on a busy VM every blocking call costs the writer a wake-up.
-            _pwritev_all(fd, parts, 0)
+            return direct_io.write_direct(fd, src, self._chunk, bounce)
         finally:
             self._bounce.put(bounce)
-        return shift
 
     def _read(self, key: str, dst: np.ndarray) -> None:
         with spans.timed(_lane(), f"read {key}", dst.nbytes):
@@ -288,25 +269,11 @@ class NvmeStore:
             os.close(fd)
 
     def _read_chunks(self, fd: int, dst: np.ndarray, shift: int) -> None:
-        """Read into `dst`: its block-aligned middle straight from the file when `dst` sits at the same offset
-        within a block as the written buffer did (large torch tensors all do), the rest through the bounce."""
         if not self.direct:
-            for offset in range(0, dst.nbytes, self._chunk):
-                _pread_exact(fd, dst[offset:offset + self._chunk], offset)
-            return
-        head = min(dst.nbytes, -shift % _BLOCK)
-        middle = (dst.nbytes - head) // _BLOCK * _BLOCK if dst.ctypes.data % _BLOCK == shift else 0
-        for offset in range(head, head + middle, self._chunk):
-            _pread_exact(fd, dst[offset:min(offset + self._chunk, head + middle)], shift + offset)
+            return direct_io.read_buffered(fd, dst, self._chunk)
         bounce = self._take_bounce()
         try:
-            for start, end in ((0, head), (head + middle, dst.nbytes)) if middle else ((0, dst.nbytes),):
-                for offset in range(start, end, self._chunk - _BLOCK):
-                    n = min(self._chunk - _BLOCK, end - offset)
-                    first = (shift + offset) // _BLOCK * _BLOCK  # the block the data starts in
-                    skip = shift + offset - first
-                    _pread_exact(fd, bounce[:-(-(skip + n) // _BLOCK) * _BLOCK], first)
-                    dst[offset:offset + n] = bounce[skip:skip + n]
+            direct_io.read_direct(fd, dst, shift, self._chunk, bounce)
         finally:
             self._bounce.put(bounce)
 
@@ -315,7 +282,7 @@ class NvmeStore:
         try:
             return self._bounce.get_nowait()
         except queue.Empty:
-            return _aligned_buffer(self._chunk)
+            return direct_io.aligned_buffer(self._chunk)
 
     def _delete(self, key: str) -> None:
         with self._lock:
@@ -347,35 +314,6 @@ def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
     job()
 
 
-def _pwritev_all(fd: int, parts: list[np.ndarray], offset: int) -> None:
-    """`parts` one after the other from `offset`, in as few system calls as the kernel allows."""
-    views = [p.data.cast("B") for p in parts if p.nbytes]
-    while views:
-        written = os.pwritev(fd, views[:_IOV_MAX], offset)
-        offset += written
-        while views and written >= len(views[0]):
-            written -= len(views.pop(0))
-        if written:
-            views[0] = views[0][written:]
-
-
-def _in_block(block: np.ndarray, data: np.ndarray, at: int) -> np.ndarray:
-    """`block` (one aligned block) holding `data` from `at`, zeros around it (never read back)."""
-    block[:at] = 0
-    block[at:at + data.nbytes] = data
-    block[at + data.nbytes:] = 0
-    return block
-
-
-def _pread_exact(fd: int, out: np.ndarray, offset: int) -> None:
-    view = out.data.cast("B")
-    while view:
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise OSError(errno.EIO, f"NVMe store file ended {len(view)} bytes early")
-        view, offset = view[got:], offset + got
-
-
 def _byte_view(x: Any, *, writable: bool) -> np.ndarray:
     """The bytes of a contiguous CPU tensor or numpy array as a flat uint8 array sharing its memory."""
     torch = sys.modules.get("torch")
@@ -387,35 +325,6 @@ def _byte_view(x: Any, *, writable: bool) -> np.ndarray:
     if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or (writable and not x.flags.writeable):
         raise ValueError(f"the NVMe store takes contiguous{' writable' if writable else ''} tensors, not {type(x)}")
     return x.reshape(-1).view(np.uint8)
-
-
-def _aligned_buffer(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + _BLOCK, dtype=np.uint8)
-    start = -raw.ctypes.data % _BLOCK
-    buffer = raw[start:start + nbytes]
-    buffer.fill(0)  # first touch now, not inside the first timed write
-    return buffer
-
-
-def _direct_io_works(probe: Path) -> bool:
-    """Whether this file system takes aligned O_DIRECT writes (tmpfs before Linux 6.6 and some FUSE ones do not)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-        try:
-            _pwritev_all(fd, [_aligned_buffer(_BLOCK)], 0)
-        finally:
-            os.close(fd)
-            probe.unlink(missing_ok=True)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        if e.errno in _NO_SPACE:
-            raise _no_space(probe.parent, _BLOCK) from e
-        raise HeteroError(f"cannot write in {probe.parent}: {e.strerror}",
-                          hint="point --nvme to a writable directory") from e
-    return True
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -439,11 +348,6 @@ def _remove_dirs(made: list[Path]) -> None:
             directory.rmdir()
         except OSError:  # someone else put files there meanwhile: leave it, and them
             return
-
-
-def _no_space(directory: Path, nbytes: int) -> HeteroError:
-    return HeteroError(f"no space left in {directory} for {nbytes} bytes",
-                       hint="free space or point --nvme elsewhere")
 
 
 _OPEN: set[NvmeStore] = set()

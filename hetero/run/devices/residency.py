@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 from time import perf_counter
 
+from hetero.schema.trace import TierUse
+
 EVENTS = 200_000  # about 10 MB of tuples: enough for a report of the first steps of any run
 
 
@@ -40,7 +42,7 @@ class Ledger:
         self.area = [0.0, 0.0, 0.0]
         self.start: float | None = None
         self.last = 0.0
-        self.events: list[tuple[float, str, int]] = []
+        self.events: list[TierUse] = []
         self.evictions, self.late, self.waited_s = 0, 0, 0.0
         self.queued: Counter[str] = Counter()
         self.evicted: Counter[str] = Counter()
@@ -57,7 +59,7 @@ class Ledger:
                     self.now[i] += delta
                     self.peak[i] = max(self.peak[i], self.now[i])
                     if len(self.events) < EVENTS:
-                        self.events.append((t - self.start, self.tiers[i], self.now[i]))
+                        self.events.append(TierUse(t - self.start, self.tiers[i], self.now[i]))
             self.last = t
 
     def report(self) -> Residency:

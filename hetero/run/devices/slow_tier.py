@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.plan.schema import ActivationPlan
 from hetero.run.devices.host_pool import CudaHostTier, HostPool
 from hetero.run.devices.nvme import NvmeStore
+from hetero.schema.plan import ActivationPlan
 
 GPU = "gpu"  # the plan's name for GPU memory as the fast tier
 

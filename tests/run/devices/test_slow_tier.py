@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from hetero.errors import HeteroError
-from hetero.plan.schema import ActivationPlan
-from hetero.run.devices.evictions import Worker
 from hetero.kernels.standin import StandInDevice
+from hetero.run.devices.evictions import Worker
 from hetero.run.devices.host_pool import CudaHostTier, HostPool, size_class
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier, open_tier
 from hetero.run.devices.workdir import host
+from hetero.schema.plan import ActivationPlan
 
 
 def plan(**kw) -> ActivationPlan:

@@ -136,12 +136,12 @@ def test_a_new_store_sweeps_its_base_and_removes_its_own_directory_on_close(tmp_
 
 
 def test_a_store_that_cannot_start_is_a_plan_path_error_and_leaves_nothing(tmp_path, monkeypatch):
-    from hetero.run.devices import nvme
+    from hetero.run.devices import direct_io
 
     def full(probe):
-        raise nvme._no_space(probe.parent, 4096)
+        raise direct_io.no_space(probe.parent, 4096)
 
-    monkeypatch.setattr(nvme, "_direct_io_works", full)
+    monkeypatch.setattr(direct_io, "direct_io_works", full)
     with pytest.raises(PlanPathError) as e:
         NvmeStore.private(str(tmp_path / "d"), "states", "optimizer.nvme.path")
     assert e.value.exit_code == INVALID_FILE and "no space left" in e.value.message

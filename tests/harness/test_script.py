@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from hetero.errors import HeteroError
-from hetero.run.bootstrap import run_script, script_argv
+from hetero.harness.script import run_script, script_argv
 
 
 def test_argv_is_passed_unchanged_a_separator_too():
@@ -37,7 +37,7 @@ def test_a_crash_shows_the_scripts_traceback_not_ours(tmp_path, capsys):
     assert run_script(str(script), []).exit_code == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):\n  File \"" + str(script))
-    assert "bootstrap.py" not in err and "runpy" not in err
+    assert "harness/script.py" not in err and "runpy" not in err
     assert err.rstrip().endswith("ValueError: bad batch")
 
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from hetero import files
 from hetero.errors import FileProblems
-from hetero.fields import is_schema, specs
-from hetero.plan.schema import SECTIONS, LayerPlan, Plan
-from hetero.profile.schema import Profile
+from hetero.schema import files
+from hetero.schema.fields import is_schema, specs
+from hetero.schema.plan import SECTIONS, LayerPlan, Plan
+from hetero.schema.profile import Profile
 from tests import schema_random
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "plans").glob("*.yaml"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "plans").glob("*.yaml"))
 PLAN = next(p for p in EXAMPLES if p.name.endswith(".plan.yaml"))
 
 

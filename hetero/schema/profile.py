@@ -2,7 +2,7 @@
 
 Times of a layer are per micro-batch (one forward and backward), relative to the start of its forward, and
 averaged over the measured micro-batches; all quantities are in base units (bytes, seconds,
-bytes/s) and are written with units by the YAML boundary (`hetero.files`). A value that could not be measured is
+bytes/s) and are written with units by the YAML boundary (`hetero.schema.files`). A value that could not be measured is
 null, and `unmeasured` says why: nothing here is invented.
 """
 
@@ -11,8 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hetero.fields import (MAX_CHANNELS, MAX_CORES, MAX_LAYERS, MAX_LINK, MAX_MICRO_BATCHES, MAX_RANK, MAX_STEPS, doc,
-                           unique_names)
+from hetero.schema.fields import (
+    MAX_CHANNELS,
+    MAX_CORES,
+    MAX_LAYERS,
+    MAX_LINK,
+    MAX_MICRO_BATCHES,
+    MAX_RANK,
+    MAX_STEPS,
+    doc,
+    unique_names,
+)
 from hetero.units import COUNT, PARAM_RATE, RATE, SIZE, TIME
 
 Granularity = Literal["module", "block"]

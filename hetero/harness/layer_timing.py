@@ -16,69 +16,15 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from hetero.run import hooks
+from hetero.harness import hooks
+from hetero.harness.layers import LayerSpec, adopt_unseen, tensors
+from hetero.schema.profile import Layer
 from hetero.units import measured
-from hetero.profile.schema import ROOT_LAYER, Layer
-
-
-@dataclass(slots=True)
-class LayerSpec:
-    """A layer to measure: a module and the parameters counted as its own."""
-
-    name: str
-    module: nn.Module
-    params: dict[str, nn.Parameter]  # local name -> parameter (a shared parameter counts for its first owner)
-
-
-def select_layers(model: nn.Module, granularity: str) -> list[LayerSpec]:
-    """Modules owning parameters directly, or (`block`) the repeated blocks plus the owners outside them."""
-    blocks = _repeated_blocks(model) if granularity == "block" else []
-    inside = {id(m) for b in blocks for m in b.modules()}
-    seen: set[int] = set()
-    layers = []
-    for name, module in model.named_modules():
-        if any(module is b for b in blocks):
-            local = dict(module.named_parameters())
-        elif id(module) in inside:
-            continue
-        else:
-            local = dict(module.named_parameters(recurse=False))
-            if not local:
-                continue
-        mine = {k: p for k, p in local.items() if id(p) not in seen}
-        seen.update(id(p) for p in local.values())
-        layers.append(LayerSpec(name or ROOT_LAYER, module, mine))
-    return layers
-
-
-def layers_named(model: nn.Module, wanted: set[str]) -> tuple[list[LayerSpec], list[str]]:
-    """The layers of the first granularity (module, then block) that has every name in `wanted`, and the names
-    neither has (then the module layers are returned)."""
-    first, missing = None, []
-    for granularity in ("module", "block"):
-        layers = select_layers(model, granularity)
-        names = {spec.name for spec in layers}
-        if wanted <= names:
-            return layers, []
-        first, missing = first or layers, missing or sorted(wanted - names)
-    return first, missing
-
-
-def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Children of ModuleLists/Sequentials whose members all share one class: a transformer's blocks."""
-    blocks = []
-    for module in model.modules():
-        children = list(module.children())
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 1 and \
-                len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters()):
-            if not any(any(c is m for m in b.modules()) for b in blocks for c in children):
-                blocks.extend(children)
-    return blocks
 
 
 class CpuClock:
@@ -107,13 +53,23 @@ class CudaClock:
         torch.cuda.synchronize()
 
 
+class Interval(NamedTuple):
+    """One layer's forward, between two clock tokens; `depth` is how many layers enclose it."""
+
+    layer: int
+    start: Any
+    end: Any
+    depth: int
+
+
 @dataclass(slots=True)
-class MicroBatch:
-    """Tokens of one forward+backward; layer indices are positions in the profiler's layer list."""
+class PassTokens:
+    """Clock tokens of one micro-batch's forward and backward; layer indices are positions in the profiler's layer
+    list."""
 
     start: Any
     forward_end: Any = None
-    intervals: list = field(default_factory=list)  # (layer, start token, end token, nesting depth)
+    intervals: list[Interval] = field(default_factory=list)  # in end order
     fp_end: dict[int, Any] = field(default_factory=dict)
     grad_ready: dict[int, Any] = field(default_factory=dict)
     first_unpack: dict[int, Any] = field(default_factory=dict)
@@ -129,7 +85,7 @@ COMPILED = ("the model is compiled (torch.compile): hetero's per-layer hooks wou
 
 
 class LayerProfiler:
-    """Hooks on one model; every forward with grad enabled while attached is recorded as a MicroBatch.
+    """Hooks on one model; every forward with grad enabled while attached is recorded as a PassTokens (one micro-batch).
 
     `compiled`: the script calls the model through torch.compile. Module and saved-tensor hooks would be traced into
     the compiled graph (their clocks read once, at trace time), so none are registered; the parameters' gradient
@@ -143,9 +99,9 @@ class LayerProfiler:
         self.first_param = next((p for p in model.parameters() if p.requires_grad), None)
         self.index = {id(layer.module): i for i, layer in enumerate(layers)}
         self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.micro_batches: list[MicroBatch] = []
-        self.current: MicroBatch | None = None  # the micro-batch whose forward is running
-        self.last_forward: MicroBatch | None = None  # the one whose backward runs next
+        self.micro_batches: list[PassTokens] = []
+        self.current: PassTokens | None = None  # the micro-batch whose forward is running
+        self.last_forward: PassTokens | None = None  # the one whose backward runs next
         self.stack: list[list] = []  # [layer, start token, child count] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
         # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
@@ -178,7 +134,7 @@ class LayerProfiler:
         if not torch.is_grad_enabled():
             return  # evaluation forwards are not training micro-batches
         t = time.perf_counter()
-        self.current = MicroBatch(start=self.clock.mark())
+        self.current = PassTokens(start=self.clock.mark())
         self.micro_batches.append(self.current)
         self.stack, self.last_ended = [], -2
         self.saved_hooks.__enter__()
@@ -209,10 +165,10 @@ class LayerProfiler:
         t = time.perf_counter()
         i, start, depth = self.stack.pop()
         end = self.clock.mark()
-        mb.intervals.append((i, start, end, depth))
+        mb.intervals.append(Interval(i, start, end, depth))
         mb.fp_end[i] = end
         self.last_ended = i
-        for grad_fn in {o.grad_fn for o in _tensors(output) if o.grad_fn is not None}:
+        for grad_fn in {o.grad_fn for o in tensors(output) if o.grad_fn is not None}:
             grad_fn.register_prehook(self._grad_ready_hook(mb, i))
         self.hook_s += time.perf_counter() - t
 
@@ -242,7 +198,7 @@ class LayerProfiler:
             mb.first_unpack[layer] = self.clock.mark()
         return tensor
 
-    def _grad_ready_hook(self, mb: MicroBatch, layer: int):
+    def _grad_ready_hook(self, mb: PassTokens, layer: int):
         def hook(grad_outputs):
             mb.grad_ready.setdefault(layer, self.clock.mark())
         return hook
@@ -253,17 +209,7 @@ class LayerProfiler:
 
     def _backward_counted(self, param: nn.Parameter) -> None:
         mark = self.clock.mark()
-        self.micro_batches.append(MicroBatch(start=mark, forward_end=mark, backward_end=mark))
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors(o)]
-    if isinstance(output, dict):
-        return [t for o in output.values() for t in _tensors(o)]
-    return []
+        self.micro_batches.append(PassTokens(start=mark, forward_end=mark, backward_end=mark))
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
@@ -296,7 +242,8 @@ def summarize(profiler: LayerProfiler) -> Summary:
         return _untimed(profiler)
     per_mb = [resolve(mb, profiler.clock, len(profiler.layers)) for mb in profiler.micro_batches if mb.backward_end]
     assert per_mb, "no complete micro-batch was recorded"
-    mean = lambda key, i=None: sum(r[key] if i is None else r[key][i] for r in per_mb) / len(per_mb)  # noqa: E731
+    mean = lambda key, i=None: sum(getattr(r, key) if i is None else getattr(r, key)[i]  # noqa: E731
+                                   for r in per_mb) / len(per_mb)
     layers = []
     order, params, timed_as = adopt_unseen(profiler.layers, profiler.micro_batches[0].order)
     for i in order:
@@ -307,7 +254,7 @@ def summarize(profiler: LayerProfiler) -> Summary:
             params={k: p.numel() * p.element_size() for k, p in params[i].items()},
             fp_s=measured(mean("fp", i)) if t == i else 0.0, bp_s=measured(mean("bp", i)) if t == i else 0.0,
             fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
-            saved_bytes=round(mean("saved", i)), saved_storages_bytes=per_mb[-1]["storages"][i],
+            saved_bytes=round(mean("saved", i)), saved_storages_bytes=per_mb[-1].storages[i],
             fp_end_s=measured(mean("fp_end", t)),
             bp_start_s=measured(mean("bp_start", t))))
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
@@ -323,46 +270,21 @@ def _untimed(profiler: LayerProfiler) -> Summary:
     return Summary(layers, 0.0, 0.0, len(profiler.micro_batches))
 
 
-def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],
-                                                                  dict[int, int]]:
-    """(layers in forward order, each layer's parameters by local name, unseen layer -> the ran layer it is timed
-    as). An unseen layer's parameters join the nearest ran layer enclosing it (local names extended by the path
-    between them); an unseen layer with no ran ancestor stays a layer, placed after the ran layer whose name shares
-    the longest dotted prefix with its own."""
-    params = {i: dict(spec.params) for i, spec in enumerate(specs)}
-    order, timed_as = list(ran), {}
-    if not ran:
-        return order, params, timed_as
-    for i, spec in enumerate(specs):
-        if i in ran or not spec.params:
-            continue
-        parent = max((j for j in ran if _encloses(specs[j].name, spec.name)), key=lambda j: len(specs[j].name),
-                     default=None)
-        if parent is not None:
-            path = spec.name if specs[parent].name == ROOT_LAYER else spec.name[len(specs[parent].name) + 1:]
-            params[parent].update({f"{path}.{k}": p for k, p in spec.params.items()})
-            params[i] = {}
-            continue
-        near = max(ran, key=lambda j: _shared(specs[j].name, spec.name))  # first in forward order on a tie
-        order.insert(order.index(near) + 1, i)
-        timed_as[i] = near
-    return order, params, timed_as
+@dataclass(frozen=True, slots=True)
+class PassTimes:
+    """One micro-batch in seconds from its forward start; per-layer quantities by layer index."""
+
+    fp: dict[int, float]  # each layer's own forward time (nested layers subtracted)
+    fp_end: dict[int, float]
+    bp_start: dict[int, float]  # TierTrain's ts^B: its saved tensors must be back
+    bp: dict[int, float]
+    saved: dict[int, int]  # saved-activation bytes
+    storages: dict[int, list[int]]  # saved storage sizes, largest first
+    forward: float  # forward end
+    backward: float  # backward duration
 
 
-def _encloses(outer: str, inner: str) -> bool:
-    return outer == ROOT_LAYER or inner.startswith(outer + ".")
-
-
-def _shared(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:
+def resolve(mb: PassTokens, clock, n: int) -> PassTimes:
     """One micro-batch in seconds from its forward start."""
     sec = lambda token: clock.seconds(mb.start, token)  # noqa: E731
     fp = dict.fromkeys(range(n), 0.0)
@@ -375,17 +297,15 @@ def resolve(mb: MicroBatch, clock, n: int) -> dict[str, dict[int, float]]:
     bp_start = {i: sec(mb.first_unpack.get(i, mb.grad_ready.get(i, mb.backward_end))) for i in range(n)}
     starts = sorted(set(bp_start.values()) | {end})
     following = {s: next((t for t in starts if t > s), end) for s in starts}
-    return {
-        "fp": fp, "fp_end": {i: sec(mb.fp_end[i]) if i in mb.fp_end else 0.0 for i in range(n)},
-        "bp_start": bp_start, "bp": {i: following[bp_start[i]] - bp_start[i] for i in range(n)},
-        "saved": {i: mb.saved_bytes[i] + (mb.saved_bytes[-2] if i == (mb.order or [0])[0] else 0)
-                  for i in range(n)},
-        "storages": _storages(mb, n), "forward": sec(mb.forward_end),
-        "backward": end - min(bp_start.values(), default=end),
-    }
+    return PassTimes(
+        fp=fp, fp_end={i: sec(mb.fp_end[i]) if i in mb.fp_end else 0.0 for i in range(n)},
+        bp_start=bp_start, bp={i: following[bp_start[i]] - bp_start[i] for i in range(n)},
+        saved={i: mb.saved_bytes[i] + (mb.saved_bytes[-2] if i == (mb.order or [0])[0] else 0) for i in range(n)},
+        storages=_storages(mb, n), forward=sec(mb.forward_end),
+        backward=end - min(bp_start.values(), default=end))
 
 
-def _storages(mb: MicroBatch, n: int) -> dict[int, list[int]]:
+def _storages(mb: PassTokens, n: int) -> dict[int, list[int]]:
     """Each layer's saved storage sizes, largest first; those saved before the first layer are the first's."""
     out: dict[int, list[int]] = {i: [] for i in range(n)}
     first = (mb.order or [0])[0]

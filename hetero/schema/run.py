@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.fields import MAX_MICRO_BATCHES, MAX_STEPS, doc, unique_names
-from hetero.plan.schema import ActivationPrediction
+from hetero.schema.fields import MAX_MICRO_BATCHES, MAX_STEPS, doc, unique_names
+from hetero.schema.plan import ActivationPrediction
 from hetero.units import SIZE, TIME
 
 

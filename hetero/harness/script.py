@@ -1,5 +1,5 @@
-"""Run a training script we did not write exactly as `python script.py args` would, in this process; with `-m`,
-the entry point of every torchrun worker (`python -m hetero.run.bootstrap SCRIPT ARGS`, see launch.worker_main).
+"""Run a training script we did not write exactly as `python script.py args` would, in this process (a torchrun
+worker too: `hetero.launch.worker` calls it).
 
 `hetero profile` and `hetero run` install their hooks first, then call `run_script`. The script sees its own
 `sys.argv` and `sys.path[0]`, runs as `__main__`, and its exit code passes through. A crash prints the script's
@@ -96,10 +96,3 @@ def _print_script_traceback(e: BaseException, path: Path) -> None:
         tb = tb.tb_next
     traceback.print_exception(type(e), e, tb or e.__traceback__)
 
-
-if __name__ == "__main__":
-    # A torchrun worker: `python -m hetero.run.bootstrap SCRIPT ARGS`. This file runs here as `__main__`, a second
-    # copy beside `hetero.run.bootstrap`; the worker uses the imported one, so StopScript is one class everywhere.
-    from hetero.run.launch import worker_main
-
-    sys.exit(worker_main(sys.argv[1:]))

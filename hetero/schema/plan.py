@@ -8,10 +8,10 @@ a `# why:` comment; entries marked `pinned: true` are kept as written when re-pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from hetero.fields import MAX_CHANNELS, MAX_MICRO_BATCHES, MAX_RANK, doc, unique_names
-from hetero.profile.schema import Backend
+from hetero.schema.fields import MAX_CHANNELS, MAX_MICRO_BATCHES, MAX_RANK, doc, unique_names
+from hetero.schema.profile import Backend
 from hetero.units import SIZE, TIME
 
 Mode = Literal["gfgb", "dha", "dfgb"]
@@ -67,7 +67,17 @@ class StatePlacement:
 
 @dataclass(kw_only=True, slots=True)
 class NvmeOverflow:
-    """The file-backed tier for optimizer states that do not fit on the device."""
+    """The file-backed tier for optimizer states that do not fit on the device.
+
+    The rule the planner and the runtime share: spilled states are updated through `STAGING_SLOTS` DRAM (or AXDIMM)
+    slots, each as large as the largest spilled tensor, used in turn (one updating while the other is read or
+    written back); slot k sits on channel `staging_channel(k, channels)`."""
+
+    STAGING_SLOTS: ClassVar[int] = 2
+
+    @staticmethod
+    def staging_channel(slot: int, channels: int) -> int:
+        return slot % channels
 
     path: str = doc("Directory for the state files (created 0600, removed at exit).")
     size_bytes: int = doc("Bytes of states placed there.", unit=SIZE)

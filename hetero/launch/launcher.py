@@ -3,16 +3,16 @@
 `build` is pure (argv and environment from the arguments) so it can be tested without running anything. One
 process: `run` reads the plan, refuses a stale one, and runs the script here as `python script.py args` would.
 Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile, the plan's ranks), then
-starts `python -m hetero.run.torchrun ... -m hetero.run.bootstrap script args` (torchrun's own engine, quiet about
-failures hetero reports), and every worker runs `worker_main`. torchrun and its workers end when hetero ends.
+starts `python -m hetero.launch.torchrun ... -m hetero.launch.worker script args` (torchrun's own engine, quiet about
+failures hetero reports), and every worker runs `hetero.launch.worker`. torchrun and its workers end when hetero ends.
 The protocol between hetero and its workers is the environment:
-  HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.run.bootstrap` default to plan.yaml)
+  HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.launch.worker` default to plan.yaml)
   HETERO_ALLOW_STALE  1: run a plan made for another profile or model
   HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
   HETERO_TRACE        JSON {trace, steps}: rank 0 records that many steps into the trace and run.yaml beside it
   HETERO_EXIT_DIR     where each worker leaves its exit code, the time it ended and the last line of its error, so
                       that hetero prints one line per failed rank and exits with the code of the worker that failed
-                      first (torchrun itself exits 1 for any failure); see hetero.run.torchrun
+                      first (torchrun itself exits 1 for any failure); see hetero.launch.torchrun
 Workers read LOCAL_RANK/RANK/WORLD_SIZE from torchrun's environment; the script's arguments are never changed.
 """
 
@@ -28,21 +28,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetero import files, interrupts
-from hetero.errors import FAILURE, STALE_PLAN, USAGE, FileProblems, HeteroError, Interrupted, Problem
-from hetero.plan.schema import Plan, RoutingPlan
-from hetero.profile.schema import Profile
-from hetero.run.bootstrap import ScriptResult, check_script, run_script, script_argv
+from hetero.errors import STALE_PLAN, USAGE, FileProblems, HeteroError, Interrupted, Problem
+from hetero.harness.script import ScriptResult, check_script, run_script, script_argv
+from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures
 from hetero.run.devices import workdir
 from hetero.run.devices.workdir import PlanPathError
-from hetero.run.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, write_exit
+from hetero.schema import files
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
+from hetero.schema.sources import find_profile
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
 PROFILE_ENV = "HETERO_PROFILE"
 TRACE_ENV = "HETERO_TRACE"
-WORKER = "hetero.run.bootstrap"
-TORCHRUN = "hetero.run.torchrun"  # torch.distributed.run, quiet about the failures hetero reports (torchrun.py)
+WORKER = "hetero.launch.worker"
+TORCHRUN = "hetero.launch.torchrun"  # torch.distributed.run, quiet about the failures hetero reports (torchrun.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,14 +138,6 @@ def find_plan(plan: str | None) -> Path:
     return path
 
 
-def find_profile(plan: Plan, plan_path: Path) -> Path | None:
-    """The plan's profile: its path as written, relative to the plan (as `hetero plan` writes it), relative to the
-    current directory (older plans), or beside the plan (the hash decides whether it is the right one)."""
-    source = Path(plan.source.profile)
-    candidates = [source] if source.is_absolute() else [plan_path.parent / source, source]
-    return next((c for c in [*candidates, plan_path.parent / source.name] if c.is_file()), None)
-
-
 def check_profile(plan: Plan, plan_path: Path, allow_stale: bool) -> str | None:
     """Refuse a plan whose profile changed since it was solved; a warning when the profile cannot be found."""
     path = find_profile(plan, plan_path)
@@ -172,29 +165,18 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
     if trace is not None:
         trace.check()
     if torchrun is None:
-        return _run_here(script, args, plan_path, allow_stale, leader=True, trace=trace).exit_code
+        return run_here(script, args, plan_path, allow_stale, leader=True, trace=trace).exit_code
     torchrun.check()
     loaded = files.load(plan_path, expect=Plan)
     check_profile(loaded, plan_path, allow_stale)  # refuses before any worker starts; rank 0 prints warnings
     if loaded.routing is not None:
+        from hetero.run.routing import check_routing  # imports torch
+
         check_routing(loaded.routing, torchrun.nproc_per_node * torchrun.max_nodes())
     return run_workers(build(script, args, plan_path, allow_stale, torchrun, trace))
 
 
-def check_routing(routing: RoutingPlan, world: int) -> None:
-    """A plan made for more ranks than this run has, or with no shard size, cannot be carried out."""
-    for name in ("latency_peer", "bandwidth_peer"):
-        rank = getattr(routing, name)
-        if rank >= world:
-            raise HeteroError(f"the plan's routing.{name} is rank {rank}, but this run has {world} rank(s) "
-                              f"(0 to {world - 1})", hint="profile and plan again with the same --nproc-per-node and "
-                              "--nnodes, or edit routing in the plan", exit_code=STALE_PLAN)
-    if routing.shard_bytes < 1:
-        raise HeteroError("the plan's routing.shard is 0B", hint="give a shard size, e.g. shard: 4MiB",
-                          exit_code=STALE_PLAN)
-
-
-def _run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool,
+def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool,
               trace: Trace | None = None) -> ScriptResult:
     from hetero.run.recorder import Outputs  # imports torch
     from hetero.run.runtime import Runtime
@@ -258,7 +240,7 @@ def run_workers(launch: Launch, stdout_to_stderr: bool = False) -> int:
 def _run_torchrun(launch: Launch, exits: str, stdout_to_stderr: bool) -> int:
     """torchrun in its own session, its workers leaving their exit codes in `exits`; see run_workers."""
     # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice. It dies with us
-    # (hetero.run.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
+    # (hetero.launch.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
     env = os.environ | launch.env | {EXIT_DIR_ENV: exits, PARENT_ENV: str(os.getpid())}
     proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None,
                             start_new_session=True)
@@ -286,53 +268,6 @@ def _stop(proc: subprocess.Popen, signum: int) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
             return
-
-
-def worker_main(argv: list[str]) -> int:
-    """A torchrun worker (`python -m hetero.run.bootstrap SCRIPT ARGS`): profile or run, then leave the exit code
-    and the last line of the error. SIGTERM (torchrun stopping it, or its parent ending) cleans up like Ctrl-C."""
-    code, message = FAILURE, ""
-    interrupts.die_with_parent()
-    try:
-        with interrupts.handled():
-            code, message = _work(argv)
-    except HeteroError as e:
-        lines = [f"error: {e.message}"] + ([f"hint: {e.hint}"] if e.hint else [])
-        print("\n".join(f"[rank {_rank()}] {line}" for line in lines), file=sys.stderr)
-        code, message = e.exit_code, e.message
-    except Interrupted as e:
-        code, message = e.exit_code, interrupts.name(e.signum)
-    finally:
-        code = interrupts.exit_code() or code  # an interrupt a script swallowed still ends the worker as one
-        if os.environ.get(EXIT_DIR_ENV):
-            write_exit(os.environ[EXIT_DIR_ENV], _rank(), code, message)
-    return code
-
-
-def _work(argv: list[str]) -> tuple[int, str]:
-    if not argv:
-        raise HeteroError("no script given", hint=f"torchrun ... -m {WORKER} train.py [ARGS]", exit_code=USAGE)
-    script, args = argv[0], argv[1:]
-    if os.environ.get(PROFILE_ENV):
-        return _profile_here(script, args, json.loads(os.environ[PROFILE_ENV])), ""
-    plan_path, allow_stale = find_plan(os.environ.get(PLAN_ENV)), os.environ.get(ALLOW_STALE_ENV) == "1"
-    traced = json.loads(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
-    trace = Trace(Path(traced["trace"]), traced["steps"]) if traced else None
-    result = _run_here(script, args, plan_path, allow_stale, leader=_rank() == 0, trace=trace)
-    return result.exit_code, result.error
-
-
-def _profile_here(script: str, args: list[str], request: dict) -> int:
-    from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch
-
-    result = profile_script(script, args, ProfileOptions(**request["options"]))
-    if result is not None:  # rank 0
-        save(result, Path(request["output"]), script)
-    return 0
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 @contextlib.contextmanager

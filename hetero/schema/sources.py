@@ -1,15 +1,28 @@
-"""The files a command finds through another one: a plan's profile, a run's plan."""
+"""The files that name one another: a plan names its profile (relative to the plan), a run names its plan."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from hetero import files
 from hetero.errors import STALE_PLAN, FileProblems, HeteroError, Problem
-from hetero.plan.names import unknown_names
-from hetero.plan.schema import Plan
-from hetero.profile.schema import Profile
-from hetero.run.launch import find_profile
+from hetero.schema import files
+from hetero.schema.names import unknown_names
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
+
+
+def written_profile_path(profile: Path, plan_path: Path) -> str:
+    """How a plan at `plan_path` names `profile`: relative to the plan, so that it is found from any directory."""
+    return str(profile) if profile.is_absolute() else os.path.relpath(profile.resolve(), plan_path.resolve().parent)
+
+
+def find_profile(plan: Plan, plan_path: Path) -> Path | None:
+    """The plan's profile: its path as written, relative to the plan (as `hetero plan` writes it), relative to the
+    current directory (older plans), or beside the plan (the hash decides whether it is the right one)."""
+    source = Path(plan.source.profile)
+    candidates = [source] if source.is_absolute() else [plan_path.parent / source, source]
+    return next((c for c in [*candidates, plan_path.parent / source.name] if c.is_file()), None)
 
 
 def profile_of(plan: Plan, plan_path: Path, why: str) -> Profile:

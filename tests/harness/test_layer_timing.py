@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from hetero.profile.layers import select_layers
+from hetero.harness.layers import select_layers
 from hetero.profile.profiler import ProfileOptions, measure_script
 from tests.profile import scripts
 

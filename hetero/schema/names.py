@@ -3,10 +3,9 @@ in an edited plan) is found by `hetero check`, not at run time once the model is
 
 from __future__ import annotations
 
-import difflib
-
-from hetero.plan.schema import Plan
-from hetero.profile.schema import Profile
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
+from hetero.schema.yaml_read import did_you_mean
 
 
 def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
@@ -23,10 +22,6 @@ def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
         named += [(f"optimizer.states[{i}].param", s.param, params, "parameter")
                   for i, s in enumerate(plan.optimizer.states)]
     known = {id(layers): set(layers), id(params): set(params)}
-    return [(path, f"no {what} {name!r} in the profile" + _did_you_mean(name, names))
+    return [(path, f"no {what} {name!r} in the profile" + did_you_mean(name, names))
             for path, name, names, what in named if name is not None and name not in known[id(names)]]
 
-
-def _did_you_mean(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -27,9 +27,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from hetero.errors import UNSUPPORTED_SCRIPT, USAGE, HeteroError
+from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
-from hetero.run.bootstrap import StopScript
-
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 

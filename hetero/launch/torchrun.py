@@ -1,8 +1,8 @@
-"""torchrun as hetero starts it (`python -m hetero.run.torchrun TORCHRUN-ARGS -m hetero.run.bootstrap SCRIPT ...`):
+"""torchrun as hetero starts it (`python -m hetero.launch.torchrun TORCHRUN-ARGS -m hetero.launch.worker SCRIPT ...`):
 torch's own launcher (`torch.distributed.run`), quiet about failures that hetero reports itself, and tied to hetero.
 
 - It ends when hetero ends, however hetero ends (Linux parent-death signal: SIGTERM, which torchrun turns into
-  stopping its workers); its workers do the same towards it (launch.worker_main).
+  stopping its workers); its workers do the same towards it (hetero.launch.worker).
 - A failed worker is torchrun's ChildFailedError: instead of its traceback and log lines, each failed rank's exit
   code goes into the exit directory (HETERO_EXIT_DIR) where the worker could not leave it (`os._exit`, a signal;
   such a rank counts as the first to fail), and hetero prints one line per failed rank (report_failures).

@@ -7,11 +7,38 @@ sources of its bytes, so a viewer stacks them.
 
 from __future__ import annotations
 
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple
 
 PID = 1
-Span = tuple[str, str, float, float, dict[str, Any]]  # lane, name, start_s, end_s, args
-Count = tuple[float, str, dict[str, int]]  # time_s, track, {series: value}
+NO_ARGS: Mapping[str, Any] = MappingProxyType({})
+
+
+class Span(NamedTuple):
+    """One piece of work on a lane (a lane serves one piece at a time), in seconds: from the run's or the predicted
+    iteration's origin in a trace, perf_counter values while the runtime records."""
+
+    lane: str
+    name: str
+    start_s: float
+    end_s: float
+    args: Mapping[str, Any] = NO_ARGS
+
+
+class TierUse(NamedTuple):
+    """A tier's bytes in use from `time_s` on (seconds from an origin its owner states)."""
+
+    time_s: float
+    tier: str
+    used_bytes: int
+
+
+class Count(NamedTuple):
+    """A counter sample: at `time_s`, the value of each series of `track` (a viewer stacks them)."""
+
+    time_s: float
+    track: str
+    values: dict[str, int]
 
 
 def chrome(spans: list[Span], counters: list[Count], meta: dict[str, Any]) -> dict[str, Any]:
@@ -21,9 +48,9 @@ def chrome(spans: list[Span], counters: list[Count], meta: dict[str, Any]) -> di
     events += [{"name": "thread_name", "ph": "M", "pid": PID, "tid": k, "args": {"name": lane}}
                for lane, k in tid.items()]
     events += [{"name": name, "cat": lane, "ph": "X", "pid": PID, "tid": tid[lane], "ts": start * 1e6,
-                "dur": (end - start) * 1e6, **({"args": args} if args else {})}
+                "dur": (end - start) * 1e6, **({"args": dict(args)} if args else {})}
                for lane, name, start, end, args in spans]
-    events += [{"name": track, "ph": "C", "pid": PID, "ts": t * 1e6, "args": values} for t, track, values in counters]
+    events += [{"name": c.track, "ph": "C", "pid": PID, "ts": c.time_s * 1e6, "args": c.values} for c in counters]
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetero.run import hooks
+from hetero.harness import hooks
 
 
 class Watcher:

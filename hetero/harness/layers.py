@@ -1,0 +1,119 @@
+"""The layers of a model as hetero sees them (a module with its own parameters, or a repeated block), and the
+tensors in a module's output: what the profiler, the recorder and the mechanisms that hook layers share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.schema.profile import ROOT_LAYER
+
+
+@dataclass(slots=True)
+class LayerSpec:
+    """A layer to measure: a module and the parameters counted as its own."""
+
+    name: str
+    module: nn.Module
+    params: dict[str, nn.Parameter]  # local name -> parameter (a shared parameter counts for its first owner)
+
+
+def select_layers(model: nn.Module, granularity: str) -> list[LayerSpec]:
+    """Modules owning parameters directly, or (`block`) the repeated blocks plus the owners outside them."""
+    blocks = _repeated_blocks(model) if granularity == "block" else []
+    inside = {id(m) for b in blocks for m in b.modules()}
+    seen: set[int] = set()
+    layers = []
+    for name, module in model.named_modules():
+        if any(module is b for b in blocks):
+            local = dict(module.named_parameters())
+        elif id(module) in inside:
+            continue
+        else:
+            local = dict(module.named_parameters(recurse=False))
+            if not local:
+                continue
+        mine = {k: p for k, p in local.items() if id(p) not in seen}
+        seen.update(id(p) for p in local.values())
+        layers.append(LayerSpec(name or ROOT_LAYER, module, mine))
+    return layers
+
+
+def layers_named(model: nn.Module, wanted: set[str]) -> tuple[list[LayerSpec], list[str]]:
+    """The layers of the first granularity (module, then block) that has every name in `wanted`, and the names
+    neither has (then the module layers are returned)."""
+    first, missing = None, []
+    for granularity in ("module", "block"):
+        layers = select_layers(model, granularity)
+        names = {spec.name for spec in layers}
+        if wanted <= names:
+            return layers, []
+        first, missing = first or layers, missing or sorted(wanted - names)
+    return first, missing
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Children of ModuleLists/Sequentials whose members all share one class: a transformer's blocks."""
+    blocks = []
+    for module in model.modules():
+        children = list(module.children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 1 and \
+                len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters()):
+            if not any(any(c is m for m in b.modules()) for b in blocks for c in children):
+                blocks.extend(children)
+    return blocks
+
+
+def tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in a module's output (nested tuples, lists and dicts)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in tensors(o)]
+    return []
+
+
+def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],
+                                                                  dict[int, int]]:
+    """(layers in forward order, each layer's parameters by local name, unseen layer -> the ran layer it is timed
+    as). An unseen layer's parameters join the nearest ran layer enclosing it (local names extended by the path
+    between them); an unseen layer with no ran ancestor stays a layer, placed after the ran layer whose name shares
+    the longest dotted prefix with its own."""
+    params = {i: dict(spec.params) for i, spec in enumerate(specs)}
+    order, timed_as = list(ran), {}
+    if not ran:
+        return order, params, timed_as
+    for i, spec in enumerate(specs):
+        if i in ran or not spec.params:
+            continue
+        parent = max((j for j in ran if _encloses(specs[j].name, spec.name)), key=lambda j: len(specs[j].name),
+                     default=None)
+        if parent is not None:
+            path = spec.name if specs[parent].name == ROOT_LAYER else spec.name[len(specs[parent].name) + 1:]
+            params[parent].update({f"{path}.{k}": p for k, p in spec.params.items()})
+            params[i] = {}
+            continue
+        near = max(ran, key=lambda j: _shared(specs[j].name, spec.name))  # first in forward order on a tie
+        order.insert(order.index(near) + 1, i)
+        timed_as[i] = near
+    return order, params, timed_as
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    return outer == ROOT_LAYER or inner.startswith(outer + ".")
+
+
+def _shared(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        n += 1
+    return n
+
+

@@ -1,0 +1,122 @@
+"""Block I/O for the NVMe store: whole files in one `pwritev`, and O_DIRECT transfers that keep a buffer's offset
+within its 4 KiB block, so that a large buffer's aligned middle moves straight between memory and disk and only its
+first and last blocks pass through a bounce buffer."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hetero.errors import HeteroError
+
+IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX)
+BLOCK = 4096  # O_DIRECT alignment of buffer, offset and length; a multiple of every common logical block size
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+def write_buffered(fd: int, src: np.ndarray, chunk: int) -> int:
+    """Write `src` from file offset 0 (no O_DIRECT); the offset its byte 0 went to, 0."""
+    pwritev_all(fd, [src[o:o + chunk] for o in range(0, src.nbytes, chunk)], 0)
+    return 0
+
+
+def read_buffered(fd: int, dst: np.ndarray, chunk: int) -> None:
+    for offset in range(0, dst.nbytes, chunk):
+        pread_exact(fd, dst[offset:offset + chunk], offset)
+
+
+def write_direct(fd: int, src: np.ndarray, chunk: int, bounce: np.ndarray) -> int:
+    """Write `src`; the file offset its byte 0 went to. With O_DIRECT the data lands at its address's offset
+    within a block, so the block-aligned middle of the buffer goes to disk straight from it and only the first
+    and last blocks pass through the bounce buffer (saving a full copy of every large tensor)."""
+    shift = src.ctypes.data % BLOCK
+    head = min(src.nbytes, -shift % BLOCK)
+    middle = head + (src.nbytes - head) // BLOCK * BLOCK  # where the block-aligned middle ends
+    parts = [_in_block(bounce[:BLOCK], src[:head], shift)] if head else []
+    parts += [src[o:min(o + chunk, middle)] for o in range(head, middle, chunk)]
+    if middle < src.nbytes:
+        tail = bounce[BLOCK:2 * BLOCK] if bounce.nbytes >= 2 * BLOCK else aligned_buffer(BLOCK)
+        parts.append(_in_block(tail, src[middle:], 0))
+    # One call for the whole file: on a busy VM every blocking call costs the writer a wake-up.
+    pwritev_all(fd, parts, 0)
+    return shift
+
+def read_direct(fd: int, dst: np.ndarray, shift: int, chunk: int, bounce: np.ndarray) -> None:
+    """Read into `dst`: its block-aligned middle straight from the file when `dst` sits at the same offset
+    within a block as the written buffer did (large torch tensors all do), the rest through the bounce."""
+    head = min(dst.nbytes, -shift % BLOCK)
+    middle = (dst.nbytes - head) // BLOCK * BLOCK if dst.ctypes.data % BLOCK == shift else 0
+    for offset in range(head, head + middle, chunk):
+        pread_exact(fd, dst[offset:min(offset + chunk, head + middle)], shift + offset)
+    for start, end in ((0, head), (head + middle, dst.nbytes)) if middle else ((0, dst.nbytes),):
+        for offset in range(start, end, chunk - BLOCK):
+            n = min(chunk - BLOCK, end - offset)
+            first = (shift + offset) // BLOCK * BLOCK  # the block the data starts in
+            skip = shift + offset - first
+            pread_exact(fd, bounce[:-(-(skip + n) // BLOCK) * BLOCK], first)
+            dst[offset:offset + n] = bounce[skip:skip + n]
+
+def pwritev_all(fd: int, parts: list[np.ndarray], offset: int) -> None:
+    """`parts` one after the other from `offset`, in as few system calls as the kernel allows."""
+    views = [p.data.cast("B") for p in parts if p.nbytes]
+    while views:
+        written = os.pwritev(fd, views[:IOV_MAX], offset)
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if written:
+            views[0] = views[0][written:]
+
+
+def _in_block(block: np.ndarray, data: np.ndarray, at: int) -> np.ndarray:
+    """`block` (one aligned block) holding `data` from `at`, zeros around it (never read back)."""
+    block[:at] = 0
+    block[at:at + data.nbytes] = data
+    block[at + data.nbytes:] = 0
+    return block
+
+
+def pread_exact(fd: int, out: np.ndarray, offset: int) -> None:
+    view = out.data.cast("B")
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise OSError(errno.EIO, f"NVMe store file ended {len(view)} bytes early")
+        view, offset = view[got:], offset + got
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + BLOCK, dtype=np.uint8)
+    start = -raw.ctypes.data % BLOCK
+    buffer = raw[start:start + nbytes]
+    buffer.fill(0)  # first touch now, not inside the first timed write
+    return buffer
+
+
+def direct_io_works(probe: Path) -> bool:
+    """Whether this file system takes aligned O_DIRECT writes (tmpfs before Linux 6.6 and some FUSE ones do not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        try:
+            pwritev_all(fd, [aligned_buffer(BLOCK)], 0)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        if e.errno in NO_SPACE:
+            raise no_space(probe.parent, BLOCK) from e
+        raise HeteroError(f"cannot write in {probe.parent}: {e.strerror}",
+                          hint="point --nvme to a writable directory") from e
+    return True
+
+
+def no_space(directory: Path, nbytes: int) -> HeteroError:
+    return HeteroError(f"no space left in {directory} for {nbytes} bytes",
+                       hint="free space or point --nvme elsewhere")

@@ -1,0 +1,16 @@
+"""The peak and step time with freed memory returned come from a fresh process that runs the script as the
+runtime would run it under the plan's `allocator` section; a script that ends too soon gives none."""
+
+from hetero.profile import returned
+from tests.profile import scripts
+
+
+def test_a_fresh_process_measures_the_returned_peak_and_step(tmp_path):
+    script = scripts.write(tmp_path, scripts.LOOP)
+    found = returned.measure(script, ["--steps", "6"], warmup=1)
+    assert found is not None and found.peak_bytes > 50 * 2**20 and found.step_s > 0
+
+
+def test_a_script_that_ends_before_the_timed_steps_gives_nothing(tmp_path):
+    script = scripts.write(tmp_path, scripts.LOOP)
+    assert returned.measure(script, ["--steps", "2"], warmup=1) is None
