@@ -112,13 +112,13 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
     for lever in (x for x in LEVERS if x in best.levers):
         without = seen.get(best.levers - {lever})
         if without is None:
-            parts.append(f"{_NAMES[lever]} (always: plain training's own peak was not measured)")
+            parts.append(f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
+                         "budget, so plain training's own peak is not known)")
             continue
         parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - best.peak_bytes)} for "
                      f"{short_time(best.iteration_s - without.iteration_s)} per iteration")
-    plain = "plain training's peak" + (" (estimated)" if forced else "")
-    plain_peak = seen[frozenset()].peak_bytes if frozenset() in seen else base.peak_bytes
-    return (f"{source}: {plain} {SIZE.format_short(plain_peak)} exceeds it; {'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
+    plain = "" if forced else f"plain training's peak {SIZE.format_short(seen[frozenset()].peak_bytes)} exceeds it; "
+    return (f"{source}: {plain}{'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
             f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "
             f"(of {len(seen)} simulated)")
 
