@@ -101,7 +101,8 @@ def allocator_cost_s(profile) -> float:
     m = profile.memory
     if m is None or m.returned_step_s is None or m.dram_peak_estimated:
         return 0.0
-    return max(0.0, m.returned_step_s - profile.training.iteration_s)
+    reference = m.default_step_s if m.default_step_s is not None else profile.training.iteration_s
+    return max(0.0, m.returned_step_s - reference)
 
 
 def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced: frozenset[str]) -> str:
