@@ -23,10 +23,6 @@ from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "states", "tiering")  # in the order their effects are described
-# glibc's thresholds when freed memory is returned: blocks from 128 KiB are mapped alone; the profile measures
-# with the same values (hetero.profile.returned)
-MMAP_THRESHOLD_BYTES = 128 << 10
-TRIM_THRESHOLD_BYTES = 128 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +88,7 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
 
 
 def allocator_plan(why: str) -> AllocatorPlan:
-    return AllocatorPlan(mmap_threshold_bytes=MMAP_THRESHOLD_BYTES, trim_threshold_bytes=TRIM_THRESHOLD_BYTES,
+    return AllocatorPlan(mmap_threshold_bytes=AllocatorPlan.RETURNING, trim_threshold_bytes=AllocatorPlan.RETURNING,
                          why=why)
 
 

@@ -27,8 +27,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from hetero.plan.fit import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from hetero.run import allocator, process_memory
+from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
 
 TIMED_STEPS = 2
@@ -49,7 +49,7 @@ class _Run:
 
 def returning() -> bool:
     """Set the thresholds the plan's `allocator` section uses and trim; False where malloc is not glibc."""
-    ok = allocator.set_thresholds(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    ok = allocator.set_thresholds(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING)
     return ok and allocator.trim()
 
 

@@ -3,10 +3,10 @@ fastest combination that fits, says what each choice saved, and refuses a budget
 
 import pytest
 
-from hetero.schema import files
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import fit, footprint
 from hetero.plan.solve import PlanOptions, plan
+from hetero.schema import files
 from hetero.schema.profile import Memory, Profile
 
 MiB = 2**20
