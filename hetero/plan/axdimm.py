@@ -23,11 +23,6 @@ from hetero.units import COUNT, PARAM_RATE, SIZE, TIME
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master copy, gradient, Adam m and v: the four inputs of each update
 NVME_BYTES_PER_PARAM = 12  # read back and written out per update: master copy, m and v (the gradient is fresh)
-# Without a GPU, NVMe-held states are staged in pieces of at most this many elements (Adam is elementwise), so the
-# two staging slots cost 2 x 3 x 1 MiB of host memory whatever the largest parameter (hetero.run.nvme_states).
-STAGING_CHUNK_PARAMS = 1 << 18
-STORE_CHUNK_BYTES = 1 << 20  # the state store's bounce buffers: one per thread doing I/O (2 workers and the caller)
-STORE_THREADS = 3
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,10 +23,6 @@ from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "states", "tiering")  # in the order their effects are described
-# glibc's thresholds when freed memory is returned: blocks from 128 KiB are mapped alone; the profile measures
-# with the same values (hetero.profile.returned)
-MMAP_THRESHOLD_BYTES = 128 << 10
-TRIM_THRESHOLD_BYTES = 128 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +88,7 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
 
 
 def allocator_plan(why: str) -> AllocatorPlan:
-    return AllocatorPlan(mmap_threshold_bytes=MMAP_THRESHOLD_BYTES, trim_threshold_bytes=TRIM_THRESHOLD_BYTES,
+    return AllocatorPlan(mmap_threshold_bytes=AllocatorPlan.RETURNING, trim_threshold_bytes=AllocatorPlan.RETURNING,
                          why=why)
 
 
@@ -101,7 +97,8 @@ def allocator_cost_s(profile) -> float:
     m = profile.memory
     if m is None or m.returned_step_s is None or m.dram_peak_estimated:
         return 0.0
-    return max(0.0, m.returned_step_s - profile.training.iteration_s)
+    reference = m.default_step_s if m.default_step_s is not None else profile.training.iteration_s
+    return max(0.0, m.returned_step_s - reference)
 
 
 def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced: frozenset[str]) -> str:
@@ -112,13 +109,13 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
     for lever in (x for x in LEVERS if x in best.levers):
         without = seen.get(best.levers - {lever})
         if without is None:
-            parts.append(f"{_NAMES[lever]} (always: plain training's own peak was not measured)")
+            parts.append(f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
+                         "budget, so plain training's own peak is not known)")
             continue
         parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - best.peak_bytes)} for "
                      f"{short_time(best.iteration_s - without.iteration_s)} per iteration")
-    plain = "plain training's peak" + (" (estimated)" if forced else "")
-    plain_peak = seen[frozenset()].peak_bytes if frozenset() in seen else base.peak_bytes
-    return (f"{source}: {plain} {SIZE.format_short(plain_peak)} exceeds it; {'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
+    plain = "" if forced else f"plain training's peak {SIZE.format_short(seen[frozenset()].peak_bytes)} exceeds it; "
+    return (f"{source}: {plain}{'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
             f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "
             f"(of {len(seen)} simulated)")
 

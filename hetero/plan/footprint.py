@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from hetero.plan import axdimm
 from hetero.plan.choices import host_static_bytes
-from hetero.schema.plan import OptimizerPlan, Plan
+from hetero.schema.plan import NvmeOverflow, OptimizerPlan, Plan
 from hetero.schema.profile import Profile
 
 ADAM_STATE_BYTES_PER_PARAM = 8  # fp32 m and v, as torch's Adam(W) keeps them beside each parameter
@@ -49,8 +49,9 @@ def staging_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
     if not spilled:
         return 0
     gpu = profile.machine.gpu is not None
-    piece = max(spilled) if gpu else min(max(spilled), axdimm.STAGING_CHUNK_PARAMS)
-    return 2 * (4 if gpu else 3) * 4 * piece + axdimm.STORE_THREADS * axdimm.STORE_CHUNK_BYTES
+    piece = max(spilled) if gpu else min(max(spilled), NvmeOverflow.STAGING_PIECE_PARAMS)
+    return NvmeOverflow.STAGING_SLOTS * (4 if gpu else 3) * 4 * piece + \
+        NvmeOverflow.STORE_THREADS * NvmeOverflow.STORE_CHUNK_BYTES
 
 
 def added_host_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:

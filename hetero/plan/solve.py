@@ -84,14 +84,16 @@ def _solve(ctx: Context, pins: _Pins, levers: frozenset[str]) -> Plan:
 
 def _allocator(ctx: Context):
     m = ctx.profile.memory
-    cost = fit.allocator_cost_s(ctx.profile)
-    measured = "measured by the profile" if not m.dram_peak_estimated else \
-        "the profile ran this way throughout (its step times include it)"
+    if m.dram_peak_estimated:
+        return fit.allocator_plan(
+            f"glibc returns the memory freed tensors leave, as it did throughout the profile ({m.profiled_under}): "
+            f"plain training peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way; its cost is in "
+            "the profile's step times")
     return fit.allocator_plan(
         f"glibc returns the memory freed tensors leave: plain training peaks at "
-        f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)}"
-        f"{' (estimated)' if m.dram_peak_estimated else ''} by default, for {short_time(cost)} more per step "
-        f"(page faults), {measured}")
+        f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)} "
+        f"by default, for {short_time(fit.allocator_cost_s(ctx.profile))} more per step (page faults), as the "
+        "profile measured it in a fresh process")
 
 
 def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:

@@ -114,12 +114,13 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
-        session.progress("freed memory returned", 0, 1)
+        session.progress("malloc's settings", 0, 1)
         found = returned.measure(script, args, options.warmup)
-        session.progress("freed memory returned", 1, 1)
+        session.progress("malloc's settings", 1, 1)
         if found is not None:
             session.memory.dram_peak_returned_bytes = found.peak_bytes
             session.memory.returned_step_s = measured(found.step_s)
+            session.memory.default_step_s = measured(found.default_step_s)
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),

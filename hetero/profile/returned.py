@@ -4,14 +4,17 @@ can count both (hetero.plan.fit's `allocator` lever).
 Two ways, one per case:
 - Without a budget, `measure` runs the script once more in a fresh process that sets glibc's thresholds as the
   runtime does (hetero.run.allocator) before the script starts, for the warm-up steps and `TIMED_STEPS` more: its
-  peak (VmHWM), and the mean time of the timed steps. A fresh process, because the profile's own has grown its heap
-  the default way already: measured there, the peak says more about the profile than about a planned run.
+  peak (VmHWM), and the mean time of the timed steps; then once more with malloc's defaults, whose step time is what
+  the first one's is compared with (the profile's own steps ran at another moment of a shared machine's load, with
+  its hooks). Fresh processes, because the profile's own has grown its heap the default way already: measured
+  there, the peak says more about the profile than about a planned run.
 - Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
   profile must not die of it: `Budgeted` returns freed memory from before the script's first allocation, the
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
   measured: the profile writes the measured one as an estimate (a lower bound) and says so.
 
-`python -m hetero.profile.returned OUT STEPS SCRIPT [ARGS]` is the fresh process; it writes `OUT` (JSON).
+`python -m hetero.profile.returned OUT STEPS returned|default SCRIPT [ARGS]` is the fresh process; it writes `OUT`
+(JSON).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from hetero.plan.fit import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from hetero.run import allocator, process_memory
+from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
 
 TIMED_STEPS = 2
@@ -35,11 +38,18 @@ TIMED_STEPS = 2
 class Returned:
     peak_bytes: int
     step_s: float
+    default_step_s: float  # the same run's step with malloc's defaults
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    peak_bytes: int
+    step_s: float
 
 
 def returning() -> bool:
     """Set the thresholds the plan's `allocator` section uses and trim; False where malloc is not glibc."""
-    ok = allocator.set_thresholds(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    ok = allocator.set_thresholds(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING)
     return ok and allocator.trim()
 
 
@@ -48,22 +58,31 @@ def restore() -> None:
 
 
 def measure(script: str, args: list[str], warmup: int) -> Returned | None:
-    """The script's peak and step time with freed memory returned, from a fresh process; None when it could not
-    run that many steps (or malloc is not glibc)."""
+    """The script's peak and step time with freed memory returned, and its step time without, each from a fresh
+    process; None when it could not run that many steps (or malloc is not glibc)."""
+    returned = _run(script, args, warmup, "returned")
+    default = _run(script, args, warmup, "default") if returned is not None else None
+    if default is None:
+        return None
+    return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_step_s=default.step_s)
+
+
+def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
     with tempfile.TemporaryDirectory(prefix="hetero-returned-") as work:
         out = os.path.join(work, "returned.json")
         steps = warmup + TIMED_STEPS
-        done = subprocess.run([sys.executable, "-m", "hetero.profile.returned", out, str(steps), script, *args],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, "-m", "hetero.profile.returned", out, str(steps), malloc, script,
+                               *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return None
         with open(out) as f:
             data = json.load(f)
-    return Returned(peak_bytes=data["peak_bytes"], step_s=data["step_s"])
+    return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"])
 
 
-def _child(out: str, steps: int, script: str, args: list[str]) -> int:
-    if not returning():
+def _child(out: str, steps: int, malloc: str, script: str, args: list[str]) -> int:
+    if malloc == "returned" and not returning():
         return 1
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -118,4 +137,4 @@ class Budgeted:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
+    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]))

@@ -6,7 +6,7 @@ before its slot takes the next (updated pieces leave first). This is the schedul
 change here changes the plan's predictions. The update device is either an AXDIMM channel (whose memory is reached
 through memcpy, so the reads land in a host bounce buffer first) or host memory (the reads land in the slot itself).
 
-A parameter of the CPU is staged in pieces of at most `STAGING_CHUNK_PARAMS` elements (Adam is elementwise, so a
+A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements (Adam is elementwise, so a
 piece's update is the same arithmetic as the whole tensor's), so the slots cost the same few MiB of host memory
 whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's parameter is staged
 whole: its gradient comes down in one copy.
@@ -18,15 +18,15 @@ import torch
 
 from hetero.kernels import dha
 from hetero.kernels.adam import Hyperparameters
-from hetero.plan.axdimm import STAGING_CHUNK_PARAMS
 from hetero.run.states import flat
+from hetero.schema.plan import NvmeOverflow
 
 Job = tuple[str, torch.Tensor, torch.Tensor, Hyperparameters, int]  # key, param, grad, hyperparameters, step
 
 
 def pieces(numel: int, on_cpu: bool) -> list[tuple[int, int]]:
     """[start, end) of each staged piece of a tensor of `numel` elements."""
-    step = STAGING_CHUNK_PARAMS if on_cpu else max(numel, 1)
+    step = NvmeOverflow.STAGING_PIECE_PARAMS if on_cpu else max(numel, 1)
     return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, 0)]
 
 

@@ -19,7 +19,6 @@ import torch
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
 from hetero.harness.script import StopScript
 from hetero.kernels.adam import AdamKernel, Hyperparameters
-from hetero.plan.axdimm import STORE_CHUNK_BYTES
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.devices.nvme import NvmeStore
@@ -91,7 +90,7 @@ class Homes:
         # 1 MiB bounce buffers (one per I/O thread): the staged pieces' aligned middles move straight to and from
         # disk, so larger ones would only hold host memory the plan counts (hetero.plan.footprint)
         self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path",
-                                       chunk_bytes=STORE_CHUNK_BYTES)
+                                       chunk_bytes=NvmeOverflow.STORE_CHUNK_BYTES)
         largest = max((p for _, p in spilled), key=slot_numel)
         n = slot_numel(largest)
         like = torch.zeros(n) if on_host(largest) else largest  # what a slot is made for: its size and device

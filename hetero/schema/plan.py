@@ -71,9 +71,15 @@ class NvmeOverflow:
 
     The rule the planner and the runtime share: spilled states are updated through `STAGING_SLOTS` DRAM (or AXDIMM)
     slots, each as large as the largest spilled tensor, used in turn (one updating while the other is read or
-    written back); slot k sits on channel `staging_channel(k, channels)`."""
+    written back); slot k sits on channel `staging_channel(k, channels)`. A tensor trained in host memory (no GPU
+    makes its gradient) is staged in pieces of at most `STAGING_PIECE_PARAMS` elements (Adam is elementwise), so
+    its slots cost a few MiB whatever the largest tensor; the state store moves them through `STORE_THREADS` bounce
+    buffers of `STORE_CHUNK_BYTES`."""
 
     STAGING_SLOTS: ClassVar[int] = 2
+    STAGING_PIECE_PARAMS: ClassVar[int] = 1 << 18
+    STORE_CHUNK_BYTES: ClassVar[int] = 1 << 20
+    STORE_THREADS: ClassVar[int] = 3  # the store's 2 workers and the thread that calls it
 
     @staticmethod
     def staging_channel(slot: int, channels: int) -> int:
@@ -174,6 +180,8 @@ class AllocatorPlan:
     """How the process's C allocator (glibc malloc) hands memory back: the runtime sets these with `mallopt` before
     the script runs, so that the memory freed tensors leave is returned to the kernel instead of kept in the heap
     (glibc's default keeps it, and a memory limit counts it)."""
+
+    RETURNING: ClassVar[int] = 128 << 10  # both thresholds when `hetero plan` returns memory; the profile measures so
 
     mmap_threshold_bytes: int = doc("Blocks at least this large are mapped on their own and unmapped when freed "
                                     "(M_MMAP_THRESHOLD).", unit=SIZE, ge=0)

@@ -258,12 +258,15 @@ class Memory:
     dram_peak_estimated: bool = doc("`dram_peak` was not measured: the profile ran under a budget with freed memory "
                                     "returned from the start (plain training might not have fit), and `dram_peak` "
                                     "is then the peak measured that way, a lower bound of plain's.", default=False)
-    dram_peak_returned_bytes: int | None = doc("Peak resident memory over steps run with glibc returning freed "
-                                               "memory to the kernel (the plan's `allocator`); null: not measured.",
+    dram_peak_returned_bytes: int | None = doc("Peak resident memory of the script run in a fresh process with glibc "
+                                               "returning freed memory to the kernel (the plan's `allocator`); null: "
+                                               "not measured.",
                                                unit=SIZE, ge=0, default=None)
-    returned_step_s: float | None = doc("Mean step time over those steps, to set beside `training.iteration`: "
-                                        "what returning memory costs (page faults); null: not measured.",
-                                        unit=TIME, default=None)
+    returned_step_s: float | None = doc("Mean step time over those steps; null: not measured.", unit=TIME,
+                                        default=None)
+    default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
+                                       "`returned_step` less this is what returning memory costs a step (page "
+                                       "faults); null: not measured.", unit=TIME, default=None)
     profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
                                      "`freed memory returned from the start, under the 2GiB memory cgroup`.",
                                      default=None)

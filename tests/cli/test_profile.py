@@ -45,6 +45,7 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     # the steps after the others, freed memory returned: what the plan's `allocator` would cost and save
     assert not profile.memory.dram_peak_estimated and profile.memory.profiled_under is None
     assert 100 * 2**20 < profile.memory.dram_peak_returned_bytes and profile.memory.returned_step_s > 0
+    assert profile.memory.default_step_s > 0
     assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
 
 
@@ -55,7 +56,7 @@ def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_p
     memory = files.load(out, expect=Profile).memory
     assert memory.dram_peak_estimated and memory.dram_peak_returned_bytes == memory.dram_peak_bytes
     assert memory.profiled_under == "freed memory returned from the start, under --dram-budget 20GiB"
-    assert memory.returned_step_s is None  # nothing to compare with
+    assert memory.returned_step_s is None and memory.default_step_s is None  # not run a second time: no room
 
 
 def test_the_disk_probe_leaves_nothing_behind(profiled):

@@ -3,10 +3,10 @@ fastest combination that fits, says what each choice saved, and refuses a budget
 
 import pytest
 
-from hetero.schema import files
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import footprint
+from hetero.plan import fit, footprint
 from hetero.plan.solve import PlanOptions, plan
+from hetero.schema import files
 from hetero.schema.profile import Memory, Profile
 
 MiB = 2**20
@@ -17,7 +17,8 @@ PLAIN, RETURNED = 900 * MiB, 700 * MiB
 def cpu(repo) -> Profile:
     profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
     profile.memory = Memory(dram_peak_bytes=PLAIN, dram_peak_returned_bytes=RETURNED,
-                            returned_step_s=profile.training.iteration_s * 1.25)
+                            returned_step_s=profile.training.iteration_s * 1.25,
+                            default_step_s=profile.training.iteration_s)
     return profile
 
 
@@ -96,4 +97,13 @@ def test_a_profile_that_could_not_measure_plains_peak_always_returns_memory(cpu)
     cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
                         returned_step_s=cpu.training.iteration_s)
     p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
-    assert p.allocator is not None and "estimated" in p.budget.why
+    assert p.allocator is not None and "own peak is not known" in p.budget.why and "exceeds" not in p.budget.why
+    assert "as it did throughout the profile" in p.allocator.why
+
+
+def test_returning_memory_costs_what_the_fresh_runs_measured_beside_each_other(cpu):
+    assert fit.allocator_cost_s(cpu) == pytest.approx(0.25 * cpu.training.iteration_s)
+    cpu.memory.default_step_s = 1.2 * cpu.training.iteration_s  # the moment both ran was slower than the profile's
+    assert fit.allocator_cost_s(cpu) == pytest.approx(0.05 * cpu.training.iteration_s)
+    cpu.memory.default_step_s = None  # older profiles: against the profile's own iteration
+    assert fit.allocator_cost_s(cpu) == pytest.approx(0.25 * cpu.training.iteration_s)

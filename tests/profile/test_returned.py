@@ -8,7 +8,7 @@ from tests.profile import scripts
 def test_a_fresh_process_measures_the_returned_peak_and_step(tmp_path):
     script = scripts.write(tmp_path, scripts.LOOP)
     found = returned.measure(script, ["--steps", "6"], warmup=1)
-    assert found is not None and found.peak_bytes > 50 * 2**20 and found.step_s > 0
+    assert found is not None and found.peak_bytes > 50 * 2**20 and found.step_s > 0 and found.default_step_s > 0
 
 
 def test_a_script_that_ends_before_the_timed_steps_gives_nothing(tmp_path):

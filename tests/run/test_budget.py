@@ -13,10 +13,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from hetero.plan import fit
-from hetero.schema.plan import Predicted
 from hetero.run import allocator, process_memory
 from hetero.run.budget_watch import BudgetWatch, warning_line
 from hetero.run.runtime import Runtime, mechanisms
+from hetero.schema.plan import AllocatorPlan, Predicted
 from tests.run.plans import optimizer_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +51,7 @@ def test_returned_memory_and_states_on_nvme_train_as_plain(tmp_path, monkeypatch
     plan = optimizer_plan(net, device="host", overlap=False, nvme=names, nvme_path=str(tmp_path))
     plan = replace(plan, allocator=fit.allocator_plan("test"))
     with Runtime(plan, script=__file__):
-        assert calls == [(fit.MMAP_THRESHOLD_BYTES, fit.TRIM_THRESHOLD_BYTES)]  # before the script runs
+        assert calls == [(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING)]  # before the script runs
         losses = train(net)
     assert calls[-1] == (allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
     assert_close(torch.tensor(losses), torch.tensor(expected))

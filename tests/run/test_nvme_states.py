@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from hetero.run import nvme_states
 from hetero.run.runtime import Runtime
+from hetero.schema.plan import NvmeOverflow
 from tests.run.plans import optimizer_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,9 +35,9 @@ def train(net: nn.Module, steps: int = 3) -> tuple[list[float], dict]:
     return losses, opt.state_dict()
 
 
-@pytest.mark.parametrize("chunk", [nvme_states.STAGING_CHUNK_PARAMS, 100], ids=["whole", "pieces of 100"])
+@pytest.mark.parametrize("chunk", [NvmeOverflow.STAGING_PIECE_PARAMS, 100], ids=["whole", "pieces of 100"])
 def test_every_state_on_nvme_trains_as_torch(chunk, tmp_path, monkeypatch):
-    monkeypatch.setattr(nvme_states, "STAGING_CHUNK_PARAMS", chunk)
+    monkeypatch.setattr(NvmeOverflow, "STAGING_PIECE_PARAMS", chunk)
     reference = model()
     ref_losses, ref_state = train(reference)
     net = model()
@@ -54,8 +55,8 @@ def test_every_state_on_nvme_trains_as_torch(chunk, tmp_path, monkeypatch):
 
 def test_pieces_cover_a_tensor_once_and_a_gpus_whole():
     assert nvme_states.pieces(10, on_cpu=True) == [(0, 10)]
-    n = 2 * nvme_states.STAGING_CHUNK_PARAMS + 5
+    n = 2 * NvmeOverflow.STAGING_PIECE_PARAMS + 5
     spans = nvme_states.pieces(n, on_cpu=True)
     assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    assert max(b - a for a, b in spans) == nvme_states.STAGING_CHUNK_PARAMS
+    assert max(b - a for a, b in spans) == NvmeOverflow.STAGING_PIECE_PARAMS
     assert nvme_states.pieces(n, on_cpu=False) == [(0, n)]
