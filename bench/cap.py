@@ -240,8 +240,8 @@ def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) 
         fails = sorted((t for t in tried if not t.ok), key=lambda t: t.layers)
         if fits:
             extra = f", profiled at {short_size(fits[0].profile_peak_bytes)}" if config == "hetero" else ""
-            notes.append(f"  {config}: {most[config]} layers peak {short_size(fits[0].peak_bytes)}{extra}"
-                         f"{growth(shape, tried)}")
+            grows = growth(shape, tried) if config != "hetero" else ""  # hetero's plan changes with the size
+            notes.append(f"  {config}: {most[config]} layers peak {short_size(fits[0].peak_bytes)}{extra}{grows}")
         if fails:
             notes.append(f"  {config}: {fails[0].layers} layers {fails[0].why}")
     for t in bench.trials:
