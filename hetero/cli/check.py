@@ -34,7 +34,7 @@ def check(files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile
 
 def summary(obj: Plan | Profile) -> str:
     if isinstance(obj, Plan):
-        sections = [s for s in ("optimizer", "activations", "routing") if getattr(obj, s) is not None]
+        sections = [s for s in ("optimizer", "activations", "routing", "allocator") if getattr(obj, s) is not None]
         return f"Plan, {len(obj.layers)} GPU layers, sections: {', '.join(sections) or 'none'}"
     return f"Profile, {obj.model.num_params:,} params, {len(obj.layers)} layers"
 

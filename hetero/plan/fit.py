@@ -15,7 +15,7 @@ I/O; `solve` builds and simulates each candidate.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
@@ -83,8 +83,8 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
                  "model or batch", exit_code=USAGE)
     best = base if base.peak_bytes <= budget else min(fitting, key=lambda c: (c.iteration_s, len(c.levers),
                                                                                c.peak_bytes))
-    best.plan.budget.why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
-    return best.plan
+    why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
+    return replace(best.plan, budget=replace(best.plan.budget, why=why))
 
 
 def allocator_plan(why: str) -> AllocatorPlan:

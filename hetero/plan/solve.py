@@ -177,12 +177,12 @@ def _states_on_nvme(ctx: Context) -> OptimizerPlan:
                         nvme=NvmeOverflow(path=nvme.path or nvme.name, size_bytes=total),
                         states=[StatePlacement(param=p.name, tier="nvme") for p in ctx.params])
     staging = footprint.staging_bytes(ctx.profile, out)
-    out.why = (f"to keep the DRAM budget: every state and fp32 master copy ({SIZE.format_short(total)}) on "
-               f"{nvme.name}, read, updated and written back inside step() through {SIZE.format_short(staging)} of "
-               f"host staging, after backward (updates of NVMe-held states do not overlap it); the script's "
-               f"{footprint.ADAM_STATE_BYTES_PER_PARAM} B/param of Adam states leave host memory, its gradients stay "
-               f"there until it frees them, as in plain training; Adam at {axdimm.rate_text(ctx.rates('host'))}")
-    return out
+    why = (f"to keep the DRAM budget: every state and fp32 master copy ({SIZE.format_short(total)}) on {nvme.name}, "
+           f"read, updated and written back inside step() through {SIZE.format_short(staging)} of host staging, "
+           f"after backward (updates of NVMe-held states do not overlap it); the script's "
+           f"{footprint.ADAM_STATE_BYTES_PER_PARAM} B/param of Adam states leave host memory, its gradients stay "
+           f"there until it frees them, as in plain training; Adam at {axdimm.rate_text(ctx.rates('host'))}")
+    return replace(out, why=why)
 
 
 def _host_saves_nothing(ctx: Context) -> str:

@@ -6,10 +6,10 @@ before its slot takes the next (updated pieces leave first). This is the schedul
 change here changes the plan's predictions. The update device is either an AXDIMM channel (whose memory is reached
 through memcpy, so the reads land in a host bounce buffer first) or host memory (the reads land in the slot itself).
 
-A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements (Adam is elementwise, so a
-piece's update is the same arithmetic as the whole tensor's), so the slots cost the same few MiB of host memory
-whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's parameter is staged
-whole: its gradient comes down in one copy.
+A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements
+(Adam is elementwise, so a piece's update is the same arithmetic as the whole tensor's), so the slots cost the same
+few MiB of host memory whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's
+parameter is staged whole: its gradient comes down in one copy.
 """
 
 from __future__ import annotations
