@@ -158,8 +158,9 @@ class Bench:
             result = prepared if not prepared.ok else run_hetero(self.shape, layers, self.limit, work, prepared)
         self.trials.append(result)
         state = "trains" if result.ok else f"fails: {result.why}"
-        print(f"  {short_size(self.limit)} {config:10s} {layers:3d} layers: {state} (peak "
-              f"{short_size(result.peak_bytes)})", file=sys.stderr, flush=True)
+        peak = result.peak_bytes or result.profile_peak_bytes  # hetero killed while profiling: the profile's
+        print(f"  {short_size(self.limit)} {config:10s} {layers:3d} layers: {state} (peak {short_size(peak)})",
+              file=sys.stderr, flush=True)
         return result
 
     def largest(self, config: str, start: int, cap: int) -> int:
