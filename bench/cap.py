@@ -228,12 +228,13 @@ def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) 
         runs = timing(bench, common, args.repeats) if common else {c: [] for c in CONFIGS}
     finally:
         bench.cleanup()
-    sizes = [f"{most[c]} ({shape.params(most[c]) / 1e6:.1f}M)" for c in CONFIGS]
-    ratio = shape.params(most["hetero"]) / shape.params(most["plain"]) if most["plain"] else float("inf")
-    slower = (statistics.median(runs["hetero"]) / statistics.median(runs["checkpoint"])
-              if runs["hetero"] and runs["checkpoint"] else float("nan"))
-    row = (f"| {short_size(limit)} | {' | '.join(sizes)} | {ratio:.2f}x | {common} | {spread(runs['plain'])} | "
-           f"{spread(runs['checkpoint'])} | {spread(runs['hetero'])} | {slower:.2f}x |")
+    sizes = [f"{most[c]} ({shape.params(most[c]) / 1e6:.1f}M)" if most[c] else "none" for c in CONFIGS]
+    ratio = (f"{shape.params(most['hetero']) / shape.params(most['plain']):.2f}x"
+             if most["plain"] and most["hetero"] else "-")
+    slower = (f"{statistics.median(runs['hetero']) / statistics.median(runs['checkpoint']):.2f}x"
+              if runs["hetero"] and runs["checkpoint"] else "-")
+    row = (f"| {short_size(limit)} | {' | '.join(sizes)} | {ratio} | {common or '-'} | {spread(runs['plain'])} | "
+           f"{spread(runs['checkpoint'])} | {spread(runs['hetero'])} | {slower} |")
     notes = [f"{short_size(limit)}:"]
     for config in CONFIGS:
         tried = [t for t in bench.trials if t.config == config]
