@@ -229,8 +229,8 @@ def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) 
     finally:
         bench.cleanup()
     sizes = [f"{most[c]} ({shape.params(most[c]) / 1e6:.1f}M)" if most[c] else "none" for c in CONFIGS]
-    ratio = (f"{shape.params(most['hetero']) / shape.params(most['plain']):.2f}x"
-             if most["plain"] and most["hetero"] else "-")
+    hetero_params = shape.params(most["hetero"]) if most["hetero"] else 0
+    ratio = f"{hetero_params / shape.params(most['plain']):.2f}x" if most["plain"] else "-"
     slower = (f"{statistics.median(runs['hetero']) / statistics.median(runs['checkpoint']):.2f}x"
               if runs["hetero"] and runs["checkpoint"] else "-")
     row = (f"| {short_size(limit)} | {' | '.join(sizes)} | {ratio} | {common or '-'} | {spread(runs['plain'])} | "
