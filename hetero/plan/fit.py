@@ -76,11 +76,11 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
     if not fitting:
         least = min(seen.values(), key=lambda c: c.peak_bytes)
         raise HeteroError(
-            f"the plan needs {SIZE.format_short(least.peak_bytes)} of {host} even with "
-            f"{_names(least.levers) or 'nothing moved'}, over the budget {SIZE.format_short(budget)} "
+            f"the plan needs {SIZE.format_short(least.peak_bytes, 5)} of {host} even with "
+            f"{_names(least.levers) or 'nothing moved'}, over the budget {SIZE.format_short(budget, 5)} "
             f"({ctx.budget_source})" + _unusable_text(unusable),
-            hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes, 3)} or more, or train a smaller "
-                 "model or batch", exit_code=USAGE)
+            hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes + (1 << 20), 3)} or more, or train a "
+                 "smaller model or batch", exit_code=USAGE)
     best = base if base.peak_bytes <= budget else min(fitting, key=lambda c: (c.iteration_s, len(c.levers),
                                                                                c.peak_bytes))
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
