@@ -13,6 +13,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class Attention(nn.Module):
@@ -56,8 +57,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, block_size: int, n_layer: int, n_embd: int, n_head: int):
+    def __init__(self, vocab: int, block_size: int, n_layer: int, n_embd: int, n_head: int, recompute: bool = False):
         super().__init__()
+        self.recompute = recompute  # torch.utils.checkpoint on every block: keep only block inputs, redo the rest
         self.wte = nn.Embedding(vocab, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
@@ -74,7 +76,7 @@ class GPT(nn.Module):
         pos = torch.arange(idx.size(1), device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute and torch.is_grad_enabled() else block(x)
         return self.lm_head(self.ln_f(x))
 
 
@@ -103,10 +105,12 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--checkpoint", action="store_true", help="recompute each block in backward (less memory)")
+    parser.add_argument("--weight-sum", action="store_true", help="print the sum of the final weights (to compare runs)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.seq_len, args.n_layer, args.n_embd, args.n_head).to(args.device)
+    model = GPT(args.vocab, args.seq_len, args.n_layer, args.n_embd, args.n_head, args.checkpoint).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = batches(args.vocab, args.batch_size, args.seq_len, args.seed, args.device)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {args.device}")
@@ -124,6 +128,11 @@ def main():
         if step % args.log_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - start
             print(f"step {step:4d}  loss {loss.item() * args.grad_accum:.4f}  {elapsed / step * 1e3:.0f} ms/step")
+    if args.weight_sum:  # in float64, one parameter at a time (a copy of the whole model would not fit where it must)
+        with torch.no_grad():
+            total = sum(p.double().sum().item() for p in model.parameters())
+            absolute = sum(p.double().abs().sum().item() for p in model.parameters())
+        print(f"weight sum {total!r}  abs sum {absolute!r}")
 
 
 if __name__ == "__main__":
