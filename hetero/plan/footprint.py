@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from hetero.plan import axdimm
 from hetero.plan.choices import host_static_bytes
-from hetero.schema.plan import NvmeOverflow, OptimizerPlan, Plan
+from hetero.schema.plan import ActivationPlan, NvmeOverflow, OptimizerPlan, Plan
 from hetero.schema.profile import Profile
 
 ADAM_STATE_BYTES_PER_PARAM = 8  # fp32 m and v, as torch's Adam(W) keeps them beside each parameter
@@ -27,6 +27,7 @@ STATES = "script's adam states"
 OPTIMIZER = "hetero optimizer"  # master copies, states, gradient buffers, an emulated AXDIMM's channels
 STAGING = "nvme state staging"
 MOVED_IN = "moved in from the gpu"
+TIERING = "activation store buffers"
 EVICTED = "evicted activations"
 
 
@@ -87,6 +88,9 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     moved_in = simulated_host_peak - host_static_bytes(profile, plan.optimizer) - evicted_from_host_peak
     out[MOVED_IN] = max(0, moved_in)
     out[EVICTED] = -evicted_saving if returned else 0
+    tiered = evicted_from_host_peak and plan.activations is not None and \
+        any(e.evict_bytes for e in plan.activations.schedule)
+    out[TIERING] = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES if tiered else 0
     return {what: b for what, b in out.items() if b}
 
 

@@ -8,13 +8,15 @@ predict the iteration. `predict` simulates any plan, edited ones included, the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, fit, footprint, gradient_offload, memferry, memferry_solve, routing, simulate, tiering
+from hetero.plan import axdimm, fit, footprint, routing, simulate, tiering
 from hetero.plan.choices import build, host_tier, sync_times
 from hetero.plan.context import Context, PlanOptions, context
-from hetero.plan.model import GPU, Choices, Costs
+from hetero.plan.gpu_layers import layer_modes
+from hetero.plan.model import GPU
+from hetero.plan.pins import Pins, pins_of
 from hetero.plan.simulate import Result
 from hetero.schema import files
 from hetero.schema.plan import (
@@ -22,7 +24,6 @@ from hetero.schema.plan import (
     ActivationPrediction,
     Budget,
     Eviction,
-    LayerPlan,
     NvmeOverflow,
     OptimizerPlan,
     Plan,
@@ -34,16 +35,7 @@ from hetero.schema.plan import (
 from hetero.schema.profile import Profile
 from hetero.units import SIZE, short_time, size_change
 
-NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"
 ONE_PROCESS = "the profile has one process: no gradient synchronization to route"
-
-
-@dataclass(kw_only=True, slots=True)
-class _Pins:
-    layers: dict[str, LayerPlan]
-    evictions: dict[str, Eviction]
-    optimizer: OptimizerPlan | None
-    routing: RoutingPlan | None
 
 
 UNPREDICTED = Predicted(iteration_s=0.0, peak_bytes={})  # a draft's: the simulator never reads it
@@ -53,7 +45,7 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
     """The plan for `profile` under `options`; under a DRAM budget without a GPU, the fastest that keeps it
     (hetero.plan.fit)."""
     ctx = context(profile, options)
-    pins = _pins(profile, options.previous)
+    pins = pins_of(profile, options.previous)
     if fit.applies(profile, ctx.gpu, ctx.budget_source):
         return fit.fit(ctx, lambda levers: _solve(ctx, pins, levers), ctx.host.name)
     out = _solve(ctx, pins, frozenset())
@@ -64,7 +56,7 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
                                                        f"({ctx.budget_source})"))
 
 
-def _solve(ctx: Context, pins: _Pins, levers: frozenset[str]) -> Plan:
+def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
     """The plan with `levers` (hetero.plan.fit.LEVERS) turned on, predicted, not checked against the budget."""
     omitted: dict[str, str] = {}
     optimizer = _optimizer(ctx, pins, omitted, levers)
@@ -78,7 +70,7 @@ def _solve(ctx: Context, pins: _Pins, levers: frozenset[str]) -> Plan:
                  layers=[], optimizer=optimizer, activations=None, routing=route, predicted=UNPREDICTED,
                  omitted=omitted, allocator=_allocator(ctx) if "allocator" in levers else None)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
-    draft = _layers(ctx, draft, pins)
+    draft = layer_modes(ctx, draft, pins)
     return replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft)))
 
 
@@ -102,31 +94,10 @@ def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:
     return simulate.simulate(costs, choices, record)
 
 
-# -- pins ---------------------------------------------------------------------------------------------------------
-
-
-def _pins(profile: Profile, previous: Plan | None) -> _Pins:
-    if previous is None:
-        return _Pins(layers={}, evictions={}, optimizer=None, routing=None)
-    names = {layer.name for layer in profile.layers}
-    layers = {e.name: e for e in previous.layers if e.pinned}
-    evictions = {e.layer: e for e in (previous.activations.schedule if previous.activations else []) if e.pinned}
-    unknown = sorted((set(layers) | set(evictions)) - names)
-    if unknown:
-        raise HeteroError(f"--from plan pins layers the profile does not have: {', '.join(unknown[:5])}",
-                          hint="unpin or delete those entries in the old plan, then re-plan", exit_code=USAGE)
-    optimizer = previous.optimizer if previous.optimizer and previous.optimizer.pinned else None
-    if optimizer is not None and {s.param for s in optimizer.states} != {p.name for p in axdimm.params(profile)}:
-        raise HeteroError("--from plan pins an optimizer section whose parameters differ from the profile's",
-                          hint="unpin the optimizer section of the old plan (pinned: false)", exit_code=USAGE)
-    route = previous.routing if previous.routing and previous.routing.pinned else None
-    return _Pins(layers=layers, evictions=evictions, optimizer=optimizer, routing=route)
-
-
 # -- optimizer ----------------------------------------------------------------------------------------------------
 
 
-def _optimizer(ctx: Context, pins: _Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
+def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
     training = ctx.profile.training
     if training.optimizer == "other":
         omitted["optimizer"] = ("the script's optimizer is not Adam or AdamW of the model's parameters without "
@@ -205,7 +176,7 @@ def _placement(ctx: Context, device: str) -> axdimm.Placement:
 # -- activations --------------------------------------------------------------------------------------------------
 
 
-def _activations(ctx: Context, pins: _Pins, omitted: dict[str, str], levers: frozenset[str]) -> list[ActivationPlan]:
+def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> list[ActivationPlan]:
     """The TierTrain schedule under the paper's busy-prefetcher rule and under ours; `_pick_schedule` simulates
     both."""
     if ctx.slow is None:
@@ -280,7 +251,7 @@ def _ns(seconds: float) -> float:
 # -- routing ------------------------------------------------------------------------------------------------------
 
 
-def _routing(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> RoutingPlan | None:
+def _routing(ctx: Context, pins: Pins, omitted: dict[str, str]) -> RoutingPlan | None:
     if not ctx.links:
         omitted["routing"] = ONE_PROCESS
         return None
@@ -291,62 +262,6 @@ def _routing(ctx: Context, pins: _Pins, omitted: dict[str, str]) -> RoutingPlan 
                       training.backward_s)
     return RoutingPlan(threshold_bytes=r.threshold_bytes, latency_peer=r.latency_peer, bandwidth_peer=r.bandwidth_peer,
                        shard_bytes=r.shard_bytes, dual_sync_bytes=r.dual_sync_bytes, why=r.why)
-
-
-# -- layers (GPU) -------------------------------------------------------------------------------------------------
-
-
-def _layers(ctx: Context, draft: Plan, pins: _Pins) -> Plan:
-    """`draft` with every layer's GPU mode and gradient place (MemFerry, GO-MemFerry)."""
-    layers = ctx.profile.layers
-    if ctx.gpu is None:
-        return replace(draft, omitted=draft.omitted | {"layers": NO_GPU})
-    if draft.optimizer is None or draft.optimizer.device == "gpu":
-        reason = "the optimizer updates parameters on the GPU: every parameter and gradient stays there"
-        out = replace(draft, layers=[_pinned(pins, x.name) or LayerPlan(name=x.name, mode="gfgb", grad="gpu",
-                                                                          why=reason) for x in layers])
-        _check_fits(ctx, out)
-        return out
-    costs, template = build(ctx.profile, draft)
-    items = [gradient_offload.GradItem(name=c.name, size_bytes=c.params_bytes, pinned=_pin(pins, c.name, "grad"),
-                                       gain_s=None if c.bp_grad_host_s is None else c.bp_grad_host_s - c.bp_s)
-             for c in costs.layers]
-    go = gradient_offload.offload(items, ctx.options.reserve)
-    template.grads = ["gpu" if keep else "host" for keep in go.keep]
-    fixed = {i: pins.layers[x.name].mode for i, x in enumerate(layers) if x.name in pins.layers}
-    chosen, why = memferry_solve.solve(costs, template, fixed, ctx.device_bytes, ctx.budget_bytes)
-    if chosen is None:
-        _too_small(ctx, costs, template)
-    entries = [_pinned(pins, x.name) or LayerPlan(name=x.name, mode=chosen.modes[i], grad=template.grads[i],
-                                                  why=f"{why[i]}; grad: {go.why[i]}")
-               for i, x in enumerate(layers)]
-    return replace(draft, layers=entries, budget=replace(draft.budget, grad_grid_bytes=go.grid_bytes))
-
-
-def _pin(pins: _Pins, name: str, field: str) -> str | None:
-    entry = pins.layers.get(name)
-    return getattr(entry, field) if entry else None
-
-
-def _pinned(pins: _Pins, name: str) -> LayerPlan | None:
-    return pins.layers.get(name)
-
-
-def _check_fits(ctx: Context, out: Plan) -> None:
-    used = predict(ctx.profile, out).peak_bytes.get(GPU, 0)
-    if used > ctx.budget_bytes:
-        raise HeteroError(f"keeping every parameter, gradient and state on the GPU needs {SIZE.format_short(used)}, "
-                          f"over the GPU budget {SIZE.format_short(ctx.budget_bytes)}",
-                          hint="use --optimizer-device host (or axdimm) so MemFerry can offload", exit_code=USAGE)
-
-
-def _too_small(ctx: Context, costs: Costs, template: Choices) -> None:
-    fewest = [next((m for m in ("dha", "dfgb", "gfgb") if m in memferry.allowed_modes(c))) for c in costs.layers]
-    least = memferry_solve.evaluate(costs, template, fewest).gpu_bytes
-    raise HeteroError(f"the GPU budget {SIZE.format_short(ctx.budget_bytes)} is too small: even with every layer "
-                      f"in host memory the plan needs {SIZE.format_short(least)} (kept gradients and activations)",
-                      hint=f"use --gpu-memory {SIZE.format_short(least, 3)} or more, or a lower --reserve",
-                      exit_code=USAGE)
 
 
 # -- prediction ---------------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ Two ways, one per case:
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
   measured: the profile writes the measured one as an estimate (a lower bound) and says so.
 
-`python -m hetero.profile.returned OUT STEPS returned|default SCRIPT [ARGS]` is the fresh process; it writes `OUT`
-(JSON).
+`python -m hetero.profile.returned OUT STEPS returned|default SCRIPT [ARGS]` is the fresh process (started with
+`hetero run`'s modules loaded first); it writes `OUT` (JSON).
 """
 
 from __future__ import annotations
@@ -71,14 +71,20 @@ def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
     with tempfile.TemporaryDirectory(prefix="hetero-returned-") as work:
         out = os.path.join(work, "returned.json")
         steps = warmup + TIMED_STEPS
-        done = subprocess.run([sys.executable, "-m", "hetero.profile.returned", out, str(steps), malloc, script,
-                               *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, check=False)
+        done = subprocess.run([sys.executable, "-c", _CHILD, out, str(steps), malloc, script, *args],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return None
         with open(out) as f:
             data = json.load(f)
     return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"])
+
+
+# The fresh process loads what `hetero run` has loaded when its script starts (the CLI, the runtime), so that its
+# peak counts them as a planned run's does (~20 MiB here), then runs this module.
+_CHILD = ("import sys, runpy, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
+          "runpy.run_module('hetero.profile.returned', run_name='__main__', alter_sys=True)")
 
 
 def _child(out: str, steps: int, malloc: str, script: str, args: list[str]) -> int:

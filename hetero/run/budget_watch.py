@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import threading
 
-from hetero.schema.plan import Plan
 from hetero.run import process_memory
+from hetero.schema.plan import Plan
 from hetero.units import SIZE
 
 MARGIN = 0.05  # warn within 5% of the budget

@@ -11,6 +11,7 @@ from hetero.schema.profile import Memory, Profile
 
 MiB = 2**20
 PLAIN, RETURNED = 900 * MiB, 700 * MiB
+STAGING = 2 * 3 * 4 * 2**18 + 3 * MiB  # two slots of master, m and v of 256K elements; the store's buffers
 
 
 @pytest.fixture
@@ -20,6 +21,11 @@ def cpu(repo) -> Profile:
                             returned_step_s=profile.training.iteration_s * 1.25,
                             default_step_s=profile.training.iteration_s)
     return profile
+
+
+def room_for(peak: int) -> int:
+    """The least budget a plan predicting `peak` fits, headroom included."""
+    return int(peak / (1 - fit.HEADROOM)) + 1
 
 
 def own_states(profile: Profile) -> int:
@@ -36,9 +42,11 @@ def test_the_peak_is_the_sum_of_the_plans_own_account(cpu):
 
 
 def test_a_budget_plain_training_fits_moves_nothing_and_says_so(cpu):
-    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
+    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN)))
     assert (p.allocator, p.optimizer, p.activations) == (None, None, None)
     assert peak(p) == PLAIN and "fits, nothing moved" in p.budget.why
+    # a budget plain's predicted peak meets only without the headroom is not met by plain training
+    assert peak(plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))) <= PLAIN * (1 - fit.HEADROOM)
 
 
 def test_returning_freed_memory_is_turned_on_when_it_is_what_fits_and_its_cost_counts(cpu):
@@ -46,10 +54,10 @@ def test_returning_freed_memory_is_turned_on_when_it_is_what_fits_and_its_cost_c
     p = plan(cpu, PlanOptions(dram_budget_bytes=budget))
     assert p.allocator is not None and peak(p) <= budget
     assert "returning freed memory saves 200MiB" in p.budget.why and "--dram-budget" in p.budget.why
-    alone = plan(cpu, PlanOptions(dram_budget_bytes=RETURNED))
+    alone = plan(cpu, PlanOptions(dram_budget_bytes=room_for(RETURNED)))
     assert peak(alone) <= RETURNED and p.predicted.iteration_s <= alone.predicted.iteration_s  # the fastest fit
     cpu.memory.dram_peak_returned_bytes = None
-    states = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN - 10 * MiB))
+    states = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - own_states(cpu) + STAGING)))
     both_off = plan(cpu, PlanOptions())
     # what returning memory costs a step, as the profile measured it, is in the prediction
     assert p.predicted.iteration_s == pytest.approx(states.predicted.iteration_s + 0.25 * cpu.training.iteration_s,
@@ -68,11 +76,10 @@ def test_below_that_the_planner_adds_what_it_needs_and_each_choice_says_what_it_
 
 def test_optimizer_states_go_to_nvme_when_only_they_fit(cpu):
     cpu.memory.dram_peak_returned_bytes = None  # no allocator to turn on: the states are the one lever that saves
-    staging = 2 * 3 * 4 * 2**18 + 3 * MiB  # two slots of master, m and v of 256K elements; the store's buffers
-    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN - 10 * MiB))
+    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - own_states(cpu) + STAGING)))
     assert p.optimizer.device == "host" and {s.tier for s in p.optimizer.states} == {"nvme"}
     assert p.optimizer.overlap_backward is False and p.activations is None
-    assert peak(p) == PLAIN - own_states(cpu) + staging
+    assert peak(p) == PLAIN - own_states(cpu) + STAGING
     assert p.predicted.dram_saved == {footprint.STATES: own_states(cpu)}
     assert "allocator" not in p.budget.why or "did not measure" in p.budget.why
 

@@ -8,7 +8,8 @@ import pytest
 
 from hetero.errors import HeteroError
 from hetero.plan.gradient_offload import grid_bytes
-from hetero.plan.solve import NO_GPU, ONE_PROCESS, PlanOptions, plan, predict
+from hetero.plan.gpu_layers import NO_GPU
+from hetero.plan.solve import ONE_PROCESS, PlanOptions, plan, predict
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile

@@ -13,8 +13,8 @@ Rules the store keeps:
   which defeats the point of offloading. `direct` says which. A key's data starts in its file at the source's offset
   within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
   at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
-  (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle, tail block),
-  not three writes: each blocking call costs the writer a wake-up on a busy VM.
+  (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle,
+  tail block), not three writes: each blocking call costs the writer a wake-up on a busy VM.
 - Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
   and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
 

@@ -118,7 +118,7 @@ def open_tier(plan: ActivationPlan) -> tuple[SlowTier, str | None]:
 def _private(path: str | None, workers: int) -> NvmeStore:
     # A private directory per process, as the optimizer's state files: two runs sharing a path never see each
     # other's files, and nobody else can put files there (hetero.run.devices.workdir).
-    return NvmeStore.private(path, "activations", FIELD, workers=workers)
+    return NvmeStore.private(path, "activations", FIELD, workers=workers, chunk_bytes=ActivationPlan.STORE_CHUNK_BYTES)
 
 
 FIELD = "activations.slow_path"  # the plan's key for the directory, for errors that name its line

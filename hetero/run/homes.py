@@ -1,0 +1,116 @@
+"""Every parameter's optimizer home, built from the plan's `optimizer` section once the parameters have names: a
+channel of the (emulated) AXDIMM, host memory, or NVMe files updated through staging slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.kernels.adam import AdamKernel
+from hetero.run.devices.axdimm import EmulatedAxdimm
+from hetero.run.devices.nvme import NvmeStore
+from hetero.run.nvme_states import NvmeStaging, on_host, slot_numel
+from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome
+from hetero.schema.plan import NvmeOverflow, OptimizerPlan
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Where an optimizer's states are. 4 fp32 buffers per parameter live on the device (master, m, v, gradient);
+    3 in NVMe files (no gradient)."""
+
+    device: int
+    nvme: int
+    params: int  # parameters placed so far (0 before the first step)
+
+
+ALIGN = 64  # the emulated device aligns every allocation to this
+
+
+@dataclass(eq=False, slots=True)
+class ParamState:
+    """One parameter's place in the optimizer."""
+
+    name: str
+    home: AxdimmHome | HostHome | None  # None: the states live in NVMe files
+    step: int = 0  # updates done (torch's state["step"])
+    grads_seen: int = 0  # gradients accumulated since the last step
+    launched: bool = False  # this step's update is already running
+
+
+class Homes:
+    """Builds every parameter's home from the plan once the parameters have names; owns devices and drivers."""
+
+    def __init__(self, plan: OptimizerPlan):
+        self.plan = plan
+        self.where = {s.param: s for s in plan.states}
+        self.drivers: list[Driver] = []
+        self.device: EmulatedAxdimm | None = None
+        self.store: NvmeStore | None = None
+        self.staging: NvmeStaging | None = None
+
+    def build(self, named: list[tuple[str, torch.nn.Parameter]]) -> dict[torch.nn.Parameter, ParamState]:
+        missing = [name for name, _ in named if name not in self.where]
+        if missing:
+            raise HeteroError(f"the plan places no optimizer state for {len(missing)} parameter(s), e.g. "
+                              f"{missing[0]}", hint="re-plan for this model: hetero profile, then hetero plan",
+                              exit_code=STALE_PLAN)
+        tiers = {name: self.where[name] for name, _ in named}
+        spilled = [(n, p) for n, p in named if tiers[n].tier == "nvme"]
+        make = self._axdimm(named, tiers, spilled) if self.plan.device == "axdimm" else self._host()
+        slots = {p: ParamState(n, None if tiers[n].tier == "nvme" else make(tiers[n].channel, p)) for n, p in named}
+        if spilled:
+            self._nvme(spilled, make)
+        return slots
+
+    def _axdimm(self, named, tiers, spilled):
+        channels = self.plan.channels
+        need = [0] * channels
+        for name, p in named:
+            if tiers[name].channel is not None:
+                need[tiers[name].channel] += 4 * _aligned(p.numel() * FP32)
+        if spilled:
+            largest = 4 * _aligned(max(slot_numel(p) for _, p in spilled) * FP32)
+            for slot in range(NvmeOverflow.STAGING_SLOTS):
+                need[NvmeOverflow.staging_channel(slot, channels)] += largest
+        self.device = EmulatedAxdimm(channel_capacity_bytes=max(need) + ALIGN, channels=channels)
+        drivers = [ChannelDriver(self.device, c) for c in range(channels)]
+        self.drivers += drivers
+        return lambda channel, param: AxdimmHome(drivers[channel], param)
+
+    def _host(self):
+        driver, kernel = Driver("host-adam"), AdamKernel()
+        self.drivers.append(driver)
+        return lambda channel, param: HostHome(driver, kernel, param)
+
+    def _nvme(self, spilled, make) -> None:
+        # 1 MiB bounce buffers (one per I/O thread): the staged pieces' aligned middles move straight to and from
+        # disk, so larger ones would only hold host memory the plan counts (hetero.plan.footprint)
+        self.store = NvmeStore.private(self.plan.nvme.path, "states", "optimizer.nvme.path",
+                                       chunk_bytes=NvmeOverflow.STORE_CHUNK_BYTES)
+        largest = max((p for _, p in spilled), key=slot_numel)
+        n = slot_numel(largest)
+        like = torch.zeros(n) if on_host(largest) else largest  # what a slot is made for: its size and device
+        channels = self.plan.channels or 1
+        slots = [make(NvmeOverflow.staging_channel(s, channels) if self.device else None, like)
+                 for s in range(NvmeOverflow.STAGING_SLOTS)]
+        self.staging = NvmeStaging(self.store, slots, n)
+        for name, p in spilled:
+            self.staging.add(name, p)
+
+    def drain(self) -> None:
+        for driver in self.drivers:
+            driver.drain()
+
+    def close(self) -> None:
+        for driver in self.drivers:
+            driver.close()
+        for closeable in (self.device, self.store):
+            if closeable is not None:
+                closeable.close()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
