@@ -19,6 +19,7 @@ for a profile that cannot yet keep a budget, marked in the table. Needs root (cg
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import re
@@ -85,7 +86,7 @@ class Trial:
 def step_times(text: str) -> list[float]:
     """Per-step seconds after the first, from the script's running mean ("step k ... M ms/step")."""
     elapsed = [int(k) * float(ms) / 1e3 for k, ms in STEP_LINE.findall(text)]
-    return [b - a for a, b in zip(elapsed, elapsed[1:])]
+    return [b - a for a, b in itertools.pairwise(elapsed)]
 
 
 def capped(argv: list[str], limit: int | None, work: Path, name: str) -> tuple[cgroup.Capped, str]:

@@ -35,7 +35,7 @@ LIMIT = 1200 * 2**20
 SCRIPT = [str(REPO / "examples/train_gpt.py"), "--n-layer", "6", "--n-embd", "256", "--batch-size", "16", "--seq-len",
           "256", "--steps", "3", "--log-every", "1", "--weight-sum"]
 HETERO = [sys.executable, "-m", "hetero"]
-WEIGHTS = re.compile(r"^weight sum (\S+)  abs sum (\S+)$", re.M)
+WEIGHTS = re.compile(r"^weight sum (\S+)  abs sum (\S+)$", re.MULTILINE)
 
 
 def capped(argv: list[str], cwd: Path, log: str):
