@@ -105,11 +105,14 @@ def _read_int(path: Path) -> int:
     return sys.maxsize if text == "max" else int(text)
 
 
-def _oom_kills(where: Layout, group: Path) -> int:
-    """How many processes the cgroup's OOM killer has killed (v1: memory.oom_control, v2: memory.events)."""
+def _limit_killed(where: Layout, group: Path, exit_code: int) -> bool:
+    """Whether the cgroup's OOM killer killed a process (v1: memory.oom_control, v2: memory.events). v1 kernels
+    before 4.13 have no oom_kill count: there, a SIGKILL after the limit was hit (memory.failcnt) counts."""
     name = "memory.oom_control" if where.version == 1 else "memory.events"
     fields = dict(line.split() for line in (group / name).read_text().splitlines())
-    return int(fields.get("oom_kill", 0))
+    if "oom_kill" in fields:
+        return int(fields["oom_kill"]) > 0
+    return exit_code == 137 and where.version == 1 and _read_int(group / "memory.failcnt") > 0
 
 
 def _create(where: Layout, purpose: str, limit_bytes: int | None) -> Path:
@@ -171,7 +174,8 @@ def run(argv: list[str], limit_bytes: int | None, purpose: str = "run", **popen)
             child.wait()
             raise
         peak = _read_int(peak_file) if peak_file else peak_sampled
-        return Capped(_exit_code(child.returncode), limit_bytes, peak, _oom_kills(where, group) > 0, where.version)
+        code = _exit_code(child.returncode)
+        return Capped(code, limit_bytes, peak, _limit_killed(where, group, code), where.version)
     finally:
         _remove(group)
 
