@@ -36,13 +36,15 @@ NVME_TIER = "nvme0"  # the disk tier's name in profiles
 
 
 def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,
-            peers: list[Peer] | None = None, disk_beside: DiskBeside | None = None) -> Machine:
+            peers: list[Peer] | None = None, disk_beside: DiskBeside | None = None,
+            room_bytes: int | None = None) -> Machine:
     """The machine as seen from `device` (the model's device); `peers`: the links between ranks, measured before;
-    `disk_beside`: the disk's trips timed beside the script's training (hetero.profile.tier_steps)."""
+    `disk_beside`: the disk's trips timed beside the script's training (hetero.profile.tier_steps); `room_bytes`:
+    host memory a budget leaves the measurements (None: no budget), which sizes the bandwidth copy."""
     report = progress or (lambda *a: None)
     phases = ["cpu", "gpu", "tiers", "axdimm"]
     report("machine", 0, len(phases))
-    cpu = measure_cpu(gpu=device.type == "cuda")
+    cpu = measure_cpu(gpu=device.type == "cuda", copy_bytes=copy_size(room_bytes))
     report("machine", 1, len(phases))
     gpu = measure_gpu(device) if device.type == "cuda" else None
     report("machine", 2, len(phases))
@@ -82,12 +84,20 @@ MEMORY_BESIDE = "copies within memory are not measured beside compute: planned a
 # -- host ----------------------------------------------------------------------------------------------------------
 
 
-def measure_cpu(gpu: bool = False) -> Cpu:
+def copy_size(room_bytes: int | None) -> int:
+    """The bandwidth copy's buffer: 256 MiB, or under a budget a quarter of the room it leaves (the copy holds two
+    buffers), at least 16 MiB: larger than any last-level cache, so still a DRAM-to-DRAM copy."""
+    if room_bytes is None:
+        return 256 * MiB
+    return max(16 * MiB, min(256 * MiB, room_bytes // 4 // MiB * MiB))
+
+
+def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB) -> Cpu:
     """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured."""
     slowdown = None if gpu else measured(background_slowdown())
     adam = host_adam(slowdown)
     return Cpu(model=_cpu_model(), cores=len(os.sched_getaffinity(0)),
-               dram_bandwidth_bytes_per_s=measured(copy_bandwidth()), adam_params_per_s=measured(adam.rate),
+               dram_bandwidth_bytes_per_s=measured(copy_bandwidth(copy_bytes)), adam_params_per_s=measured(adam.rate),
                adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
                adam_beside_compute_params_per_s=measured_or_none(adam.beside_rate),
                adam_launch_beside_compute_s=measured_or_none(adam.beside_launch_s))

@@ -68,7 +68,8 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside))
+    room = None if run.budget_bytes is None else max(0, run.budget_bytes - process_memory.resident_bytes())
+    return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside, room))
 
 
 def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
@@ -91,6 +92,7 @@ class ScriptMeasurement:
     disk_beside: tier_steps.DiskBeside | None  # the disk timed beside the script's training
     memory: Memory  # the whole process's peaks by the end of the warm-up steps
     compiled: bool = False  # the model runs through torch.compile: its layers are not timed
+    budget_bytes: int | None = None  # the budget the profile keeps (--dram-budget or the memory cgroup's)
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -126,7 +128,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
                              layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
-                             compiled=session.compiled)
+                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None)
 
 
 class _Session:

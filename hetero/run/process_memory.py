@@ -17,6 +17,19 @@ class GpuPeak:
     reserved_bytes: int
 
 
+def resident_bytes() -> int:
+    """Resident memory of this process now (VmRSS); 0 where /proc cannot tell."""
+    return _status_kib("VmRSS:") * 1024
+
+
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(field)), 0)
+    except OSError:
+        return 0
+
+
 def dram_peak_bytes() -> int:
     """Peak resident memory of this process so far."""
     try:

@@ -14,3 +14,12 @@ def test_a_fresh_process_measures_the_returned_peak_and_step(tmp_path):
 def test_a_script_that_ends_before_the_timed_steps_gives_nothing(tmp_path):
     script = scripts.write(tmp_path, scripts.LOOP)
     assert returned.measure(script, ["--steps", "2"], warmup=1) is None
+
+
+def test_under_a_budget_the_bandwidth_copy_fits_the_room_left():
+    from hetero.profile.machine import copy_size
+
+    MiB = 2**20
+    assert copy_size(None) == 256 * MiB  # no budget: as before
+    assert copy_size(300 * MiB) == 75 * MiB  # two buffers in half the room
+    assert copy_size(10 * MiB) == 16 * MiB and copy_size(8 << 30) == 256 * MiB
