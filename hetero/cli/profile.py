@@ -45,9 +45,8 @@ def profile(
     --nproc-per-node, the links between its ranks). Without a GPU, 4 more steps time the disk with every layer's
     activations tiered to it, as `hetero run` would; a script that ends sooner gets the disk timed beside a GEMM
     loop instead."""
-    from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
-
     from hetero.cli.plan import _quantity
+    from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
                              dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"))

@@ -22,9 +22,9 @@ from hetero.profile import dha
 from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.timing import beside_compute, median_time, share
 from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, time_updates, update_job
+from hetero.run import process_memory
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.states import AxdimmHome, ChannelDriver
-from hetero.run import process_memory
 from hetero.schema.profile import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
 from hetero.units import measured
 
