@@ -15,17 +15,6 @@ from hetero.run.nvme_states import NvmeStaging, on_host, slot_numel
 from hetero.run.states import FP32, AxdimmHome, ChannelDriver, Driver, HostHome
 from hetero.schema.plan import NvmeOverflow, OptimizerPlan
 
-
-@dataclass(frozen=True, slots=True)
-class StateBytes:
-    """Where an optimizer's states are. 4 fp32 buffers per parameter live on the device (master, m, v, gradient);
-    3 in NVMe files (no gradient)."""
-
-    device: int
-    nvme: int
-    params: int  # parameters placed so far (0 before the first step)
-
-
 ALIGN = 64  # the emulated device aligns every allocation to this
 
 
