@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetero import __version__
+from hetero.cli.usage import quantity
 from hetero.errors import USAGE, HeteroError
 from hetero.plan.solve import PlanOptions
 from hetero.plan.solve import plan as solve
@@ -19,7 +20,7 @@ from hetero.schema import files
 from hetero.schema.plan import ActivationPrediction, Plan
 from hetero.schema.profile import Profile
 from hetero.schema.sources import written_profile_path
-from hetero.units import SIZE, TIME, Unit
+from hetero.units import SIZE, TIME
 
 
 def plan(
@@ -66,10 +67,10 @@ def plan(
                           exit_code=USAGE)
     source = written_profile_path(profile, output)
     options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, profile_path=source,
-                          reserve=reserve, gpu_memory_bytes=_quantity(SIZE, gpu_memory, "--gpu-memory"),
-                          dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"),
+                          reserve=reserve, gpu_memory_bytes=quantity(SIZE, gpu_memory, "--gpu-memory"),
+                          dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
-                          stay_time_s=_quantity(TIME, stay_time, "--stay-time"), previous=old)
+                          stay_time_s=quantity(TIME, stay_time, "--stay-time"), previous=old)
     result = solve(prof, options)
     header = (f"hetero plan of {profile} ({prof.model.script}), hetero {__version__}.",
               "Edit freely: `hetero check` validates it; entries marked `pinned: true` survive `hetero plan --from`.")
@@ -81,15 +82,6 @@ def plan(
         print(json.dumps(files.to_data(result), indent=2))
         return
     _summary(prof, result, output)
-
-
-def _quantity(unit: Unit, text: str | None, flag: str):
-    if text is None:
-        return None
-    try:
-        return unit.parse(text)
-    except ValueError as e:
-        raise HeteroError(f"{flag}: {e}", hint=f"write it like {flag} {unit.example()}", exit_code=USAGE) from None
 
 
 def _summary(profile: Profile, out: Plan, path: Path) -> None:

@@ -45,11 +45,11 @@ def profile(
     --nproc-per-node, the links between its ranks). Without a GPU, 4 more steps time the disk with every layer's
     activations tiered to it, as `hetero run` would; a script that ends sooner gets the disk timed beside a GEMM
     loop instead."""
-    from hetero.cli.plan import _quantity
+    from hetero.cli.usage import quantity
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
-                             dram_budget_bytes=_quantity(SIZE, dram_budget, "--dram-budget"))
+                             dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"))
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:

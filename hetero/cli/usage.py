@@ -1,4 +1,5 @@
-"""Help text as users read it: `SCRIPT [ARGS]...` in usage lines, no Python types beside argument names.
+"""The command line as users write and read it: quantities with units in options, and help text with
+`SCRIPT [ARGS]...` in usage lines and no Python types beside argument names.
 
 Typer marks required arguments `{SCRIPT}` and lists each argument with its Python type (`ARGS <list[str]>`); both
 mean nothing to a user. `Command` rewrites its help and usage text; `main` gives it to every subcommand.
@@ -9,6 +10,9 @@ from __future__ import annotations
 import re
 
 from typer.core import TyperCommand
+
+from hetero.errors import USAGE, HeteroError
+from hetero.units import Unit
 
 _REQUIRED = re.compile(r"\{([A-Z][A-Za-z0-9_.]*)\}")  # {SCRIPT} -> SCRIPT
 _OPTION_TYPE = re.compile(r"(--[a-z][a-z-]*) <(int|float|str|path)>")  # "--steps <int>" -> "--steps N"
@@ -29,3 +33,13 @@ class Command(TyperCommand):
 
     def get_help(self, ctx) -> str:
         return readable(super().get_help(ctx))
+
+
+def quantity(unit: Unit, text: str | None, flag: str):
+    """The value of option `flag` (`8GiB`, `1ms`) in `unit`'s base unit; None when not given."""
+    if text is None:
+        return None
+    try:
+        return unit.parse(text)
+    except ValueError as e:
+        raise HeteroError(f"{flag}: {e}", hint=f"write it like {flag} {unit.example()}", exit_code=USAGE) from None

@@ -23,6 +23,7 @@ from tests.cli.test_run_ddp import DDP_TRAIN
 from tests.cli.test_run_tiering import TRAIN, workdir  # noqa: F401  (workdir: a fixture)
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
+from tests.waits import until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,13 +40,9 @@ def start(workdir: Path, *args: str) -> subprocess.Popen:
     raise AssertionError(f"the script never got ready: {proc.stderr.read()}")
 
 
-def evicted(workdir: Path, limit_s: float = 60) -> bool:
-    """Whether evicted activations are in files, waiting for the writer up to `limit_s` (a bound for a loaded
-    machine, not a claim about its speed)."""
-    deadline = time.monotonic() + limit_s
-    while not any(name.endswith(".bin") for name in left(workdir)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return any(name.endswith(".bin") for name in left(workdir))
+def wait_evicted(workdir: Path) -> None:
+    """Until evicted activations are in files (the writer has run)."""
+    until(lambda: any(name.endswith(".bin") for name in left(workdir)))
 
 
 def left(workdir: Path) -> list[str]:
@@ -59,7 +56,7 @@ def left(workdir: Path) -> list[str]:
                                              (signal.SIGHUP, 129, "error: terminated by SIGHUP")])
 def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, code, said):
     proc = start(workdir, "run", scripts.write(workdir, TRAIN), "50", "wait")
-    assert evicted(workdir)
+    wait_evicted(workdir)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
@@ -71,7 +68,7 @@ def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, c
 def test_a_killed_runs_files_are_swept_by_the_next_run(workdir):
     script = scripts.write(workdir, TRAIN)
     proc = start(workdir, "run", script, "50", "wait")
-    assert evicted(workdir)
+    wait_evicted(workdir)
     proc.kill()
     proc.communicate(timeout=60)
     (stale,) = (workdir / "nvme").iterdir()
@@ -142,12 +139,8 @@ def start_ddp(workdir: Path) -> tuple[subprocess.Popen, list[int]]:
     return proc, workers
 
 
-def wait_gone(workers: list[int], limit_s: float = 60) -> bool:
-    # A bound on how long to wait for the mechanism, never a claim about its speed.
-    deadline = time.monotonic() + limit_s
-    while not all(map(gone, workers)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return all(map(gone, workers))
+def wait_gone(workers: list[int]) -> None:
+    until(lambda: all(map(gone, workers)))
 
 
 @pytest.mark.timeout(180)
@@ -157,7 +150,7 @@ def test_sigterm_to_hetero_stops_torchrun_and_every_worker(workdir):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
     assert err.rstrip().endswith("error: terminated by SIGTERM")
-    assert wait_gone(workers)
+    wait_gone(workers)
 
 
 @pytest.mark.timeout(180)
@@ -165,7 +158,7 @@ def test_workers_die_with_a_killed_hetero(workdir):
     proc, workers = start_ddp(workdir)
     proc.kill()
     proc.communicate(timeout=60)
-    assert wait_gone(workers)
+    wait_gone(workers)
 
 
 def test_a_second_signal_lets_the_cleanup_finish_and_a_third_forces_the_exit():

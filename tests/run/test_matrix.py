@@ -28,6 +28,7 @@ from torch.testing import assert_close
 
 from hetero.errors import STALE_PLAN
 from hetero.harness.script import StopScript
+from hetero.plan import fit
 from hetero.run.runtime import Runtime
 from hetero.schema.plan import Plan
 from tests.run.plans import optimizer_plan
@@ -71,7 +72,10 @@ def plan_for(cell: Cell, model: nn.Module, workdir: str, routed: bool) -> Plan:
     for section, value in (("activations", activations), ("routing", routing)):
         if value is None:
             omitted[section] = "test"
-    return replace(plan, activations=activations, routing=routing, omitted=omitted)
+    # Tiered cells also return freed memory, as plans under a DRAM budget do (plan.fit): malloc's settings must not
+    # change a bit of training, on one process or on every rank.
+    allocator = fit.allocator_plan("test") if cell.tiering else None
+    return replace(plan, activations=activations, routing=routing, omitted=omitted, allocator=allocator)
 
 
 def train(model: nn.Module, script: str, rank: int = 0) -> list[float]:
