@@ -189,10 +189,12 @@ def states(params: list[Param], placement: Placement) -> list[StatePlacement]:
             for p, t, c in zip(params, placement.tiers, placement.channels)]
 
 
-def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, rates: Rates) -> list[list[Update]]:
+def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, rates: Rates,
+            grads: bool = False) -> list[list[Update]]:
     """Each layer's updates for the simulator: a channel's lane for AXDIMM states (NVMe-staged ones take turns over
     the channels; the simulator runs them on the staging slots' channels), the compute lane when `rates.lanes` is
-    empty."""
+    empty. With `grads` an NVMe-held parameter's gradient is written there in backward and read back with its
+    states."""
     out: list[list[Update]] = [[] for _ in range(n_layers)]
     where = {s.param: s for s in placed}
     turn = 0
@@ -204,9 +206,10 @@ def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, ra
         update = Update(lane=lane, update_s=rates.launch_s + p.num_params / rates.adam_params_per_s)
         if s.tier == "nvme":
             turn += 1
-            size = p.num_params * NVME_BYTES_PER_PARAM
+            size, grad = p.num_params * NVME_BYTES_PER_PARAM, 4 * p.num_params if grads else 0
             update.nvme_bytes = state_bytes(p)
-            update.read_s, update.write_s = rates.nvme_read.time_s(size), rates.nvme_write.time_s(size)
+            update.read_s, update.write_s = rates.nvme_read.time_s(size + grad), rates.nvme_write.time_s(size)
+            update.grad_write_s = rates.nvme_write.time_s(grad) if grad else 0.0
         out[p.layer].append(update)
     return out
 

@@ -29,7 +29,8 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
             trigger[i], at[i] = index.get(e.prefetch_after) if e.prefetch_after else None, e.prefetch_at_s
     ps = axdimm.params(profile)
     rates = axdimm.rates(profile, opt.device) if opt else None
-    updates = axdimm.updates(ps, opt.states, n, rates) if opt else [[] for _ in range(n)]
+    updates = axdimm.updates(ps, opt.states, n, rates, grads=grads_on_nvme(profile, opt)) if opt else \
+        [[] for _ in range(n)]
     host = host_tier(profile)
     static = _static(profile, opt, ps, host)
     choices = Choices(
@@ -47,6 +48,12 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
 def host_tier(profile: Profile) -> str:
     """The name of the host-memory tier."""
     return next((t.name for t in profile.machine.tiers if t.kind == "dram"), profile.machine.tiers[0].name)
+
+
+def grads_on_nvme(profile: Profile, optimizer: OptimizerPlan | None) -> bool:
+    """The gradients of NVMe-held parameters wait on NVMe between backward and step (host-trained ones only)."""
+    return optimizer is not None and optimizer.nvme is not None and optimizer.nvme.grads and \
+        profile.machine.gpu is None
 
 
 def host_static_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
@@ -100,6 +107,8 @@ def _static(profile: Profile, opt: OptimizerPlan | None, ps: list[axdimm.Param],
     model = sum(x.params_bytes for x in profile.layers)
     out = {host: model + (model if not gpu or (opt and opt.device != "gpu") else 0)}
     tier_of = {s.param: s.tier for s in opt.states} if opt else {}
+    if grads_on_nvme(profile, opt):  # the gradients counted with the model above wait on NVMe instead
+        out[host] -= sum(4 * p.num_params for p in ps if tier_of.get(p.name) == "nvme")
     for p in ps:
         tier = tier_of.get(p.name)
         # without a GPU the host update reads the parameter's own `.grad` (counted with the model): no gradient buffer

@@ -5,6 +5,9 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
 - `allocator`: glibc returns the memory freed tensors leave (the plan's `allocator` section); the profile measures
   the peak and the step time that way, so its cost is measured page faults, not a guess;
 - `states`: every Adam state (and its fp32 master copy) on NVMe, staged through host memory inside `step()`;
+- `grads`: with `states`, each gradient joins its states on NVMe as soon as backward makes it final, and `step()`
+  reads it back with them (MemFerry's "a gradient leaves when it is final", with NVMe as the slow tier); only for one
+  process (a data-parallel all-reduce needs the gradients in memory);
 - `tiering`: saved activations evicted to the slow tier after each layer's forward (lowers the peak only where
   freed memory is returned, which the footprint counts).
 
@@ -22,7 +25,8 @@ from hetero.errors import USAGE, HeteroError
 from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
-LEVERS = ("allocator", "states", "tiering")  # in the order their effects are described
+LEVERS = ("allocator", "states", "grads", "tiering")  # in the order their effects are described
+NEEDS = {"grads": "states"}  # a lever that works only with another
 # The predicted peak must stay this far under the budget: measured peaks of planned runs came out up to 2% above
 # their predictions, and 1% apart from run to run (docs/benchmarks.md, "Training under a DRAM budget").
 HEADROOM = 0.03
@@ -53,6 +57,12 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
                          ctx.profile.training.optimizer == "other" else "the profile has no NVMe tier")
     else:
         out.append("states")
+    if "states" not in out:
+        why["grads"] = "the optimizer states cannot move to NVMe, and the gradients go with them"
+    elif ctx.ranks > 1:
+        why["grads"] = f"{ctx.ranks} ranks all-reduce their gradients in memory"
+    else:
+        out.append("grads")
     if ctx.slow is None or "layers" in ctx.profile.unmeasured:
         why["tiering"] = "no slower tier to evict saved activations to"
     else:
@@ -70,6 +80,8 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
     for k in range(len(levers) + 1):
         for combo in combinations(levers, k):
             chosen = frozenset(combo) | forced
+            if any(lever in chosen and NEEDS[lever] not in chosen for lever in NEEDS):
+                continue
             if chosen not in seen:
                 p = solve(chosen)
                 seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
@@ -112,7 +124,7 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
         return f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits, nothing moved"
     parts = []
     for lever in (x for x in LEVERS if x in best.levers):
-        without = seen.get(best.levers - {lever})
+        without = seen.get(best.levers - {lever} - {x for x, needed in NEEDS.items() if needed == lever})
         if without is None:
             parts.append(f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
                          "budget, so plain training's own peak is not known)")
@@ -126,6 +138,7 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
 
 
 _NAMES = {"allocator": "returning freed memory", "states": "optimizer states on NVMe",
+          "grads": "gradients on NVMe from backward to step (for a script that zeroes them each step)",
           "tiering": "evicting saved activations"}
 
 

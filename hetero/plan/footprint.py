@@ -51,7 +51,8 @@ def staging_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
         return 0
     gpu = profile.machine.gpu is not None
     piece = max(spilled) if gpu else min(max(spilled), NvmeOverflow.STAGING_PIECE_PARAMS)
-    return NvmeOverflow.STAGING_SLOTS * (4 if gpu else 3) * 4 * piece + \
+    buffers = 4 if gpu or optimizer.nvme.grads else 3  # master, m, v (and a gradient: a GPU's, or one from NVMe)
+    return NvmeOverflow.STAGING_SLOTS * buffers * 4 * piece + \
         NvmeOverflow.STORE_THREADS * NvmeOverflow.STORE_CHUNK_BYTES
 
 

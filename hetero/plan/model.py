@@ -217,6 +217,7 @@ class Update:
     nvme_bytes: int = 0  # states staged from NVMe for this update and written back after it
     read_s: float = 0.0
     write_s: float = 0.0
+    grad_write_s: float = 0.0  # its gradient written to NVMe as backward makes it final (the plan's nvme.grads)
 
 
 @dataclass(kw_only=True, slots=True)

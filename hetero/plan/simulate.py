@@ -184,6 +184,11 @@ def _backward(st: _State) -> float:
         st.bp_start[i], st.bp_end[i] = start, c
         if st.record:
             st.span("compute", "bp", i, start, c)
+        kept = sum(u.grad_write_s for u in ch.updates[i])
+        if kept:  # written by the training thread, in the parameter's post-accumulate-grad hook
+            start, c = c, st.compute(c, kept)
+            if st.record:
+                st.span("compute", "grad to nvme", i, start, c)
         st.free["compute"] = c
         st.ready[i] = _gradient_ready(st, i, c)
         if ch.overlap_backward:

@@ -110,7 +110,7 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
     if "states" in levers:
-        return _states_on_nvme(ctx)
+        return _states_on_nvme(ctx, grads="grads" in levers)
     if device is None:
         omitted["optimizer"] = "--optimizer-device none: the script's optimizer stays as the script built it"
         return None
@@ -139,20 +139,26 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
     return out
 
 
-def _states_on_nvme(ctx: Context) -> OptimizerPlan:
-    """Every state and master copy in NVMe files, staged through host memory inside step() (hetero.plan.fit)."""
+def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:
+    """Every state and master copy in NVMe files, staged through host memory inside step() (hetero.plan.fit); with
+    `grads`, the gradients wait there too from backward to step."""
     training, nvme = ctx.profile.training, ctx.nvme
     total = sum(axdimm.state_bytes(p) for p in ctx.params)
     out = OptimizerPlan(kind=training.optimizer, device="host", overlap_backward=False,
                         micro_batches=training.grad_accumulation,
-                        nvme=NvmeOverflow(path=nvme.path or nvme.name, size_bytes=total),
+                        nvme=NvmeOverflow(path=nvme.path or nvme.name, size_bytes=total, grads=grads),
                         states=[StatePlacement(param=p.name, tier="nvme") for p in ctx.params])
     staging = footprint.staging_bytes(ctx.profile, out)
+    kept = (f"each gradient ({SIZE.format_short(sum(4 * p.num_params for p in ctx.params))} in all) is written "
+            f"there too as backward makes it final and read back with its states, so host memory holds none "
+            f"between backward and step (`.grad` is None then; clipping brings them back first; the script must zero "
+            f"its gradients each step, as plain training of one step per backward does)" if grads else
+            "its gradients stay there until it frees them, as in plain training")
     why = (f"to keep the DRAM budget: every state and fp32 master copy ({SIZE.format_short(total)}) on {nvme.name}, "
            f"read, updated and written back inside step() through {SIZE.format_short(staging)} of host staging, "
            f"after backward (updates of NVMe-held states do not overlap it); the script's "
-           f"{footprint.ADAM_STATE_BYTES_PER_PARAM} B/param of Adam states leave host memory, its gradients stay "
-           f"there until it frees them, as in plain training; Adam at {axdimm.rate_text(ctx.rates('host'))}")
+           f"{footprint.ADAM_STATE_BYTES_PER_PARAM} B/param of Adam states leave host memory; {kept}; Adam at "
+           f"{axdimm.rate_text(ctx.rates('host'))}")
     return replace(out, why=why)
 
 

@@ -85,7 +85,7 @@ class Homes:
         channels = self.plan.channels or 1
         slots = [make(NvmeOverflow.staging_channel(s, channels) if self.device else None, like)
                  for s in range(NvmeOverflow.STAGING_SLOTS)]
-        self.staging = NvmeStaging(self.store, slots, n)
+        self.staging = NvmeStaging(self.store, slots, n, grads=self.plan.nvme.grads)
         for name, p in spilled:
             self.staging.add(name, p)
 

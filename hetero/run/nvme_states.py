@@ -10,6 +10,12 @@ A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.
 (Adam is elementwise, so a piece's update is the same arithmetic as the whole tensor's), so the slots cost the same
 few MiB of host memory whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's
 parameter is staged whole: its gradient comes down in one copy.
+
+With the plan's `nvme.grads`, a host-trained parameter's gradient joins its states in the store as soon as it is
+final (`keep_grad`, from the optimizer's post-accumulate-grad hook), so host memory holds no gradient between
+backward and step; `update_all` reads each piece's gradient with its states, into a fourth buffer of the slot. A
+later micro-batch's gradient is added to the kept one as AccumulateGrad would add it (float addition commutes, so
+the sum is bit-equal).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from hetero.kernels.adam import Hyperparameters
 from hetero.run.states import flat
 from hetero.schema.plan import NvmeOverflow
 
-Job = tuple[str, torch.Tensor, torch.Tensor, Hyperparameters, int]  # key, param, grad, hyperparameters, step
+Job = tuple[str, torch.Tensor, torch.Tensor | None, Hyperparameters, int]  # key, param, grad (None: kept), hp, step
 
 
 def pieces(numel: int, on_cpu: bool) -> list[tuple[int, int]]:
@@ -44,17 +50,44 @@ class NvmeStaging:
     """States of the parameters `add`ed, in files of `store`, updated through `slots` (two homes of `slot_numel`
     elements: AxdimmHome or HostHome)."""
 
-    def __init__(self, store, slots: list, numel: int):
+    def __init__(self, store, slots: list, numel: int, grads: bool = False):
         self.store = store
         self.slots = slots
         # the host side of each slot: the home's own buffers where it has them (no copy), else a bounce buffer
         self.bounce = [tuple(home.host_buffers() or [torch.empty(numel) for _ in range(3)]) for home in slots]
+        self.grad_bounce = [torch.empty(numel) for _ in slots] if grads else []
         self.writes: list[list] = [[] for _ in slots]
         self.spans: dict[str, list[tuple[int, int]]] = {}
+        self.kept: set[str] = set()  # keys whose gradient waits in the store for the next step
 
     def host_bytes(self) -> int:
         """Host memory the slots hold (a host home's buffers, or the bounce buffers beside a channel's)."""
-        return sum(b.nbytes for bounce in self.bounce for b in bounce)
+        return sum(b.nbytes for bounce in self.bounce for b in bounce) + sum(b.nbytes for b in self.grad_bounce)
+
+    def keep_grad(self, key: str, grad: torch.Tensor) -> None:
+        """Write `grad` (the parameter's whole gradient, host memory) to the store, added to the one kept since the
+        last step if any. The caller then drops its own reference."""
+        data, accumulate = flat(grad), key in self.kept
+        for k, (a, b) in enumerate(self.spans[key]):
+            piece = data[a:b]
+            if accumulate:
+                kept = self.grad_bounce[0][:b - a]
+                self.store.read(f"{key}.{k}.g", kept)
+                piece = kept.add_(piece)
+            self.store.write(f"{key}.{k}.g", piece)
+        self.kept.add(key)
+
+    def take_grad(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The kept gradient of `key`, read back into a new tensor shaped as `like`; it is no longer kept."""
+        out = torch.empty(like.numel())
+        for k, (a, b) in enumerate(self.spans[key]):
+            self.store.read(f"{key}.{k}.g", out[a:b])
+        self.kept.discard(key)
+        return out.view_as(like)
+
+    def drop_grads(self) -> None:
+        """Forget every kept gradient (the script set its gradients to None)."""
+        self.kept.clear()
 
     def add(self, key: str, param: torch.Tensor) -> None:
         self.spans[key] = pieces(param.numel(), on_host(param))
@@ -66,9 +99,11 @@ class NvmeStaging:
 
     def update_all(self, jobs: list[Job]) -> None:
         """jobs in update order; params change here, as step() runs. Each job's pieces go through the slots in
-        turn, the next piece's read overlapping the current piece's update."""
+        turn, the next piece's read overlapping the current piece's update. A job whose gradient is None updates
+        from the kept one."""
         staged = [(f"{key}.{k}", flat(p.data)[a:b] if b - a < p.numel() else p, _piece(g, a, b, p), hp, step)
                   for key, p, g, hp, step in jobs for k, (a, b) in enumerate(self.spans[key])]
+        self.kept -= {key for key, _, g, _, _ in jobs if g is None}
         reads = {0: self._read(0, staged[0])} if staged else {}
         for j, (key, param, grad, hp, step) in enumerate(staged):
             if j + 1 < len(staged):
@@ -83,10 +118,12 @@ class NvmeStaging:
         key, param = job[0], job[1]
         self._wait_writes(slot)  # the slot's previous piece has left
         n = param.numel()
-        return [self.store.read_async(f"{key}.{part}", buf[:n]) for part, buf in zip("pmv", self.bounce[slot])]
+        grad = [] if job[2] is not None else [self.store.read_async(f"{key}.g", self.grad_bounce[slot][:n])]
+        return [self.store.read_async(f"{key}.{part}", buf[:n]) for part, buf in zip("pmv", self.bounce[slot])] + grad
 
     def _update(self, slot: int, key: str, param, grad, hp: Hyperparameters, step: int) -> None:
         home, n = self.slots[slot], param.numel()
+        grad = self.grad_bounce[slot][:n] if grad is None else grad
         ready = home.source.ready(grad)  # here: the driver thread's current stream is not the compute stream
         master, exp_avg, exp_avg_sq = (b[:n] for b in self.bounce[slot])
 
@@ -121,5 +158,5 @@ class NvmeStaging:
                 self.store.write(f"{key}.{k}.{part}", data.reshape(-1)[a:b].contiguous().clone())
 
 
-def _piece(grad: torch.Tensor, a: int, b: int, param: torch.Tensor) -> torch.Tensor:
-    return grad if b - a == param.numel() else flat(grad)[a:b]
+def _piece(grad: torch.Tensor | None, a: int, b: int, param: torch.Tensor) -> torch.Tensor | None:
+    return grad if grad is None or b - a == param.numel() else flat(grad)[a:b]

@@ -7,6 +7,13 @@ With `overlap_backward`, each parameter's update is launched as soon as its grad
 from its post-accumulate-grad hook on the last micro-batch of the step, or, for a parameter of a DDP model, when
 DDP's bucket holding it has been all-reduced (`DdpSync`), from the averaged gradient. Updates thus run while
 backward continues; the parameters themselves change only in `step()`, as with torch.
+
+With the plan's `nvme.grads`, the same hook sends each NVMe-held parameter's gradient to the store once it is final
+and sets `.grad` to None (hetero.run.nvme_states); `step()` reads it back with the states. What could read
+`.grad` in between is made to find it: torch's gradient clipping brings the kept gradients back first, and
+`zero_grad` (the optimizer's or a module's) forgets them. A script that keeps gradients across steps without zeroing
+them, or reads `.grad` itself between backward and step, is not trained the same way: such a plan is for scripts
+that zero their gradients each step (the plan says so).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.homes import Homes, ParamState
+from hetero.run.nvme_states import on_host
 from hetero.run.states import FP32
 from hetero.schema.plan import OptimizerPlan
 from hetero.units import SIZE
@@ -44,6 +52,7 @@ class Offloaded:
     overlap = False
     on_first_use = None  # callable(optimizer): the runtime binds parameter names before the first update
     synced = None  # callable(param) -> bool: DDP averages its gradient, and `bucket_synced` launches its update
+    keep_grads = False  # the plan's nvme.grads
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,7 +69,7 @@ class Offloaded:
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad and self.overlap:
+                if p.requires_grad and (self.overlap or self.keep_grads):
                     p.register_post_accumulate_grad_hook(self._grad_final)
 
     def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
@@ -102,8 +111,39 @@ class Offloaded:
             return
         slot = self._params[p]
         slot.grads_seen += 1
-        if slot.grads_seen == self.micro_batches and slot.home is not None and not type(self).synced(p):
+        if slot.home is None and self.keep_grads and on_host(p):
+            self._keep(p, slot)
+        elif slot.grads_seen == self.micro_batches and slot.home is not None and not type(self).synced(p):
             self._launch(p, slot, p.grad)
+
+    def _keep(self, p: torch.nn.Parameter, slot: ParamState) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            raise StopScript(HeteroError(
+                "the plan keeps gradients on NVMe (optimizer.nvme.grads), but this script trains on several ranks, "
+                "whose gradient all-reduce needs them in memory", hint="set `grads: false` under optimizer.nvme, or "
+                "plan again from a profile of this run", exit_code=STALE_PLAN))
+        self._homes.staging.keep_grad(slot.name, p.grad)
+        p.grad = None
+
+    def bring_back_grads(self) -> None:
+        """Every kept gradient back in `.grad`, as plain training would have it now."""
+        if self._homes is None or self._homes.staging is None:
+            return
+        for p, slot in self._params.items():
+            if slot.name in self._homes.staging.kept:
+                p.grad = self._homes.staging.take_grad(slot.name, p)
+
+    def forget_grads(self, params: set[torch.nn.Parameter] | None = None) -> None:
+        """Drop the kept gradients of `params` (all: None): the script set those gradients to None or zero."""
+        if self._homes is None or self._homes.staging is None:
+            return
+        kept = self._homes.staging.kept
+        kept -= {slot.name for p, slot in self._params.items() if params is None or p in params}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.forget_grads()
 
     def bucket_synced(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
         """DDP averaged these gradients: launch the updates of those whose last micro-batch this was. The
@@ -137,8 +177,9 @@ class Offloaded:
                 loss = closure()
         self._check_micro_batches()
         spilled = []
+        kept = self._kept()
         for p, slot in self._params.items():
-            if p.grad is None or slot.launched:
+            if (p.grad is None and slot.name not in kept) or slot.launched:
                 continue
             if slot.home is None:
                 slot.step += 1
@@ -157,13 +198,18 @@ class Offloaded:
     def _check_micro_batches(self) -> None:
         if not self.overlap:
             return
-        seen = {slot.grads_seen for p, slot in self._params.items() if p.grad is not None}
+        kept = self._kept()
+        seen = {slot.grads_seen for p, slot in self._params.items() if p.grad is not None or slot.name in kept}
         if seen - {self.micro_batches}:
             raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
                 f"the plan overlaps updates with the backward of micro-batch {self.micro_batches} of each step, but "
                 f"this step had {max(seen)} backward pass(es)",
                 hint="profile and plan again (the script's gradient accumulation changed), or pass --allow-stale "
                      "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN))
+
+    def _kept(self) -> set[str]:
+        staging = self._homes.staging if self._homes is not None else None
+        return set(staging.kept) if staging is not None else set()
 
     def state_dict(self) -> dict:
         """torch's Adam state_dict, read back from wherever the states live."""
@@ -244,16 +290,37 @@ class OptimizerOffload:
 
         settings = {"homes_for": staticmethod(lambda: Homes(self.plan)), "overlap": self.plan.overlap_backward,
                     "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use),
-                    "synced": staticmethod(self.ddp.synced)}
+                    "synced": staticmethod(self.ddp.synced), "keep_grads": self._keeps_grads()}
         if self.plan.overlap_backward:
             self.ddp.listen(self)
         for name, base in _TORCH.items():
             cls = type(name, (Offloaded, base), dict(settings, __module__=__name__, __qualname__=name))
             patches.set(torch.optim, name, type(name, (cls,), {"__init__": track(cls), "__module__": __name__}))
-        if self.plan.overlap_backward:
-            for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-                for name in ("clip_grad_norm_", "clip_grad_value_"):
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in ("clip_grad_norm_", "clip_grad_value_"):
+                if self.plan.overlap_backward:
                     patches.set(owner, name, _refuse_clipping)
+                elif self._keeps_grads():
+                    patches.set(owner, name, self._bringing_back(getattr(owner, name)))
+        if self._keeps_grads():
+            zero_grad = torch.nn.Module.zero_grad
+
+            def module_zero_grad(module, set_to_none: bool = True) -> None:
+                zero_grad(module, set_to_none)
+                for opt in created:
+                    opt.forget_grads(set(module.parameters()))
+            patches.set(torch.nn.Module, "zero_grad", module_zero_grad)
+
+    def _keeps_grads(self) -> bool:
+        return self.plan.nvme is not None and self.plan.nvme.grads
+
+    def _bringing_back(self, clip):
+        """torch's clip, after every kept gradient is back in `.grad` (clipping reads and scales them all)."""
+        def clip_with_grads(*args, **kwargs):
+            for opt in self.optimizers:
+                opt.bring_back_grads()
+            return clip(*args, **kwargs)
+        return clip_with_grads
 
     def bucket_synced(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
         for opt in self.optimizers:

@@ -87,6 +87,10 @@ class NvmeOverflow:
 
     path: str = doc("Directory for the state files (created 0600, removed at exit).")
     size_bytes: int = doc("Bytes of states placed there.", unit=SIZE)
+    grads: bool = doc("The gradients of the parameters trained in host memory whose states are here wait here too, "
+                      "from the moment each is final until `step()` reads it with the states: host memory holds "
+                      "none between backward and step, and `.grad` is None meanwhile (a clip brings them back "
+                      "first).", default=False)
 
     def problems(self) -> list[tuple[str, str]]:
         return [("path", "empty path (give a directory)")] if not self.path.strip() else []

@@ -114,3 +114,17 @@ def test_returning_memory_costs_what_the_fresh_runs_measured_beside_each_other(c
     assert fit.allocator_cost_s(cpu) == pytest.approx(0.05 * cpu.training.iteration_s)
     cpu.memory.default_step_s = None  # older profiles: against the profile's own iteration
     assert fit.allocator_cost_s(cpu) == pytest.approx(0.25 * cpu.training.iteration_s)
+
+
+def test_gradients_follow_the_states_to_nvme_when_only_both_fit(cpu):
+    cpu.memory.dram_peak_returned_bytes = None
+    grads = 4 * sum(x.num_params for x in cpu.layers)
+    staging = STAGING + 2 * 4 * 2**18  # each slot also reads a gradient piece back
+    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - own_states(cpu) - grads + staging)))
+    assert p.optimizer.nvme.grads and {s.tier for s in p.optimizer.states} == {"nvme"}
+    assert peak(p) == PLAIN - own_states(cpu) - grads + staging
+    assert "gradients on NVMe from backward to step" in p.budget.why
+    states_only = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - own_states(cpu) + STAGING)))
+    assert not states_only.optimizer.nvme.grads  # the faster lever where it is enough
+    # the gradients' trip to NVMe and back is in the prediction
+    assert p.predicted.iteration_s > states_only.predicted.iteration_s

@@ -8,7 +8,7 @@ from hetero.schema.plan import Budget, NvmeOverflow, OptimizerPlan, Plan, Predic
 
 def optimizer_plan(model: nn.Module, *, device: str = "axdimm", channels: int = 2, overlap: bool = True,
                    micro_batches: int = 1, nvme: tuple[str, ...] = (), nvme_path: str = "/tmp",
-                   kind: str = "adamw") -> Plan:
+                   kind: str = "adamw", grads: bool = False) -> Plan:
     """Every parameter round-robin over the channels (or on the host); the ones named in `nvme` on NVMe."""
     states = []
     for i, (name, _) in enumerate(model.named_parameters()):
@@ -21,7 +21,7 @@ def optimizer_plan(model: nn.Module, *, device: str = "axdimm", channels: int = 
     opt = OptimizerPlan(kind=kind, device=device, backend="emulated" if device == "axdimm" else None,
                         channels=channels if device == "axdimm" else None, overlap_backward=overlap,
                         micro_batches=micro_batches, states=states,
-                        nvme=NvmeOverflow(path=nvme_path, size_bytes=0) if nvme else None)
+                        nvme=NvmeOverflow(path=nvme_path, size_bytes=0, grads=grads) if nvme else None)
     return Plan(source=Source(profile="profile.yaml", profile_sha256="0" * 64, model_fingerprint=fingerprint(model)),
                 budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None, reserve=1.0), layers=[], optimizer=opt,
                 activations=None, routing=None, predicted=Predicted(iteration_s=0.0, peak_bytes={}),
