@@ -151,8 +151,8 @@ def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:
     staging = footprint.staging_bytes(ctx.profile, out)
     kept = (f"each gradient ({SIZE.format_short(sum(4 * p.num_params for p in ctx.params))} in all) is written "
             f"there too as backward makes it final and read back with its states, so host memory holds none "
-            f"between backward and step (`.grad` is None then; clipping brings them back first; the script must zero "
-            f"its gradients each step, as plain training of one step per backward does)" if grads else
+            f"between backward and step (`.grad` is None then, and clipping brings them back first; this assumes the "
+            f"script zeroes its gradients every step)" if grads else
             "its gradients stay there until it frees them, as in plain training")
     why = (f"to keep the DRAM budget: every state and fp32 master copy ({SIZE.format_short(total)}) on {nvme.name}, "
            f"read, updated and written back inside step() through {SIZE.format_short(staging)} of host staging, "

@@ -26,11 +26,12 @@ from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProf
 from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, returned, tier_steps
+from hetero.profile.conservative import Conservative
 from hetero.run import process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
 from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Training
-from hetero.units import measured
+from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -105,6 +106,9 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     session.budgeted = returned.Budgeted(budget) if budget is not None else None
     try:
         with session.capture, _watch_clipping() as clips:
+            if budget is not None:
+                session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir())
+                session.conservative.install(session.capture.resolve)
             result = run_script(script, args)
     finally:
         disk_beside = session.close()
@@ -146,6 +150,7 @@ class _Session:
         self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
         self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
+        self.conservative: Conservative | None = None  # under a budget: the optimizer, moved if plain won't fit
         self.others: capture.OtherOptimizers | None = None
         self.capture: Capture | None = None
         self.compiled = False  # the script calls the model through torch.compile
@@ -154,6 +159,8 @@ class _Session:
         self._start = self._previous_end = None
 
     def found(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.conservative is not None:
+            self.conservative.bind(model)
         self.model, self.optimizer = model, optimizer
         self.device = next(model.parameters()).device
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
@@ -190,7 +197,7 @@ class _Session:
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
         if self.steps_done == warmup:
-            self.memory = _memory(self.device, self.budgeted)  # the warm-up steps ran untouched: plain's own peaks
+            self.memory = _memory(self.device, self.budgeted, self.conservative)  # the warm-up steps ran untouched: plain's own peaks
             self.profiler.attach()
         elif self.steps_done == total:
             self.profiler.detach()
@@ -214,6 +221,8 @@ class _Session:
 
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
+        if self.conservative is not None:
+            self.conservative.close()
         if self.budgeted is not None:
             self.budgeted.close()
         if self.others is not None:
@@ -244,14 +253,18 @@ class _Session:
         )
 
 
-def _memory(device: torch.device, budgeted: returned.Budgeted | None) -> Memory:
+def _memory(device: torch.device, budgeted: returned.Budgeted | None, conservative: Conservative | None) -> Memory:
     gpu = process_memory.gpu_peak(device)
-    peak = process_memory.dram_peak_bytes()
-    estimated = budgeted is not None and budgeted.applied
+    measured_peak = process_memory.dram_peak_bytes()
+    moved = conservative is not None and conservative.moved_params > 0
+    peak = conservative.plain_estimate(measured_peak) if moved else measured_peak
+    estimated = (budgeted is not None and budgeted.applied) or moved
+    under = budgeted.profiled_under if budgeted is not None else None
+    if moved:
+        under = f"{conservative.described()}; {under}; the peak measured that way: {SIZE.format_short(measured_peak)}"
     return Memory(dram_peak_bytes=peak, gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
                   gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None, dram_peak_estimated=estimated,
-                  dram_peak_returned_bytes=peak if estimated else None,
-                  profiled_under=budgeted.profiled_under if budgeted is not None else None)
+                  dram_peak_returned_bytes=peak if estimated else None, profiled_under=under)
 
 
 def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:
@@ -262,7 +275,9 @@ def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str)
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    return {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optimizer), "other")
+    """Of the torch class the script built (hetero's profile may have stood in for it, see Conservative)."""
+    built = getattr(optimizer, "replaces", None) or type(optimizer)
+    return {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(built, "other")
 
 
 @contextlib.contextmanager

@@ -53,20 +53,25 @@ class Offloaded:
     on_first_use = None  # callable(optimizer): the runtime binds parameter names before the first update
     synced = None  # callable(param) -> bool: DDP averages its gradient, and `bucket_synced` launches its update
     keep_grads = False  # the plan's nvme.grads
+    replaces = None  # the torch class this one stands in for
+    strict = True  # False (the profile's): an optimizer hetero's Adam cannot replace stays torch's, unrefused
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for group in self.param_groups:
-            try:  # amsgrad and bad constants fail here, not mid-training
-                Hyperparameters.from_param_group(group)
-            except HeteroError as e:
-                raise HeteroError(f"{e.message}, but the plan offloads the script's {type(self).__name__}",
-                                  hint="plan again from a profile of this script: hetero plan leaves such an "
-                                       "optimizer to the script", exit_code=UNSUPPORTED_SCRIPT) from None
         self._params: dict[torch.nn.Parameter, ParamState] = {}
         self._homes: Homes | None = None
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
+        for group in self.param_groups:
+            try:  # amsgrad and bad constants fail here, not mid-training
+                Hyperparameters.from_param_group(group)
+            except HeteroError as e:
+                if not self.strict:
+                    self._own = True
+                    continue
+                raise HeteroError(f"{e.message}, but the plan offloads the script's {type(self).__name__}",
+                                  hint="plan again from a profile of this script: hetero plan leaves such an "
+                                       "optimizer to the script", exit_code=UNSUPPORTED_SCRIPT) from None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and (self.overlap or self.keep_grads):
@@ -265,8 +270,8 @@ _TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # before any ru
 class OptimizerOffload:
     """The plan's `optimizer` section: the script's Adam/AdamW become offloaded ones for the run."""
 
-    def __init__(self, plan: OptimizerPlan, ddp: DdpSync):
-        self.plan, self.ddp = plan, ddp
+    def __init__(self, plan: OptimizerPlan, ddp: DdpSync, strict: bool = True):
+        self.plan, self.ddp, self.strict = plan, ddp, strict
         self.optimizers: list[Offloaded] = []
         self.names: dict[torch.nn.Parameter, str] | None = None
 
@@ -290,11 +295,12 @@ class OptimizerOffload:
 
         settings = {"homes_for": staticmethod(lambda: Homes(self.plan)), "overlap": self.plan.overlap_backward,
                     "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use),
-                    "synced": staticmethod(self.ddp.synced), "keep_grads": self._keeps_grads()}
+                    "synced": staticmethod(self.ddp.synced), "keep_grads": self._keeps_grads(),
+                    "strict": self.strict}
         if self.plan.overlap_backward:
             self.ddp.listen(self)
         for name, base in _TORCH.items():
-            cls = type(name, (Offloaded, base), dict(settings, __module__=__name__, __qualname__=name))
+            cls = type(name, (Offloaded, base), dict(settings, replaces=base, __module__=__name__, __qualname__=name))
             patches.set(torch.optim, name, type(name, (cls,), {"__init__": track(cls), "__module__": __name__}))
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             for name in ("clip_grad_norm_", "clip_grad_value_"):
@@ -328,6 +334,12 @@ class OptimizerOffload:
 
     def bind(self, model: torch.nn.Module) -> None:
         self.names = {p: name for name, p in model.named_parameters()}
+        for opt in self.optimizers:
+            opt.bind(self.names)
+
+    def leave_to_torch(self) -> None:
+        """Every optimizer, made or still to be made, stays torch's own (no parameter is the plan's)."""
+        self.names = {}
         for opt in self.optimizers:
             opt.bind(self.names)
 
