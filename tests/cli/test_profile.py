@@ -6,9 +6,11 @@ import os
 import pytest
 
 from hetero.cli.main import main
+from hetero.profile import conservative
 from hetero.run import process_memory
 from hetero.schema import files
 from hetero.schema.profile import Profile
+from hetero.units import SIZE
 from tests.conftest import REPO
 from tests.profile import scripts
 
@@ -103,3 +105,19 @@ def test_a_disk_directory_that_cannot_be_used_is_refused_before_the_script_runs(
     out, err = capfd.readouterr()
     assert "the script ran" not in out and err.startswith("error: --nvme: ") and "Traceback" not in err
     assert sorted(os.listdir(tmp_path)) == ["file", "train.py"]
+
+
+def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path):
+    out = tmp_path / "profile.yaml"
+    assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
+                 "64MiB", "-o", str(out), *SMALL_GPT]) == 0
+    profile = files.load(out, expect=Profile)
+    memory, n = profile.memory, profile.model.num_params
+    assert profile.training.optimizer == "adamw"  # the script's, though hetero's stood in for it while profiling
+    assert memory.dram_peak_estimated and memory.dram_peak_returned_bytes == memory.dram_peak_bytes
+    assert memory.profiled_under.startswith("Adam states, fp32 master copies and gradients of ")
+    measured = SIZE.parse(memory.profiled_under.rsplit("the peak measured that way: ", 1)[1])
+    # plain's estimate: the measured peak, less the staging the moved optimizer held, plus plain's 12 B/param
+    held = memory.dram_peak_bytes - measured - conservative.PLAIN_BYTES_PER_PARAM * n
+    assert -20 * 2**20 < held < 0
+    assert not (tmp_path / "disk").exists() or not list((tmp_path / "disk").rglob("*.bin"))
