@@ -257,7 +257,9 @@ class Memory:
                                               "a GPU.", unit=SIZE, ge=0, default=None)
     dram_peak_estimated: bool = doc("`dram_peak` was not measured: the profile ran under a budget with freed memory "
                                     "returned from the start (plain training might not have fit), and `dram_peak` "
-                                    "is then the peak measured that way, a lower bound of plain's.", default=False)
+                                    "is the peak measured that way (a lower bound of plain's), plus, where the "
+                                    "profile also kept Adam's states and the gradients on NVMe (`profiled_under` "
+                                    "says so), the 12 B/param plain training holds there instead.", default=False)
     dram_peak_returned_bytes: int | None = doc("Peak resident memory of the script run in a fresh process with glibc "
                                                "returning freed memory to the kernel (the plan's `allocator`); null: "
                                                "not measured.",
