@@ -357,7 +357,8 @@ class OptimizerOffload:
             return []
         where = f"emulated AXDIMM ({self.plan.channels} channels)" if self.plan.device == "axdimm" else self.plan.device
         device, nvme = placed.device, placed.nvme
-        return [f"optimizer states: {SIZE.format_short(device)} on {where}, {SIZE.format_short(nvme)} on NVMe; "
+        grads = ", with the gradients from backward to step" if self._keeps_grads() else ""
+        return [f"optimizer states: {SIZE.format_short(device)} on {where}, {SIZE.format_short(nvme)} on NVMe{grads}; "
                 f"updates {'overlapped with' if self.plan.overlap_backward else 'after'} backward, in torch's fused "
                 "AdamW arithmetic (bit-equal to fused=True; ~1 ULP per step from torch's default on CPU)"]
 
