@@ -8,7 +8,8 @@ step's temporaries (`STEP_SLACK_BYTES_PER_PARAM`). If that stays under the budge
 the optimizer stays torch's and the profile measures plain training. Otherwise every Adam state, fp32 master copy
 and gradient waits on NVMe as the plan's `states` and `grads` levers place them (hetero.plan.fit), and the profile
 measures training that way: it says so, and writes plain training's peak as an estimate, the measured one plus what
-plain would hold instead (`plain_estimate`).
+plain would hold instead (`plain_estimate`), and plain's optimizer step as timed at the host Adam rate the machine
+phase measures (hetero.profile.profiler). Its layers' backward times include writing their gradients to NVMe.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Conservative:
         self.offload = OptimizerOffload(plan, DdpSync(), strict=False)
         self.patches = Patches()
         self.moved_params = 0
+        self.moved_tensors = 0
         self.held_at_bind = 0
 
     def install(self, need_model) -> None:
@@ -60,7 +62,7 @@ class Conservative:
             return
         self.offload.plan = replace(self.offload.plan, states=[StatePlacement(param=name, tier="nvme")
                                                                for name, _ in named])
-        self.moved_params = n
+        self.moved_params, self.moved_tensors = n, len(named)
         self.offload.bind(model)
 
     def held_bytes(self) -> int:

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,7 +76,10 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
 def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
     """The profile of a measured script on a measured machine; what is not measured says why in `unmeasured`."""
     unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers)
-    return Profile(model=run.model, training=run.training, layers=run.layers, machine=measured_machine,
+    training = run.training
+    if run.moved_tensors and measured_machine.cpu.adam_params_per_s:
+        training = _plain_step(training, run.moved_tensors, run.model.num_params, measured_machine)
+    return Profile(model=run.model, training=training, layers=run.layers, machine=measured_machine,
                    memory=run.memory, unmeasured=unmeasured | ({"layers": COMPILED} if run.compiled else {}))
 
 
@@ -94,6 +97,7 @@ class ScriptMeasurement:
     memory: Memory  # the whole process's peaks by the end of the warm-up steps
     compiled: bool = False  # the model runs through torch.compile: its layers are not timed
     budget_bytes: int | None = None  # the budget the profile keeps (--dram-budget or the memory cgroup's)
+    moved_tensors: int = 0  # parameters whose optimizer the profile kept on NVMe (Conservative): step not plain's
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -132,7 +136,8 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
                              layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
-                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None)
+                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
+                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0)
 
 
 class _Session:
@@ -265,6 +270,15 @@ def _memory(device: torch.device, budgeted: returned.Budgeted | None, conservati
     return Memory(dram_peak_bytes=peak, gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
                   gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None, dram_peak_estimated=estimated,
                   dram_peak_returned_bytes=peak if estimated else None, profiled_under=under)
+
+
+def _plain_step(training: Training, tensors: int, params: int, measured_machine: Machine) -> Training:
+    """The profile's steps updated states on NVMe (Conservative): plain training's step is timed instead at the host
+    Adam rate the machine phase measured, and the iteration by as much less."""
+    cpu = measured_machine.cpu
+    step = tensors * (cpu.adam_launch_s or 0.0) + params / cpu.adam_params_per_s
+    return replace(training, optimizer_step_s=measured(step),
+                   iteration_s=measured(max(step, training.iteration_s - training.optimizer_step_s + step)))
 
 
 def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:

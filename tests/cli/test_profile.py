@@ -121,3 +121,7 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     held = memory.dram_peak_bytes - measured - conservative.PLAIN_BYTES_PER_PARAM * n
     assert -20 * 2**20 < held < 0
     assert not (tmp_path / "disk").exists() or not list((tmp_path / "disk").rglob("*.bin"))
+    # its steps updated states on NVMe: plain's step is timed at the host Adam rate the machine phase measured
+    cpu, step = profile.machine.cpu, profile.training.optimizer_step_s
+    tensors = (step - n / cpu.adam_params_per_s) / cpu.adam_launch_s if cpu.adam_launch_s else 0
+    assert step < profile.training.iteration_s and 0 <= round(tensors) <= 100 and abs(tensors - round(tensors)) < 1e-2
