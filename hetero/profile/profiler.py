@@ -113,7 +113,11 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             if budget is not None:
                 session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir())
                 session.conservative.install(session.capture.resolve)
-            result = run_script(script, args)
+            try:
+                result = run_script(script, args)
+            finally:  # before the clipping watch is undone: the optimizer's patches wrap it
+                if session.conservative is not None:
+                    session.conservative.close()
     finally:
         disk_beside = session.close()
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
@@ -226,8 +230,6 @@ class _Session:
 
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
-        if self.conservative is not None:
-            self.conservative.close()
         if self.budgeted is not None:
             self.budgeted.close()
         if self.others is not None:

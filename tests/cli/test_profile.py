@@ -4,6 +4,8 @@ import json
 import os
 
 import pytest
+import torch
+from torch.nn.utils import clip_grad
 
 from hetero.cli.main import main
 from hetero.profile import conservative
@@ -14,6 +16,7 @@ from hetero.units import SIZE
 from tests.conftest import REPO
 from tests.profile import scripts
 
+ADAMW, CLIP = torch.optim.AdamW, clip_grad.clip_grad_norm_
 SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--n-layer", "2", "--n-embd", "64", "--vocab", "256",
              "--seq-len", "32", "--steps", "50"]
 
@@ -125,3 +128,4 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     cpu, step = profile.machine.cpu, profile.training.optimizer_step_s
     tensors = (step - n / cpu.adam_params_per_s) / cpu.adam_launch_s if cpu.adam_launch_s else 0
     assert step < profile.training.iteration_s and 0 <= round(tensors) <= 100 and abs(tensors - round(tensors)) < 1e-2
+    assert torch.nn.utils.clip_grad_norm_ is CLIP and clip_grad.clip_grad_norm_ is CLIP and torch.optim.AdamW is ADAMW  # restored
