@@ -124,13 +124,15 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
         return f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits, nothing moved"
     parts = []
     for lever in (x for x in LEVERS if x in best.levers):
-        without = seen.get(best.levers - {lever} - {x for x, needed in NEEDS.items() if needed == lever})
+        # a lever's saving is counted without the levers that need it (they have their own line)
+        dependents = {x for x, needed in NEEDS.items() if needed == lever}
+        with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
         if without is None:
             parts.append(f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
                          "budget, so plain training's own peak is not known)")
             continue
-        parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - best.peak_bytes)} for "
-                     f"{short_time(best.iteration_s - without.iteration_s)} per iteration")
+        parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - with_it.peak_bytes)} for "
+                     f"{short_time(with_it.iteration_s - without.iteration_s)} per iteration")
     plain = "" if forced else f"plain training's peak {SIZE.format_short(seen[frozenset()].peak_bytes)} exceeds it; "
     return (f"{source}: {plain}{'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
             f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "

@@ -8,6 +8,7 @@ from hetero.plan import fit, footprint
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
 from hetero.schema.profile import Memory, Profile
+from hetero.units import SIZE
 
 MiB = 2**20
 PLAIN, RETURNED = 900 * MiB, 700 * MiB
@@ -124,6 +125,9 @@ def test_gradients_follow_the_states_to_nvme_when_only_both_fit(cpu):
     assert p.optimizer.nvme.grads and {s.tier for s in p.optimizer.states} == {"nvme"}
     assert peak(p) == PLAIN - own_states(cpu) - grads + staging
     assert "gradients on NVMe from backward to step" in p.budget.why
+    # each saving on its own line, none counted twice: the states' line is without the gradients' saving
+    assert f"optimizer states on NVMe saves {SIZE.format_short(own_states(cpu) - STAGING)}" in p.budget.why
+    assert f"saves {SIZE.format_short(grads - 2 * 4 * 2**18)} for" in p.budget.why
     states_only = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - own_states(cpu) + STAGING)))
     assert not states_only.optimizer.nvme.grads  # the faster lever where it is enough
     # the gradients' trip to NVMe and back is in the prediction

@@ -8,8 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.testing import assert_close
 
 from hetero.plan import fit
@@ -18,26 +16,9 @@ from hetero.run.budget_watch import BudgetWatch, warning_line
 from hetero.run.runtime import Runtime, mechanisms
 from hetero.schema.plan import AllocatorPlan, Predicted
 from tests.run.plans import optimizer_plan
+from tests.run.test_nvme_states import model, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-
-
-def train(net: nn.Module) -> list[float]:
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        opt.zero_grad()
-        loss = F.cross_entropy(net(torch.randn(16, 32, generator=g)), torch.randint(8, (16,), generator=g))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_returned_memory_and_states_on_nvme_train_as_plain(tmp_path, monkeypatch):
@@ -45,14 +26,14 @@ def test_returned_memory_and_states_on_nvme_train_as_plain(tmp_path, monkeypatch
     real = allocator.set_thresholds
     monkeypatch.setattr(allocator, "set_thresholds", lambda m, t: calls.append((m, t)) or real(m, t))
     reference = model()
-    expected = train(reference)
+    expected, _ = train(reference)
     net = model()
     names = tuple(n for n, _ in net.named_parameters())
     plan = optimizer_plan(net, device="host", overlap=False, nvme=names, nvme_path=str(tmp_path))
     plan = replace(plan, allocator=fit.allocator_plan("test"))
     with Runtime(plan, script=__file__):
         assert calls == [(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING)]  # before the script runs
-        losses = train(net)
+        losses, _ = train(net)
     assert calls[-1] == (allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
     assert_close(torch.tensor(losses), torch.tensor(expected))
     for p, q in zip(net.parameters(), reference.parameters()):

@@ -22,16 +22,23 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
 
 
-def train(net: nn.Module, steps: int = 3) -> tuple[list[float], dict]:
+def train(net: nn.Module, *, micro: int = 1, clip: float = 0.0, zero: str = "optimizer", steps: int = 3,
+          seen: list | None = None) -> tuple[list[float], dict]:
+    """Gradient accumulation over `micro` backward passes, an optional clip, zeroing by the optimizer or module."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     losses = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        opt.zero_grad()
-        loss = F.cross_entropy(net(torch.randn(16, 24, generator=g)), torch.randint(8, (16,), generator=g))
-        loss.backward()
+        (opt if zero == "optimizer" else net).zero_grad()
+        for m in range(micro):
+            g = torch.Generator().manual_seed(10 * step + m)
+            loss = F.cross_entropy(net(torch.randn(16, 24, generator=g)), torch.randint(8, (16,), generator=g))
+            (loss / micro).backward()
+            losses.append(loss.item())
+        if seen is not None:
+            seen.append([p.grad is None for p in net.parameters()])
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
-        losses.append(loss.item())
     return losses, opt.state_dict()
 
 
@@ -62,39 +69,19 @@ def test_pieces_cover_a_tensor_once_and_a_gpus_whole():
     assert nvme_states.pieces(n, on_cpu=False) == [(0, n)]
 
 
-def train_variants(net: nn.Module, *, micro: int, clip: float, zero: str, steps: int = 3,
-                   seen: list | None = None) -> tuple[list[float], dict]:
-    """Gradient accumulation over `micro` backward passes, an optional clip, zeroing by the optimizer or module."""
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    losses = []
-    for step in range(steps):
-        (opt if zero == "optimizer" else net).zero_grad()
-        for m in range(micro):
-            g = torch.Generator().manual_seed(10 * step + m)
-            loss = F.cross_entropy(net(torch.randn(16, 24, generator=g)), torch.randint(8, (16,), generator=g))
-            (loss / micro).backward()
-            losses.append(loss.item())
-        if seen is not None:
-            seen.append([p.grad is None for p in net.parameters()])
-        if clip:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        opt.step()
-    return losses, opt.state_dict()
-
-
 @pytest.mark.parametrize(("micro", "clip", "zero"), [(1, 0.0, "optimizer"), (3, 0.0, "module"), (2, 0.05, "optimizer")],
                          ids=["one micro-batch", "accumulated, module zero_grad", "clipped"])
 def test_gradients_kept_on_nvme_train_as_torch(micro, clip, zero, tmp_path, monkeypatch):
     monkeypatch.setattr(NvmeOverflow, "STAGING_PIECE_PARAMS", 100)
     reference = model()
-    ref_losses, ref_state = train_variants(reference, micro=micro, clip=clip, zero=zero)
+    ref_losses, ref_state = train(reference, micro=micro, clip=clip, zero=zero)
     net = model()
     names = tuple(n for n, _ in net.named_parameters())
     seen: list = []
     plan = optimizer_plan(net, device="host", overlap=False, micro_batches=micro, nvme=names,
                           nvme_path=str(tmp_path), grads=True)
     with Runtime(plan, script=__file__):
-        losses, state = train_variants(net, micro=micro, clip=clip, zero=zero, seen=seen)
+        losses, state = train(net, micro=micro, clip=clip, zero=zero, seen=seen)
     assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
         assert_close(p, q, msg=name)
