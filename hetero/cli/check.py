@@ -34,7 +34,8 @@ def check(files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile
 
 def summary(obj: Plan | Profile) -> str:
     if isinstance(obj, Plan):
-        sections = [s for s in ("optimizer", "activations", "routing", "allocator") if getattr(obj, s) is not None]
+        named = ("optimizer", "activations", "routing", "allocator", "update_in_backward")
+        sections = [s for s in named if getattr(obj, s) is not None]
         return f"Plan, {len(obj.layers)} GPU layers, sections: {', '.join(sections) or 'none'}"
     return f"Profile, {obj.model.num_params:,} params, {len(obj.layers)} layers"
 

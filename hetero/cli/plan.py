@@ -94,7 +94,11 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
     if out.budget.why:
         table.add_row("budget", out.budget.why)
     if out.allocator:
-        table.add_row("allocator", "malloc returns freed memory")
+        start = f"from {SIZE.format_short(out.allocator.from_bytes)} resident on" if out.allocator.from_bytes \
+            else "from the start"
+        table.add_row("allocator", f"malloc returns freed memory {start}")
+    if out.update_in_backward:
+        table.add_row("updates", f"the script's {out.update_in_backward.kind} steps each parameter in backward")
     if out.layers:
         modes = {m: sum(x.mode == m for x in out.layers) for m in ("gfgb", "dha", "dfgb")}
         host = sum(x.grad == "host" for x in out.layers)
@@ -111,7 +115,8 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
                                  f"{SIZE.format_short(out.routing.shard_bytes)}")
     for section, reason in out.omitted.items():
         table.add_row(section, f"none: {reason}")
-    if not (out.layers or out.optimizer or out.activations or out.routing):
+    if not (out.layers or out.optimizer or out.activations or out.routing or out.allocator or
+            out.update_in_backward):
         table.add_row("plan", "plain training: nothing hetero can do here saves memory or time (`hetero run` "
                               "runs the script as it is)")
     (Console() if sys.stdout.isatty() else Console(width=160)).print(table)

@@ -4,6 +4,9 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
 
 - `allocator`: glibc returns the memory freed tensors leave (the plan's `allocator` section); the profile measures
   the peak and the step time that way, so its cost is measured page faults, not a guess;
+- `in_backward`: the script's own Adam(W) updates each parameter as soon as backward makes its gradient final and
+  frees the gradient (the plan's `update_in_backward`): all gradients but one never coexist, at no cost in time,
+  for a script with one backward per step, no clipping, one process;
 - `states`: every Adam state (and its fp32 master copy) on NVMe, staged through host memory inside `step()`;
 - `grads`: with `states`, each gradient joins its states on NVMe as soon as backward makes it final, and `step()`
   reads it back with them (MemFerry's "a gradient leaves when it is final", with NVMe as the slow tier); only for one
@@ -25,8 +28,9 @@ from hetero.errors import USAGE, HeteroError
 from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
-LEVERS = ("allocator", "states", "grads", "tiering")  # in the order their effects are described
+LEVERS = ("allocator", "in_backward", "states", "grads", "tiering")  # in the order their effects are described
 NEEDS = {"grads": "states"}  # a lever that works only with another
+EXCLUDES = (frozenset({"in_backward", "states"}),)  # levers that cannot work together (both drive the optimizer)
 # The predicted peak must stay this far under the budget: measured peaks of planned runs came out up to 2% above
 # their predictions, and 1% apart from run to run (docs/benchmarks.md, "Training under a DRAM budget").
 HEADROOM = 0.03
@@ -52,6 +56,11 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
         why["allocator"] = "the profile did not measure the peak with freed memory returned (re-profile)"
     else:
         out.append("allocator")
+    why_not = _in_backward_refused(ctx)
+    if why_not:
+        why["in_backward"] = why_not
+    else:
+        out.append("in_backward")
     if ctx.profile.training.optimizer == "other" or ctx.device != "host" or ctx.nvme is None:
         why["states"] = ("the script's optimizer is not hetero's to move" if ctx.device != "host" or
                          ctx.profile.training.optimizer == "other" else "the profile has no NVMe tier")
@@ -80,13 +89,13 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
     for k in range(len(levers) + 1):
         for combo in combinations(levers, k):
             chosen = frozenset(combo) | forced
-            if any(lever in chosen and NEEDS[lever] not in chosen for lever in NEEDS):
+            if any(lever in chosen and NEEDS[lever] not in chosen for lever in NEEDS) or \
+                    any(pair <= chosen for pair in EXCLUDES):
                 continue
             if chosen not in seen:
                 p = solve(chosen)
                 seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
-    budget = ctx.dram_bytes
-    room = int(budget * (1 - HEADROOM))
+    budget, room = ctx.dram_bytes, room_bytes(ctx)
     base = seen[forced]
     fitting = [c for c in seen.values() if c.peak_bytes <= room]
     if not fitting:
@@ -97,15 +106,38 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
             f"({ctx.budget_source}, less {HEADROOM:.0%} headroom)" + _unusable_text(unusable),
             hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes / (1 - HEADROOM) + (1 << 20), 3)} or "
                  "more, or train a smaller model or batch", exit_code=USAGE)
-    best = base if base.peak_bytes <= room else min(fitting, key=lambda c: (c.iteration_s, len(c.levers),
-                                                                               c.peak_bytes))
+    # Equally fast: the fewer levers; but where freed memory is returned only from near the budget on (`forced`),
+    # the lower peak first, so that malloc's defaults, whose own peak is not known, stay clear of that mark.
+    best = base if base.peak_bytes <= room and not forced else min(
+        fitting, key=lambda c: (c.iteration_s, c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))
 
 
-def allocator_plan(why: str) -> AllocatorPlan:
+def _in_backward_refused(ctx) -> str:
+    """Why the script's updates cannot move into backward ('' where they can)."""
+    training = ctx.profile.training
+    if training.optimizer == "other":
+        return "the script's optimizer is not Adam(W)"
+    if training.clips_grad:
+        return "the script clips gradients, which needs them all"
+    if training.grad_accumulation > 1:
+        return f"the script accumulates {training.grad_accumulation} backward passes per step"
+    if ctx.ranks > 1:
+        return f"{ctx.ranks} ranks all-reduce their gradients"
+    if ctx.options.optimizer_device is not None:
+        return f"--optimizer-device {ctx.options.optimizer_device} gives the optimizer to hetero"
+    return ""
+
+
+def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
     return AllocatorPlan(mmap_threshold_bytes=AllocatorPlan.RETURNING, trim_threshold_bytes=AllocatorPlan.RETURNING,
-                         why=why)
+                         from_bytes=from_bytes, why=why)
+
+
+def room_bytes(ctx) -> int:
+    """The most the predicted peak may be under the budget."""
+    return int(ctx.dram_bytes * (1 - HEADROOM))
 
 
 def allocator_cost_s(profile) -> float:
@@ -139,7 +171,9 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
             f"(of {len(seen)} simulated)")
 
 
-_NAMES = {"allocator": "returning freed memory", "states": "optimizer states on NVMe",
+_NAMES = {"allocator": "returning freed memory",
+          "in_backward": "updating each parameter in backward (for a script that reads no gradient before step)",
+          "states": "optimizer states on NVMe",
           "grads": "gradients on NVMe from backward to step (for a script that zeroes them each step)",
           "tiering": "evicting saved activations"}
 

@@ -29,6 +29,7 @@ STAGING = "nvme state staging"
 MOVED_IN = "moved in from the gpu"
 TIERING = "activation store buffers"
 EVICTED = "evicted activations"
+GRADS_FREED = "gradients freed in backward"
 
 
 def own_states_in_host(profile: Profile) -> int:
@@ -65,6 +66,14 @@ def added_host_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
             + staging_bytes(profile, optimizer))
 
 
+def grads_freed_in_backward(profile: Profile) -> int:
+    """What updating in backward (the plan's `update_in_backward`) takes off the peak: every gradient but the
+    largest parameter's (a tied embedding's lives through the whole backward), less the two parameter-sized
+    temporaries torch's Adam makes for that parameter's update, which now fall inside backward."""
+    sizes = [p.num_params for p in axdimm.params(profile)]
+    return max(0, 4 * (sum(sizes) - 3 * max(sizes, default=0)))
+
+
 def returns_memory(profile: Profile, plan: Plan) -> bool:
     """The plan returns freed memory and the profile measured the peak that way."""
     return plan.allocator is not None and profile.memory is not None and \
@@ -89,6 +98,7 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     moved_in = simulated_host_peak - host_static_bytes(profile, plan.optimizer) - evicted_from_host_peak
     out[MOVED_IN] = max(0, moved_in)
     out[EVICTED] = -evicted_saving if returned else 0
+    out[GRADS_FREED] = -grads_freed_in_backward(profile) if plan.update_in_backward is not None else 0
     tiered = evicted_from_host_peak and plan.activations is not None and \
         any(e.evict_bytes for e in plan.activations.schedule)
     out[TIERING] = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES if tiered else 0

@@ -31,6 +31,7 @@ from hetero.schema.plan import (
     RoutingPlan,
     Source,
     StatePlacement,
+    UpdateInBackward,
 )
 from hetero.schema.profile import Profile
 from hetero.units import SIZE, short_time, size_change
@@ -68,7 +69,8 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
                  budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
                                reserve=ctx.options.reserve),
                  layers=[], optimizer=optimizer, activations=None, routing=route, predicted=UNPREDICTED,
-                 omitted=omitted, allocator=_allocator(ctx) if "allocator" in levers else None)
+                 omitted=omitted, allocator=_allocator(ctx) if "allocator" in levers else None,
+                 update_in_backward=_in_backward(ctx) if "in_backward" in levers and optimizer is None else None)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
     draft = layer_modes(ctx, draft, pins)
     return replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft)))
@@ -77,15 +79,27 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
 def _allocator(ctx: Context):
     m = ctx.profile.memory
     if m.dram_peak_estimated:
+        room = fit.room_bytes(ctx)
         return fit.allocator_plan(
-            f"glibc returns the memory freed tensors leave, as it did throughout the profile ({m.profiled_under}): "
-            f"plain training peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way; its cost is in "
-            "the profile's step times")
+            f"glibc returns the memory freed tensors leave once the process holds {SIZE.format_short(room)} (the "
+            f"budget less its headroom), as it did throughout the profile ({m.profiled_under}): plain training "
+            f"peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way; with malloc's defaults, whose "
+            "peak the profile could not measure, the process may come near that mark before it switches, but "
+            "pays no page faults until then", from_bytes=room)
     return fit.allocator_plan(
         f"glibc returns the memory freed tensors leave: plain training peaks at "
         f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)} "
         f"by default, for {short_time(fit.allocator_cost_s(ctx.profile))} more per step (page faults), as the "
         "profile measured it in a fresh process")
+
+
+def _in_backward(ctx: Context) -> UpdateInBackward:
+    freed = footprint.grads_freed_in_backward(ctx.profile)
+    return UpdateInBackward(kind=ctx.profile.training.optimizer, why=(
+        f"the script's {ctx.profile.training.optimizer} updates each parameter as soon as backward makes its gradient "
+        f"final and frees it: the process holds {SIZE.format_short(freed)} less at its peak, for no time (the same "
+        "updates, earlier); the profile saw one backward per step and no clipping, and the script must not read "
+        "`.grad` between backward and step (it is None then)"))
 
 
 def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:

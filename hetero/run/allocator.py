@@ -7,8 +7,8 @@ mapped on its own and unmapped when freed, and a low M_TRIM_THRESHOLD returns th
 faults each time a block is mapped again, which `hetero profile` measures and the plan counts. Setting either
 threshold also stops glibc from raising the mmap threshold by itself.
 
-The runtime applies the plan's values before the script runs and decides nothing: without the section, malloc
-keeps its defaults. Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime says so.
+The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
+first holds that much, and decides nothing: without the section, malloc keeps its defaults. Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime says so.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
 
+from hetero.run import process_memory
 from hetero.schema.plan import AllocatorPlan
+from hetero.units import SIZE
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -25,6 +28,9 @@ M_MMAP_THRESHOLD = -3
 # it pairs with it (2x). glibc's starting values (128 KiB) cannot be restored once set: they would stay fixed.
 RESTORED_MMAP_BYTES = 32 << 20
 RESTORED_TRIM_BYTES = 64 << 20
+# How often the resident set is read with `from_bytes`: filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM
+# (torch.ones of 256 MiB), inside the plan's headroom under its budget from 1 GiB up (hetero.plan.fit.HEADROOM).
+WATCH_INTERVAL_S = 0.005
 
 
 def _libc():
@@ -51,33 +57,64 @@ def trim() -> bool:
 
 
 class ReturnFreedMemory:
-    """Applies the plan's `allocator` section for the run (a runtime Mechanism)."""
+    """Applies the plan's `allocator` section for the run (a runtime Mechanism): from the start, or, with
+    `from_bytes`, once a watching thread sees the resident set reach it."""
 
-    def __init__(self, plan: AllocatorPlan):
+    def __init__(self, plan: AllocatorPlan, interval_s: float = WATCH_INTERVAL_S):
         self.plan = plan
+        self.interval_s = interval_s
         self.applied = False
+        self.glibc = True
+        self.returned_at: int | None = None  # the resident bytes that made it return memory (with `from_bytes`)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def install(self, patches, need_model) -> None:
-        self.applied = set_thresholds(self.plan.mmap_threshold_bytes, self.plan.trim_threshold_bytes)
-        if self.applied:
-            trim()  # what hetero's own start-up freed goes back before the script's first allocation
+        if self.plan.from_bytes is None:
+            self._apply()
+        elif _libc() is None:
+            self.glibc = False
         else:
+            self._thread = threading.Thread(target=self._watch, name="hetero-malloc-watch", daemon=True)
+            self._thread.start()
+        if not self.glibc:
             print("hetero: warning: the plan asks malloc to return freed memory, but the C library is not glibc "
                   "(no mallopt): the process may peak above the plan's prediction", file=sys.stderr)
+
+    def _apply(self) -> None:
+        self.applied = set_thresholds(self.plan.mmap_threshold_bytes, self.plan.trim_threshold_bytes)
+        self.glibc = self.applied
+        if self.applied:
+            trim()  # what is free now goes back before the next allocation
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            resident = process_memory.resident_bytes()
+            if resident >= self.plan.from_bytes:
+                self.returned_at = resident
+                self._apply()
+                return
 
     def bind(self, model) -> None:
         pass
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self.applied:
             set_thresholds(RESTORED_MMAP_BYTES, RESTORED_TRIM_BYTES)
             self.applied = False
 
     def summary(self) -> list[str]:
-        if not self.applied:
-            return []
-        return [f"malloc returned freed memory (mmap threshold {self.plan.mmap_threshold_bytes} B, trim threshold "
-                f"{self.plan.trim_threshold_bytes} B)"]
+        settings = (f"mmap threshold {self.plan.mmap_threshold_bytes} B, trim threshold "
+                    f"{self.plan.trim_threshold_bytes} B")
+        if self.plan.from_bytes is None:
+            return [f"malloc returned freed memory ({settings})"] if self.applied else []
+        if self.returned_at is None:
+            return [f"malloc kept its defaults: the process stayed under {SIZE.format_short(self.plan.from_bytes)}"]
+        return [f"malloc returned freed memory ({settings}) from {SIZE.format_short(self.returned_at)} resident on"]
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         return {}

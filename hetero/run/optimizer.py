@@ -19,6 +19,7 @@ that zero their gradients each step (the plan says so).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,14 +85,9 @@ class Offloaded:
         if self._homes is not None or self._own:
             return
         order = [p for group in self.param_groups for p in group["params"]]
-        outside = [p for p in order if p not in names]
-        if len(outside) == len(order):
+        if not updates_the_model(self, order, names):
             self._own = True
             return
-        if outside:
-            raise HeteroError(f"the script's {type(self).__name__} also updates {len(outside)} parameter(s) outside "
-                              "the planned model", exit_code=UNSUPPORTED_SCRIPT,
-                              hint="make the parameters it updates submodules of the one model the script trains")
         self._homes = self.homes_for()
         self._params = self._homes.build([(names[p], p) for p in order])
         if self._pending_state is not None:
@@ -168,10 +164,7 @@ class Offloaded:
         if self._homes is None and not self._own:
             type(self).on_first_use(self)
         if self._own:
-            # torch's step itself, not its step-hook wrapper: this step's hooks have run already
-            torch_step = super().step
-            hooked = getattr(torch_step, "hooked", False)  # torch.optim.Optimizer._patch_step_function's mark
-            return torch_step.__wrapped__(self, closure) if hooked else torch_step(closure)
+            return torch_step(self.replaces, self, closure)
         return self._offloaded_step(closure)
 
     @torch.no_grad()
@@ -280,32 +273,20 @@ class OptimizerOffload:
             need_model(opt)  # binds every optimizer through bind() below
             opt.bind(self.names)
 
-        created = self.optimizers
-
-        def track(cls):
-            def __init__(opt, *args, **kwargs):
-                try:
-                    cls.__init__(opt, *args, **kwargs)
-                except HeteroError as e:
-                    raise StopScript(e) from None  # the script's own `except Exception` must not hide it
-                created.append(opt)
-                if self.names is not None:
-                    opt.bind(self.names)
-            return __init__
-
         settings = {"homes_for": staticmethod(lambda: Homes(self.plan)), "overlap": self.plan.overlap_backward,
                     "micro_batches": self.plan.micro_batches, "on_first_use": staticmethod(first_use),
                     "synced": staticmethod(self.ddp.synced), "keep_grads": self._keeps_grads(),
                     "strict": self.strict}
         if self.plan.overlap_backward:
             self.ddp.listen(self)
-        for name, base in _TORCH.items():
-            cls = type(name, (Offloaded, base), dict(settings, replaces=base, __module__=__name__, __qualname__=name))
-            patches.set(torch.optim, name, type(name, (cls,), {"__init__": track(cls), "__module__": __name__}))
+        replace_adam(patches, Offloaded, settings, self.optimizers,
+                     lambda opt: opt.bind(self.names) if self.names is not None else None)
+        refuse = refusing_clipping("the plan updates parameters during backward (overlap_backward)",
+                                   "hetero plan turns overlap off for scripts that clip")
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             for name in ("clip_grad_norm_", "clip_grad_value_"):
                 if self.plan.overlap_backward:
-                    patches.set(owner, name, _refuse_clipping)
+                    patches.set(owner, name, refuse)
                 elif self._keeps_grads():
                     patches.set(owner, name, self._bringing_back(getattr(owner, name)))
         if self._keeps_grads():
@@ -313,7 +294,7 @@ class OptimizerOffload:
 
             def module_zero_grad(module, set_to_none: bool = True) -> None:
                 zero_grad(module, set_to_none)
-                for opt in created:
+                for opt in self.optimizers:
                     opt.forget_grads(set(module.parameters()))
             patches.set(torch.nn.Module, "zero_grad", module_zero_grad)
 
@@ -376,9 +357,48 @@ class OptimizerOffload:
         return {on: held, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
 
 
-def _refuse_clipping(*args, **kwargs):
-    """Overlapped updates ran before a clip could scale their gradients: refuse rather than train differently."""
-    raise StopScript(HeteroError(
-        "the script clips gradients, but the plan updates parameters during backward (overlap_backward)",
-        hint="plan again from a profile of this script: hetero plan turns overlap off for scripts that clip",
-        exit_code=STALE_PLAN))
+def replace_adam(patches, mixin: type, settings: dict, created: list, built: Callable[[object], None]) -> None:
+    """For the run, torch.optim.Adam and AdamW are subclasses with `mixin` and `settings` as class attributes (and
+    `replaces`: the torch class); each one the script builds joins `created`, then goes to `built`. A HeteroError
+    from its construction stops the script (its own `except Exception` must not hide it)."""
+    def track(cls):
+        def __init__(opt, *args, **kwargs):
+            try:
+                cls.__init__(opt, *args, **kwargs)
+            except HeteroError as e:
+                raise StopScript(e) from None
+            created.append(opt)
+            built(opt)
+        return __init__
+
+    for name, base in _TORCH.items():
+        cls = type(name, (mixin, base), dict(settings, replaces=base, __module__=mixin.__module__, __qualname__=name))
+        patches.set(torch.optim, name, type(name, (cls,), {"__init__": track(cls), "__module__": mixin.__module__}))
+
+
+def updates_the_model(opt, params: list, model_params) -> bool:
+    """Whether the plan's model is what `opt` updates: True for all of `params`, False for none (a second model's
+    optimizer, e.g. a GAN's other half, stays torch's own); a mix cannot be planned and is refused."""
+    outside = [p for p in params if p not in model_params]
+    if outside and len(outside) < len(params):
+        raise HeteroError(f"the script's {type(opt).__name__} also updates {len(outside)} parameter(s) outside "
+                          "the planned model", exit_code=UNSUPPORTED_SCRIPT,
+                          hint="make the parameters it updates submodules of the one model the script trains")
+    return not outside
+
+
+def torch_step(base: type, opt, closure=None):
+    """torch's own `base.step` on `opt`, without the step hooks torch wraps it in (they run once per script step)."""
+    step = base.step
+    hooked = getattr(step, "hooked", False)  # torch.optim.Optimizer._patch_step_function's mark
+    return step.__wrapped__(opt, closure) if hooked else step(opt, closure)
+
+
+def refusing_clipping(why: str, hint: str) -> Callable:
+    """A stand-in for torch's gradient clipping where the plan's updates ran before a clip could scale their
+    gradients: it refuses rather than train differently."""
+    def refuse(*args, **kwargs):
+        raise StopScript(HeteroError(f"the script clips gradients, but {why}",
+                                     hint=f"plan again from a profile of this script: {hint}",
+                                     exit_code=STALE_PLAN))
+    return refuse

@@ -56,11 +56,13 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
     from hetero.run.routing import GradientRouting
     from hetero.run.shadow import shadow_model
     from hetero.run.tiering import ActivationTiering
+    from hetero.run.update_in_backward import UpdatesInBackward
 
     ddp = DdpSync()  # DDP's one communication hook, shared by routing and the optimizer's overlapped updates
     found: list[Mechanism] = [*shadow_model(plan)]  # bound first: the others see parameters where the plan puts them
     if plan.optimizer is not None and plan.optimizer.device != "gpu":
         found.append(OptimizerOffload(plan.optimizer, ddp))
+    found += [UpdatesInBackward(plan.update_in_backward)] if plan.update_in_backward is not None else []
     found += [ActivationTiering(plan.activations)] if plan.activations is not None else []
     found += [GradientRouting(plan, ddp)] if plan.routing is not None else []
     overlapped = plan.optimizer is not None and plan.optimizer.device != "gpu" and plan.optimizer.overlap_backward

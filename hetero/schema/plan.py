@@ -198,6 +198,21 @@ class AllocatorPlan:
                                     "(M_MMAP_THRESHOLD).", unit=SIZE, ge=0)
     trim_threshold_bytes: int = doc("Free memory above this at the top of a heap is returned (M_TRIM_THRESHOLD).",
                                     unit=SIZE, ge=0)
+    from_bytes: int | None = doc("Keep malloc's defaults until the process's resident memory reaches this, then "
+                                 "set the thresholds and return what is free (a thread watches it): below it, no "
+                                 "page faults are paid; null: from the start.", unit=SIZE, ge=0, default=None)
+    why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdateInBackward:
+    """The script's own Adam(W) updates each parameter from its post-accumulate-grad hook, as soon as backward makes
+    its gradient final, and the gradient is freed there: host memory never holds every gradient at once (MemFerry's
+    "a gradient leaves when it is final", with nowhere to go but the update). torch's own arithmetic on each
+    parameter alone, so the weights are plain training's bit for bit; for a script that runs one backward per step,
+    does not clip, and reads no `.grad` between backward and step (`.grad` is None then)."""
+
+    kind: Literal["adam", "adamw"] = doc("The optimizer the script builds.")
     why: str = doc("The numbers behind the decision.", default="", comment=True)
 
 
@@ -242,6 +257,9 @@ class Plan:
     predicted: Predicted = doc("The simulator's prediction.")
     omitted: dict[str, str] = doc("Why each absent section is absent, by section name.", default_factory=dict)
     allocator: AllocatorPlan | None = doc("glibc malloc's settings for the run; null: its defaults.", default=None)
+    update_in_backward: UpdateInBackward | None = doc("The script's own optimizer steps each parameter during "
+                                                      "backward; null: in `step()`, as the script does.",
+                                                      default=None)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")
@@ -252,4 +270,7 @@ class Plan:
             value = getattr(self, section)
             if (value is None or value == []) and section not in self.omitted:
                 out.append((section, f"{section} is empty; say why under `omitted: {{{section}: ...}}`"))
+        if self.update_in_backward is not None and self.optimizer is not None:
+            out.append(("update_in_backward", "the `optimizer` section replaces the script's optimizer; update in "
+                                              "backward only with `optimizer: null`"))
         return out

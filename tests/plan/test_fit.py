@@ -132,3 +132,48 @@ def test_gradients_follow_the_states_to_nvme_when_only_both_fit(cpu):
     assert not states_only.optimizer.nvme.grads  # the faster lever where it is enough
     # the gradients' trip to NVMe and back is in the prediction
     assert p.predicted.iteration_s > states_only.predicted.iteration_s
+
+
+def without_nvme(profile: Profile) -> Profile:
+    """This machine's NVMe makes the states' updates faster than torch's own (the host Adam rate): without it, the
+    levers that cost time are the allocator's page faults."""
+    profile.machine.tiers = [t for t in profile.machine.tiers if t.kind != "nvme"]
+    return profile
+
+
+def test_updating_in_backward_is_the_free_lever_where_freeing_the_gradients_is_enough(cpu):
+    cpu = without_nvme(cpu)
+    freed = footprint.grads_freed_in_backward(cpu)
+    assert 0 < freed < PLAIN - RETURNED
+    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - freed)))
+    assert p.update_in_backward is not None and (p.optimizer, p.allocator) == (None, None)
+    assert peak(p) == PLAIN - freed and p.predicted.dram_saved == {footprint.GRADS_FREED: freed}
+    assert f"updating each parameter in backward (for a script that reads no gradient before step) saves " \
+           f"{SIZE.format_short(freed)} for 0s" in p.budget.why
+    assert p.predicted.iteration_s == plan(cpu, PlanOptions()).predicted.iteration_s  # the same updates, earlier
+
+
+@pytest.mark.parametrize("script", ["clips", "accumulates"])
+def test_a_script_that_needs_every_gradient_at_once_is_not_updated_in_backward(cpu, script):
+    if script == "clips":
+        cpu.training.clips_grad = True
+    else:
+        cpu.training.grad_accumulation = 2
+    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - footprint.grads_freed_in_backward(cpu))))
+    assert p.update_in_backward is None and "not updating each parameter in backward" in p.budget.why
+    assert ("clips gradients" if script == "clips" else "accumulates 2 backward passes") in p.budget.why
+
+
+def test_without_plains_own_peak_memory_is_returned_only_near_the_budget_and_the_lower_peak_wins(cpu):
+    cpu = without_nvme(cpu)
+    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
+                        returned_step_s=cpu.training.iteration_s)
+    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
+    assert p.allocator.from_bytes == fit.room_bytes(fit_context(cpu, PLAIN)) == int(PLAIN * (1 - fit.HEADROOM))
+    # returning memory alone fits too, but malloc's defaults run up to that mark: the equally fast, lower peak
+    assert p.update_in_backward is not None and peak(p) == RETURNED - footprint.grads_freed_in_backward(cpu)
+
+
+def fit_context(profile: Profile, budget: int):
+    from hetero.plan.context import context
+    return context(profile, PlanOptions(dram_budget_bytes=budget))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import replace
 
 import pytest
@@ -38,6 +39,25 @@ def test_returned_memory_and_states_on_nvme_train_as_plain(tmp_path, monkeypatch
     assert_close(torch.tensor(losses), torch.tensor(expected))
     for p, q in zip(net.parameters(), reference.parameters()):
         assert_close(p, q)
+
+
+def test_from_bytes_keeps_mallocs_defaults_below_it_and_returns_memory_from_it_on(monkeypatch):
+    calls = []
+    real = allocator.set_thresholds
+    monkeypatch.setattr(allocator, "set_thresholds", lambda m, t: calls.append((m, t)) or real(m, t))
+    far = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=1 << 50), interval_s=0.001)
+    far.install(None, None)
+    time.sleep(0.02)
+    far.close()
+    assert calls == [] and far.returned_at is None and "kept its defaults" in far.summary()[0]
+    near = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=1), interval_s=0.001)
+    near.install(None, None)
+    deadline = time.monotonic() + 60  # not a timing assertion: the watch's first look, however late it comes
+    while near.returned_at is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    near.close()
+    assert near.returned_at > 0 and calls[0] == (AllocatorPlan.RETURNING, AllocatorPlan.RETURNING)
+    assert calls[-1] == (allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
 
 
 def test_no_allocator_section_leaves_malloc_alone(monkeypatch):

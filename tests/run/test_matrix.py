@@ -30,7 +30,7 @@ from hetero.errors import STALE_PLAN
 from hetero.harness.script import StopScript
 from hetero.plan import fit
 from hetero.run.runtime import Runtime
-from hetero.schema.plan import Plan
+from hetero.schema.plan import Plan, UpdateInBackward
 from tests.run.plans import optimizer_plan
 from tests.run.test_routing import make_model, routed_plan
 from tests.run.test_tiering import tiering_plan
@@ -156,6 +156,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("cell", ONE_PROCESS_CELLS, ids=str)
 def test_one_process(cell, tmp_path):
     check(run_cell(cell, str(tmp_path / "work")), plain(cell.script), cell)
+
+
+@pytest.mark.parametrize("tiering", [False, True], ids=["kept", "tiered"])
+def test_one_process_updating_in_backward(tiering, tmp_path):
+    """What the planner writes for one process, one backward per step, no clipping: the script's own AdamW steps in
+    backward, with tiering, and malloc returning freed memory from partway on (`from_bytes`, as under a budget
+    whose plain peak the profile could not measure; 1 B: at the watch's first look)."""
+    model, workdir = make_model(), str(tmp_path / "work")
+    planned = plan_for(Cell("host", False, tiering, "plain"), model, workdir, routed=False)
+    planned = replace(planned, optimizer=None, update_in_backward=UpdateInBackward(kind="adamw"),
+                      omitted={**planned.omitted, "optimizer": "test"},
+                      allocator=fit.allocator_plan("test", from_bytes=1) if tiering else None)
+    os.makedirs(workdir, exist_ok=True)
+    with Runtime(planned, script=__file__):
+        losses = train(model, "plain")
+    reference = plain("plain")
+    assert_close(torch.tensor(losses), torch.tensor(reference.losses))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, reference.weights[name]), name  # torch's own arithmetic: bit for bit
 
 
 # -- data parallel ------------------------------------------------------------------------------------------------

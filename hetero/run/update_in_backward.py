@@ -1,0 +1,127 @@
+"""The plan's `update_in_backward`: the script's own Adam(W) steps each parameter as soon as backward makes its
+gradient final, and frees the gradient there, so host memory never holds every gradient at once.
+
+Each update is torch's own `step()` run on one parameter: its param group with that parameter alone, the same
+state, the same arithmetic (on CPU torch's default Adam loops over parameters one by one anyway, so the weights are
+plain training's bit for bit). A parameter's last use in backward precedes its AccumulateGrad, which precedes its
+post-accumulate-grad hook: no later part of backward reads the weight the hook changes. The script's `step()` then
+finds no gradient left and changes nothing; its step hooks and LR schedulers run as before.
+
+What this cannot train the same way is refused rather than trained differently: a second backward into the same
+parameter before `step()` (gradient accumulation, a GAN's generator reached by the discriminator's loss), gradient
+clipping, several ranks. A script that reads `.grad` between backward and step finds None: the planner writes this
+section only for scripts whose profile saw one backward per step and no clipping, and says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.harness.script import StopScript
+from hetero.run.optimizer import refusing_clipping, replace_adam, torch_step, updates_the_model
+from hetero.schema.plan import UpdateInBackward
+
+
+class InBackward:
+    """Mixed into torch's Adam/AdamW by `UpdatesInBackward`, which sets `on_first_use` for the run."""
+
+    on_first_use = None  # callable(optimizer): the runtime binds the model's parameters before the first update
+    replaces = None  # the torch class this one stands in for
+
+    def __init__(self, *args, **kwargs):
+        self._group_of: dict[torch.nn.Parameter, dict] = {}
+        self._updated: set[torch.nn.Parameter] = set()  # in backward since the script's last step()
+        self._mine: bool | None = None  # None: not bound yet; False: not the planned model's, torch's own
+        super().__init__(*args, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)  # torch's __init__ adds every group through here too
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            self._group_of[p] = group
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_final)
+
+    def bind(self, model_params) -> None:
+        if self._mine is None:
+            self._mine = updates_the_model(self, list(self._group_of), model_params)
+
+    def _grad_final(self, p: torch.nn.Parameter) -> None:
+        if self._mine is None:
+            type(self).on_first_use(self)
+        if not self._mine:
+            return
+        _refuse_second_backward(p in self._updated)
+        _refuse_ranks()
+        groups = self.param_groups
+        self.param_groups = [{**self._group_of[p], "params": [p]}]
+        try:
+            torch_step(self.replaces, self)
+        finally:
+            self.param_groups = groups
+        self._updated.add(p)
+        p.grad = None
+
+    def step(self, closure=None):
+        self._updated.clear()  # before the closure: its backward belongs to this step
+        return torch_step(self.replaces, self, closure)
+
+
+class UpdatesInBackward:
+    """Carries out the plan's `update_in_backward` (a runtime Mechanism)."""
+
+    def __init__(self, section: UpdateInBackward):
+        self.section = section
+        self.optimizers: list[InBackward] = []
+        self.model_params: set[torch.nn.Parameter] | None = None
+
+    def install(self, patches, need_model) -> None:
+        def first_use(opt: InBackward) -> None:
+            need_model(opt)  # binds every optimizer through bind() below
+            opt.bind(self.model_params)
+
+        replace_adam(patches, InBackward, {"on_first_use": staticmethod(first_use)}, self.optimizers,
+                     lambda opt: opt.bind(self.model_params) if self.model_params is not None else None)
+        refuse = refusing_clipping("the plan updates each parameter during backward (update_in_backward)",
+                                   "hetero plan updates in backward only for scripts that do not clip")
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in ("clip_grad_norm_", "clip_grad_value_"):
+                patches.set(owner, name, refuse)
+
+    def bind(self, model: torch.nn.Module) -> None:
+        self.model_params = set(model.parameters())
+        for opt in self.optimizers:
+            opt.bind(self.model_params)
+
+    def close(self) -> None:
+        pass
+
+    def summary(self) -> list[str]:
+        mine = [opt for opt in self.optimizers if opt._mine]
+        if not mine:
+            return []
+        params = sum(p.numel() for opt in mine for p in opt._group_of)
+        return [f"the script's {self.section.kind} updated {params / 1e6:.2f}M parameters during backward, each "
+                "gradient freed once used (torch's own arithmetic)"]
+
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        return {}
+
+
+def _refuse_second_backward(again: bool) -> None:
+    if again:
+        raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
+            "the plan updates each parameter during backward, but a second backward reached a parameter before "
+            "step() (gradient accumulation, or one model's loss reaching another's parameters)",
+            hint="profile and plan again: hetero plan updates in backward only for one backward per step",
+            exit_code=STALE_PLAN))
+
+
+def _refuse_ranks() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        raise StopScript(HeteroError(
+            "the plan updates each parameter during backward, but this script trains on several ranks, whose "
+            "gradient all-reduce needs the gradients", hint="plan again from a profile of this run",
+            exit_code=STALE_PLAN))
