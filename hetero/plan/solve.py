@@ -73,19 +73,36 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
                  update_in_backward=_in_backward(ctx) if "in_backward" in levers and optimizer is None else None)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
     draft = layer_modes(ctx, draft, pins)
-    return replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft)))
+    return _returning_from(ctx, replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft))))
+
+
+def _returning_from(ctx: Context, out: Plan) -> Plan:
+    """Without plain's own peak, freed memory is returned only from halfway between the plan's predicted peak (with
+    it returned) and the budget less headroom: below, malloc's defaults cost no page faults; the other half is for
+    what the process adds before the switch takes hold. Returning memory cannot take back what live tensors hold,
+    and an iteration's saved activations are what the process holds more and more of until backward frees them:
+    where they exceed that half, memory is returned from the start, as the profile did."""
+    if out.allocator is None or out.allocator.from_bytes is None:
+        return out
+    peak, room = out.predicted.peak_bytes[host_tier(ctx.profile)], fit.room_bytes(ctx)
+    start = max(peak, (peak + room) // 2 >> 20 << 20)  # whole MiB, as a user would write it
+    saved = sum(layer.saved_bytes for layer in ctx.profile.layers) * ctx.profile.training.grad_accumulation
+    if saved > room - start:
+        return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
+            f"{out.allocator.why}; from the start: an iteration saves {SIZE.format_short(saved)} of activations, "
+            f"more than the {SIZE.format_short(room - start)} a switch halfway to the budget would leave")))
+    return replace(out, allocator=replace(out.allocator, from_bytes=start, why=(
+        f"{out.allocator.why}; with malloc's defaults, whose peak the profile could not measure, until the process "
+        f"holds {SIZE.format_short(start)}, halfway from the predicted {SIZE.format_short(peak)} to the budget less "
+        f"headroom ({SIZE.format_short(room)}): no page faults below it")))
 
 
 def _allocator(ctx: Context):
     m = ctx.profile.memory
-    if m.dram_peak_estimated:
-        room = fit.room_bytes(ctx)
+    if m.dram_peak_estimated:  # `from_bytes` is set once the plan's peak is predicted (_returning_from)
         return fit.allocator_plan(
-            f"glibc returns the memory freed tensors leave once the process holds {SIZE.format_short(room)} (the "
-            f"budget less its headroom), as it did throughout the profile ({m.profiled_under}): plain training "
-            f"peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way; with malloc's defaults, whose "
-            "peak the profile could not measure, the process may come near that mark before it switches, but "
-            "pays no page faults until then", from_bytes=room)
+            f"glibc returns the memory freed tensors leave as it did throughout the profile ({m.profiled_under}): "
+            f"plain training peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way", from_bytes=0)
     return fit.allocator_plan(
         f"glibc returns the memory freed tensors leave: plain training peaks at "
         f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)} "

@@ -169,9 +169,9 @@ def test_without_plains_own_peak_memory_is_returned_only_near_the_budget_and_the
     cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
                         returned_step_s=cpu.training.iteration_s)
     p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
-    assert p.allocator.from_bytes == fit.room_bytes(fit_context(cpu, PLAIN)) == int(PLAIN * (1 - fit.HEADROOM))
-    # returning memory alone fits too, but malloc's defaults run up to that mark: the equally fast, lower peak
+    # returning memory alone fits too, but malloc's defaults run up to a mark: the equally fast, lower peak
     assert p.update_in_backward is not None and peak(p) == RETURNED - footprint.grads_freed_in_backward(cpu)
+    assert p.allocator.from_bytes == (peak(p) + fit.room_bytes(fit_context(cpu, PLAIN))) // 2
 
 
 def fit_context(profile: Profile, budget: int):
