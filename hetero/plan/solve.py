@@ -82,7 +82,7 @@ def _returning_from(ctx: Context, out: Plan) -> Plan:
     what the process adds before the switch takes hold. Returning memory cannot take back what live tensors hold,
     and an iteration's saved activations are what the process holds more and more of until backward frees them:
     where they exceed that half, memory is returned from the start, as the profile did."""
-    if out.allocator is None or out.allocator.from_bytes is None:
+    if out.allocator is None or not ctx.profile.memory.dram_peak_estimated:
         return out
     peak, room = out.predicted.peak_bytes[host_tier(ctx.profile)], fit.room_bytes(ctx)
     start = max(peak, (peak + room) // 2 >> 20 << 20)  # whole MiB, as a user would write it
@@ -99,10 +99,10 @@ def _returning_from(ctx: Context, out: Plan) -> Plan:
 
 def _allocator(ctx: Context):
     m = ctx.profile.memory
-    if m.dram_peak_estimated:  # `from_bytes` is set once the plan's peak is predicted (_returning_from)
+    if m.dram_peak_estimated:  # from when on is decided once the plan's peak is predicted (_returning_from)
         return fit.allocator_plan(
             f"glibc returns the memory freed tensors leave as it did throughout the profile ({m.profiled_under}): "
-            f"plain training peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way", from_bytes=0)
+            f"plain training peaked at {SIZE.format_short(m.dram_peak_returned_bytes)} that way")
     return fit.allocator_plan(
         f"glibc returns the memory freed tensors leave: plain training peaks at "
         f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)} "

@@ -8,7 +8,8 @@ faults each time a block is mapped again, which `hetero profile` measures and th
 threshold also stops glibc from raising the mmap threshold by itself.
 
 The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
-first holds that much, and decides nothing: without the section, malloc keeps its defaults. Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime says so.
+first holds that much, and decides nothing: without the section, malloc keeps its defaults. Elsewhere than glibc
+(no `mallopt` symbol) nothing can be set, and the runtime says so.
 """
 
 from __future__ import annotations
@@ -64,28 +65,25 @@ class ReturnFreedMemory:
         self.plan = plan
         self.interval_s = interval_s
         self.applied = False
-        self.glibc = True
         self.returned_at: int | None = None  # the resident bytes that made it return memory (with `from_bytes`)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def install(self, patches, need_model) -> None:
         if self.plan.from_bytes is None:
-            self._apply()
-        elif _libc() is None:
-            self.glibc = False
-        else:
+            glibc = self._apply()
+        elif glibc := _libc() is not None:
             self._thread = threading.Thread(target=self._watch, name="hetero-malloc-watch", daemon=True)
             self._thread.start()
-        if not self.glibc:
+        if not glibc:
             print("hetero: warning: the plan asks malloc to return freed memory, but the C library is not glibc "
                   "(no mallopt): the process may peak above the plan's prediction", file=sys.stderr)
 
-    def _apply(self) -> None:
+    def _apply(self) -> bool:
         self.applied = set_thresholds(self.plan.mmap_threshold_bytes, self.plan.trim_threshold_bytes)
-        self.glibc = self.applied
         if self.applied:
             trim()  # what is free now goes back before the next allocation
+        return self.applied
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):

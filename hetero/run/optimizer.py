@@ -118,8 +118,7 @@ class Offloaded:
             self._launch(p, slot, p.grad)
 
     def _keep(self, p: torch.nn.Parameter, slot: ParamState) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1:
+        if several_ranks():
             raise StopScript(HeteroError(
                 "the plan keeps gradients on NVMe (optimizer.nvme.grads), but this script trains on several ranks, "
                 "whose gradient all-reduce needs them in memory", hint="set `grads: false` under optimizer.nvme, or "
@@ -385,6 +384,12 @@ def updates_the_model(opt, params: list, model_params) -> bool:
                           "the planned model", exit_code=UNSUPPORTED_SCRIPT,
                           hint="make the parameters it updates submodules of the one model the script trains")
     return not outside
+
+
+def several_ranks() -> bool:
+    """The script trains on several ranks (a process group of more than one)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
 
 
 def torch_step(base: type, opt, closure=None):

@@ -19,7 +19,7 @@ import torch
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.script import StopScript
-from hetero.run.optimizer import refusing_clipping, replace_adam, torch_step, updates_the_model
+from hetero.run.optimizer import refusing_clipping, replace_adam, several_ranks, torch_step, updates_the_model
 from hetero.schema.plan import UpdateInBackward
 
 
@@ -52,8 +52,10 @@ class InBackward:
             type(self).on_first_use(self)
         if not self._mine:
             return
-        _refuse_second_backward(p in self._updated)
-        _refuse_ranks()
+        if p in self._updated:
+            raise StopScript(_second_backward())  # inside the script: its `except Exception` must not hide it
+        if several_ranks():
+            raise StopScript(_several_ranks())
         groups = self.param_groups
         self.param_groups = [{**self._group_of[p], "params": [p]}]
         try:
@@ -102,26 +104,22 @@ class UpdatesInBackward:
         if not mine:
             return []
         params = sum(p.numel() for opt in mine for p in opt._group_of)
-        return [f"the script's {self.section.kind} updated {params / 1e6:.2f}M parameters during backward, each "
-                "gradient freed once used (torch's own arithmetic)"]
+        return [(f"the script's {self.section.kind} updated {params / 1e6:.2f}M parameters during backward, each "
+                 "gradient freed once used (torch's own arithmetic)")]
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         return {}
 
 
-def _refuse_second_backward(again: bool) -> None:
-    if again:
-        raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
-            "the plan updates each parameter during backward, but a second backward reached a parameter before "
-            "step() (gradient accumulation, or one model's loss reaching another's parameters)",
-            hint="profile and plan again: hetero plan updates in backward only for one backward per step",
-            exit_code=STALE_PLAN))
+def _second_backward() -> HeteroError:
+    return HeteroError(
+        "the plan updates each parameter during backward, but a second backward reached a parameter before step() "
+        "(gradient accumulation, or one model's loss reaching another's parameters)",
+        hint="profile and plan again: hetero plan updates in backward only for one backward per step",
+        exit_code=STALE_PLAN)
 
 
-def _refuse_ranks() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_world_size() > 1:
-        raise StopScript(HeteroError(
-            "the plan updates each parameter during backward, but this script trains on several ranks, whose "
-            "gradient all-reduce needs the gradients", hint="plan again from a profile of this run",
-            exit_code=STALE_PLAN))
+def _several_ranks() -> HeteroError:
+    return HeteroError("the plan updates each parameter during backward, but this script trains on several ranks, "
+                       "whose gradient all-reduce needs the gradients", hint="plan again from a profile of this run",
+                       exit_code=STALE_PLAN)

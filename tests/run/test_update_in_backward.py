@@ -102,3 +102,14 @@ def test_another_models_optimizer_stays_torchs():
         ours.step()
         theirs.step()
         assert all(not torch.equal(p, q) for p, q in zip(other.parameters(), before))
+
+
+def test_several_ranks_are_refused_rather_than_updated_before_their_all_reduce(monkeypatch):
+    from hetero.run import update_in_backward
+    monkeypatch.setattr(update_in_backward, "several_ranks", lambda: True)  # a 2-rank process group, as DDP sees it
+    net = model()
+    with Runtime(in_backward(net), script=__file__), pytest.raises(StopScript) as e:
+        torch.optim.AdamW(net.parameters())
+        x, y = batch(0)
+        F.cross_entropy(net(x), y).backward()
+    assert e.value.error.exit_code == STALE_PLAN and "several ranks" in e.value.error.message
