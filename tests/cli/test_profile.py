@@ -122,7 +122,8 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     measured = SIZE.parse(memory.profiled_under.rsplit("the peak measured that way: ", 1)[1])
     # plain's estimate: the measured peak, less the staging the moved optimizer held, plus plain's 12 B/param
     held = memory.dram_peak_bytes - measured - conservative.PLAIN_BYTES_PER_PARAM * n
-    assert -20 * 2**20 < held < 0
+    rounded = measured * 0.005  # the text's three digits: a whole suite's process peaks past 1 GiB (3 MiB steps)
+    assert -20 * 2**20 - rounded < held < rounded
     assert not (tmp_path / "disk").exists() or not list((tmp_path / "disk").rglob("*.bin"))
     # its steps updated states on NVMe: plain's step is timed at the host Adam rate the machine phase measured
     cpu, step = profile.machine.cpu, profile.training.optimizer_step_s
