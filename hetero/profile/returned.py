@@ -1,13 +1,19 @@
-"""What returning freed memory does to the script's training: its peak and its step time, measured so that the plan
-can count both (hetero.plan.fit's `allocator` lever).
+"""What the script's training costs in a process of its own: plain training's peak and step time, and the same with
+freed memory returned, so that the plan can count both (hetero.plan.fit's `allocator` lever).
 
 Two ways, one per case:
-- Without a budget, `measure` runs the script once more in a fresh process that sets glibc's thresholds as the
-  runtime does (hetero.run.allocator) before the script starts, for the warm-up steps and `TIMED_STEPS` more: its
-  peak (VmHWM), and the mean time of the timed steps; then once more with malloc's defaults, whose step time is what
-  the first one's is compared with (the profile's own steps ran at another moment of a shared machine's load, with
-  its hooks). Fresh processes, because the profile's own has grown its heap the default way already: measured
-  there, the peak says more about the profile than about a planned run.
+- Without a budget, `measure` runs the script in a fresh process that sets glibc's thresholds as the runtime does
+  (hetero.run.allocator) before the script starts, then in one with malloc's defaults: plain training as the user
+  runs it, without the profiler's hooks. Each runs until its peak has settled (`settled`): at least the warm-up
+  steps and `TIMED_STEPS` more, then until `SETTLE_STEPS` steps in a row raised the peak by less than
+  `SETTLE_BYTES`, at most `MAX_STEPS` steps, or to the script's own end (whose evaluation and saving then count).
+  A process's heap goes on growing for steps after the first: glibc raises its mmap threshold each time a mapped
+  block is freed, and blocks it used to map then fragment the heap (a width-512 LM: 1333 MiB after 2 steps,
+  1409 after 3, 1501 from the 4th on). Each gives its peak as a memory limit charges it
+  (hetero.run.process_memory) and the mean time of its last timed steps; the returned run's step is compared with
+  the default run's (the profile's own steps ran at another moment of a shared machine's load, with its hooks).
+  Fresh processes, because the profile's own has grown its heap the default way already, with hooks and layer
+  timings in it: measured there, the peak says more about the profile than about a planned run.
 - Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
   profile must not die of it: `Budgeted` returns freed memory from before the script's first allocation, the
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
@@ -32,19 +38,34 @@ from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
 
 TIMED_STEPS = 2
+SETTLE_STEPS = 2  # steps in a row that must leave the peak where it was
+SETTLE_BYTES = 2 << 20  # what "where it was" allows: the peak's own noise between steps
+MAX_STEPS = 12  # a peak still rising by then rises with the script's own state (a list of losses), not the heap's
 
 
 @dataclass(frozen=True, slots=True)
 class Returned:
-    peak_bytes: int
+    peak_bytes: int  # with freed memory returned
     step_s: float
-    default_step_s: float  # the same run's step with malloc's defaults
+    default_peak_bytes: int  # plain training's own: malloc's defaults, no hooks
+    default_step_s: float  # the same script's step with malloc's defaults
+    default_steps: int  # steps the default run took to settle (or the script's, where it ended first)
 
 
 @dataclass(frozen=True, slots=True)
 class _Run:
     peak_bytes: int
     step_s: float
+    steps: int
+
+
+def settled(peaks: list[int], least_steps: int) -> bool:
+    """Whether a run whose peak after each step so far is `peaks` may stop: `least_steps` done, and the last
+    `SETTLE_STEPS` of them raised it by less than `SETTLE_BYTES`; or `MAX_STEPS` done."""
+    if len(peaks) >= max(MAX_STEPS, least_steps):
+        return True
+    return len(peaks) >= least_steps and len(peaks) > SETTLE_STEPS and \
+        peaks[-1] - peaks[-1 - SETTLE_STEPS] < SETTLE_BYTES
 
 
 def returning() -> bool:
@@ -58,13 +79,14 @@ def restore() -> None:
 
 
 def measure(script: str, args: list[str], warmup: int) -> Returned | None:
-    """The script's peak and step time with freed memory returned, and its step time without, each from a fresh
+    """The script's peak and step time with freed memory returned, and with malloc's defaults, each from a fresh
     process; None when it could not run that many steps (or malloc is not glibc)."""
     returned = _run(script, args, warmup, "returned")
     default = _run(script, args, warmup, "default") if returned is not None else None
     if default is None:
         return None
-    return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_step_s=default.step_s)
+    return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_peak_bytes=default.peak_bytes,
+                    default_step_s=default.step_s, default_steps=default.steps)
 
 
 def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
@@ -78,7 +100,7 @@ def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
             return None
         with open(out) as f:
             data = json.load(f)
-    return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"])
+    return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"], steps=data["steps"])
 
 
 # The fresh process loads what `hetero run` has loaded when its script starts (the CLI, the runtime), so that its
@@ -95,10 +117,12 @@ def _child(out: str, steps: int, malloc: str, script: str, args: list[str]) -> i
     from hetero.harness.script import StopScript, run_script
 
     ends: list[float] = []
+    peaks: list[int] = []
 
     def step_ended(optimizer, *_):
         ends.append(time.perf_counter())
-        if len(ends) == steps:
+        peaks.append(process_memory.dram_peak_bytes())
+        if settled(peaks, steps):
             raise StopScript()
 
     handle = register_optimizer_step_post_hook(step_ended)
@@ -106,11 +130,11 @@ def _child(out: str, steps: int, malloc: str, script: str, args: list[str]) -> i
         result = run_script(script, args)
     finally:
         handle.remove()
-    if not result.stopped or len(ends) < steps:
+    if len(ends) < steps or not (result.stopped or result.exit_code == 0):
         return 1
     timed = ends[-TIMED_STEPS - 1:]
     with open(out, "w") as f:
-        json.dump({"peak_bytes": process_memory.dram_peak_bytes(),
+        json.dump({"peak_bytes": process_memory.dram_peak_bytes(), "steps": len(ends),
                    "step_s": (timed[-1] - timed[0]) / TIMED_STEPS}, f)
     return 0
 

@@ -1,8 +1,13 @@
 """What the whole process holds: the figures a user pays for and a memory limit counts.
 
-Host memory is the resident set (RSS) as the kernel counts it, interpreter, libraries and allocator slack
-included; its peak is the kernel's own high-water mark (VmHWM), so no sampling can miss it. On a GPU, torch's
-caching allocator's peaks: `allocated` (live tensors) and `reserved` (what the GPU has given the process).
+Host memory is what a memory limit charges the process: its resident set less the pages it maps from files
+(interpreter, heap, allocator slack, tensors: anonymous and shared memory). A memory cgroup charges a library's
+file pages only to whoever first read them, and reclaims clean ones before it kills anything, so the resident set
+(VmRSS, VmHWM) overstates what a limit counts by the ~80-100 MiB of torch's libraries (docs/benchmarks.md,
+"What plain training needs"). Its peak is taken from the kernel's own high-water mark (VmHWM), which no sampling
+can miss, less the file pages mapped when it last rose (`Peak`): the library pages are mapped by the time training
+peaks and stay so. On a GPU, torch's caching allocator's peaks: `allocated` (live tensors) and `reserved` (what the
+GPU has given the process).
 """
 
 from __future__ import annotations
@@ -18,28 +23,53 @@ class GpuPeak:
 
 
 def resident_bytes() -> int:
-    """Resident memory of this process now (VmRSS); 0 where /proc cannot tell."""
-    return _status_kib("VmRSS:") * 1024
+    """Host memory this process holds now as a memory limit charges it (VmRSS less RssFile); 0 where /proc cannot
+    tell."""
+    status = _status("VmRSS", "RssFile")
+    return max(0, status.get("VmRSS", 0) - status.get("RssFile", 0))
 
 
-def _status_kib(field: str) -> int:
+def _status(*fields: str, path: str = "/proc/self/status") -> dict[str, int]:
+    """The named fields of /proc/self/status, in bytes (those it lacks are left out)."""
+    out: dict[str, int] = {}
     try:
-        with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith(field)), 0)
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in fields:
+                    out[key] = int(value.split()[0]) * 1024
     except OSError:
-        return 0
+        pass
+    return out
+
+
+class Peak:
+    """The peak of what a memory limit charges: VmHWM less the file pages mapped when VmHWM last rose. Call `read`
+    often enough to see each rise of VmHWM while it is the resident set's (a watch thread, each optimizer step):
+    a rise it did not see is counted with the file pages mapped when it is next read."""
+
+    def __init__(self, path: str = "/proc/self/status"):
+        self.path = path
+        self._hwm = 0
+        self._peak = 0
+
+    def read(self) -> int:
+        status = _status("VmHWM", "RssFile", path=self.path)
+        hwm = status.get("VmHWM")
+        if hwm is None:  # no /proc: the kernel's maximum resident set, file pages included
+            return max(self._peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        if hwm > self._hwm:
+            self._hwm = hwm
+            self._peak = max(self._peak, hwm - status.get("RssFile", 0))
+        return self._peak
+
+
+_PEAK = Peak()
 
 
 def dram_peak_bytes() -> int:
-    """Peak resident memory of this process so far."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's peak of host memory so far, as a memory limit charges it (`Peak`)."""
+    return _PEAK.read()
 
 
 def gpu_peak(device) -> GpuPeak | None:
@@ -113,9 +143,11 @@ def _lines(path: str) -> list[str]:
 def reset_peak() -> bool:
     """Start the kernel's high-water mark (VmHWM) again from the current resident set (writing 5 to
     /proc/self/clear_refs); False where the kernel refuses."""
+    global _PEAK
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
         return False
+    _PEAK = Peak()
+    return True

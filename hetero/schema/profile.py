@@ -249,8 +249,11 @@ class Memory:
     """What the whole process held while the script trained as it is (its warm-up steps, before the profiler's
     hooks): what plain training costs, interpreter, libraries and allocator slack included."""
 
-    dram_peak_bytes: int = doc("Peak resident memory (the kernel's high-water mark, VmHWM) by the end of the "
-                               "warm-up steps, which run without the profiler's hooks.", unit=SIZE, ge=0)
+    dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
+                               "VmHWM less the file pages mapped then): of the script run in a fresh process with "
+                               "malloc's defaults until the peak settles (`default_steps`); where that was not run "
+                               "(a budget, torchrun, a GPU), by the end of the warm-up steps, which run without the "
+                               "profiler's hooks.", unit=SIZE, ge=0)
     gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
@@ -260,15 +263,18 @@ class Memory:
                                     "is the peak measured that way (a lower bound of plain's), plus, where the "
                                     "profile also kept Adam's states and the gradients on NVMe (`profiled_under` "
                                     "says so), the 12 B/param plain training holds there instead.", default=False)
-    dram_peak_returned_bytes: int | None = doc("Peak resident memory of the script run in a fresh process with glibc "
-                                               "returning freed memory to the kernel (the plan's `allocator`); null: "
-                                               "not measured.",
+    dram_peak_returned_bytes: int | None = doc("Peak of host memory (as `dram_peak` counts it) of the script run in a "
+                                               "fresh process with glibc returning freed memory to the kernel (the "
+                                               "plan's `allocator`), until it settles; null: not measured.",
                                                unit=SIZE, ge=0, default=None)
     returned_step_s: float | None = doc("Mean step time over those steps; null: not measured.", unit=TIME,
                                         default=None)
     default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
                                        "`returned_step` less this is what returning memory costs a step (page "
                                        "faults); null: not measured.", unit=TIME, default=None)
+    default_steps: int | None = doc("Steps the fresh run with malloc's defaults took until its peak rose by less "
+                                    "than 2MiB in two steps (at most 12, or the script's own end, whose evaluation "
+                                    "and saving then count); null: not run.", ge=1, le=MAX_STEPS, default=None)
     profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
                                      "`freed memory returned from the start, under the 2GiB memory cgroup`.",
                                      default=None)

@@ -9,6 +9,7 @@ def test_a_fresh_process_measures_the_returned_peak_and_step(tmp_path):
     script = scripts.write(tmp_path, scripts.LOOP)
     found = returned.measure(script, ["--steps", "6"], warmup=1)
     assert found is not None and found.peak_bytes > 50 * 2**20 and found.step_s > 0 and found.default_step_s > 0
+    assert found.default_peak_bytes > 50 * 2**20 and 3 <= found.default_steps <= 6  # settled, or the script ended
 
 
 def test_a_script_that_ends_before_the_timed_steps_gives_nothing(tmp_path):
@@ -23,3 +24,13 @@ def test_under_a_budget_the_bandwidth_copy_fits_the_room_left():
     assert copy_size(None) == 256 * MiB  # no budget: as before
     assert copy_size(300 * MiB) == 75 * MiB  # two buffers in half the room
     assert copy_size(10 * MiB) == 16 * MiB and copy_size(8 << 30) == 256 * MiB
+
+
+def test_a_run_stops_once_its_peak_has_settled_or_at_the_most_steps():
+    MiB = 2**20
+    assert not returned.settled([100 * MiB, 120 * MiB], least_steps=3)
+    assert not returned.settled([100 * MiB, 120 * MiB, 130 * MiB, 131 * MiB], least_steps=3)  # 11 MiB in two steps
+    assert returned.settled([100 * MiB, 120 * MiB, 130 * MiB, 131 * MiB, 131 * MiB], least_steps=3)
+    assert not returned.settled([1] * 4, least_steps=5)  # the warm-up and timed steps first
+    rising = [k * 10 * MiB for k in range(1, returned.MAX_STEPS + 1)]
+    assert returned.settled(rising, least_steps=3) and not returned.settled(rising[:-1], least_steps=3)

@@ -31,3 +31,20 @@ def test_cgroup_v2_takes_the_tightest_of_the_folder_and_its_parents(tmp_path):
 
 def test_no_cgroup_file_means_no_limit(tmp_path):
     assert process_memory.memory_limit_bytes(str(tmp_path / "missing")) is None
+
+
+def test_the_peak_is_what_a_limit_charges_the_high_water_mark_less_the_file_pages_mapped_when_it_rose(tmp_path):
+    status = tmp_path / "status"
+    peak = process_memory.Peak(str(status))
+    write(status, "VmHWM:\t  300000 kB\nVmRSS:\t  300000 kB\nRssFile:\t   90000 kB\n")
+    assert peak.read() == 210000 * 1024
+    write(status, "VmHWM:\t  300000 kB\nVmRSS:\t  250000 kB\nRssFile:\t   30000 kB\n")  # file pages reclaimed since
+    assert peak.read() == 210000 * 1024
+    write(status, "VmHWM:\t  400000 kB\nVmRSS:\t  400000 kB\nRssFile:\t   30000 kB\n")
+    assert peak.read() == 370000 * 1024
+
+
+def test_resident_bytes_leave_out_file_pages():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    rss, file = (int(status[k].split()[0]) * 1024 for k in ("VmRSS", "RssFile"))
+    assert file > 0 and 0 < process_memory.resident_bytes() <= rss - file + (64 << 20)
