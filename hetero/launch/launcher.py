@@ -212,9 +212,11 @@ def _memory_line(plan: Plan, plan_path: Path) -> str:
         profile = files.load(path, expect=Profile) if path is not None else None
     except FileProblems:
         profile = None
-    plain = profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None
+    memory = profile.memory if profile is not None else None
     predicted = plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None
-    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain)
+    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted,
+                                    memory.dram_peak_bytes if memory else None,
+                                    plain_estimated=memory is not None and memory.dram_peak_estimated)
 
 
 def profile_workers(script: str, args: list[str], options: object, output: Path, torchrun: Torchrun,

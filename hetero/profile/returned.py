@@ -103,9 +103,11 @@ def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
     return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"], steps=data["steps"])
 
 
-# The fresh process loads what `hetero run` has loaded when its script starts (the CLI, the runtime), so that its
-# peak counts them as a planned run's does (~20 MiB here), then runs this module.
-_CHILD = ("import sys, runpy, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
+# The fresh process loads what `hetero run` has loaded when its script starts (the CLI, the runtime, the adapters
+# Typer loads when it parses a command's arguments), so that its peak counts them as a planned run's does (~20 MiB
+# here), then runs this module.
+_CHILD = ("import sys, runpy, importlib.util, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
+          "importlib.util.find_spec('typer._adapters') and __import__('typer._adapters'); "
           "runpy.run_module('hetero.profile.returned', run_name='__main__', alter_sys=True)")
 
 

@@ -1,22 +1,38 @@
 """`hetero run` watching the process's host-memory peak against the plan's DRAM budget.
 
-A thread reads the kernel's high-water mark (VmHWM, which no sampling can miss: the kernel keeps it) every
-`interval_s`; the first time it comes within `margin` of the budget it prints one warning naming the largest
-contributors to the peak by the plan's own accounting (`predicted.dram`), so the user sees what to move. It warns
-once, and never stops the run: the budget is the plan's promise, a memory limit the kernel's.
+A thread reads the process's peak as a memory limit charges it (hetero.run.process_memory: from the kernel's
+high-water mark, which no sampling can miss) every `interval_s`. The first time it comes within `margin` of the
+budget it prints one warning naming the largest entries of the plan's own account (`predicted.dram`), so the user
+sees what to move; the first time it passes the budget it says so at once, with the peak measured and the entry
+most to blame: the one whose measured bytes exceed the plan's most. The runtime's mechanisms report what they hold
+(the optimizer's states and staging); the rest of the process is the plan's first entry, plain training's own peak.
+The run's summary says whether the budget was kept. It never stops the run: the budget is the plan's promise, a
+memory limit the kernel's.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass
 
+from hetero.plan import footprint
 from hetero.run import process_memory
 from hetero.schema.plan import Plan
 from hetero.units import SIZE
 
 MARGIN = 0.05  # warn within 5% of the budget
 INTERVAL_S = 0.05
+# What a mechanism reports holding in host memory (its `resident_bytes`), by the plan's entry it is counted in.
+MEASURED_AS = {"optimizer states": footprint.OPTIMIZER, "optimizer states (emulated AXDIMM)": footprint.OPTIMIZER,
+               footprint.STAGING: footprint.STAGING}
+
+
+@dataclass(frozen=True, slots=True)
+class Blame:
+    entry: str
+    predicted_bytes: int
+    measured_bytes: int
 
 
 def warning_line(peak: int, budget: int, contributors: dict[str, int], top: int = 3) -> str:
@@ -28,15 +44,46 @@ def warning_line(peak: int, budget: int, contributors: dict[str, int], top: int 
             f"budget; largest by the plan's accounting: {named}")
 
 
-class BudgetWatch:
-    """A runtime Mechanism: watches VmHWM against `plan.budget.dram_budget_bytes` from install to close."""
+def blame(peak: int, account: dict[str, int], held: dict[str, int]) -> Blame | None:
+    """The entry of the plan's `account` (signed bytes, its first entry the process's base) whose measured bytes
+    exceed the predicted most: `held` is what the mechanisms measured, by entry; the base is measured as the peak
+    less every other entry (measured where the mechanisms hold it, else as predicted)."""
+    if not account:
+        return None
+    base = next(iter(account))
+    measured = {entry: held[entry] for entry in account if entry in held and entry != base}
+    others = sum(measured.get(entry, b) for entry, b in account.items() if entry != base)
+    measured[base] = peak - others
+    worst = max(measured, key=lambda entry: measured[entry] - account[entry])
+    return Blame(worst, account[worst], measured[worst])
 
-    def __init__(self, plan: Plan, interval_s: float = INTERVAL_S, out=None):
+
+def over_line(peak: int, budget: int, predicted: int, worst: Blame | None) -> str:
+    """`host memory 1.05GiB is over the plan's 1GiB DRAM budget (predicted 950MiB); most to blame: ...`."""
+    line = (f"host memory {SIZE.format_short(peak)} is over the plan's {SIZE.format_short(budget)} DRAM budget "
+            f"(predicted {SIZE.format_short(predicted)})")
+    if worst is None:
+        return line
+    return (f"{line}; most to blame by the plan's account: {worst.entry}, predicted "
+            f"{SIZE.format_short(worst.predicted_bytes)}, measured {SIZE.format_short(worst.measured_bytes)} "
+            f"({SIZE.format_short(worst.measured_bytes - worst.predicted_bytes)} more)")
+
+
+class BudgetWatch:
+    """A runtime Mechanism: watches the peak against `plan.budget.dram_budget_bytes` from install to close.
+    `others`: the run's other mechanisms, whose host memory it measures when the budget is passed."""
+
+    def __init__(self, plan: Plan, others: list | tuple = (), interval_s: float = INTERVAL_S, out=None):
         self.budget = plan.budget.dram_budget_bytes
         self.contributors = dict(plan.predicted.dram)
+        self.account = dict(plan.predicted.dram) | {k: -b for k, b in plan.predicted.dram_saved.items()}
+        self.predicted = sum(self.account.values())
+        self.others = others
         self.interval_s = interval_s
         self.out = out or sys.stderr
-        self.warned: str | None = None  # the line printed, once
+        self.warned: str | None = None  # the line printed near the budget, once
+        self.over: str | None = None  # the line printed when the peak passed the budget, once
+        self.peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -48,11 +95,23 @@ class BudgetWatch:
         pass
 
     def check(self) -> None:
-        """Compare the peak so far with the budget; warn the first time it is within the margin."""
-        peak = process_memory.dram_peak_bytes()
-        if self.warned is None and peak >= (1 - MARGIN) * self.budget:
+        """Compare the peak so far with the budget; warn the first time it is within the margin, and say so the
+        first time it is over."""
+        self.peak = peak = process_memory.dram_peak_bytes()
+        if self.over is None and peak > self.budget:
+            self.over = over_line(peak, self.budget, self.predicted, blame(peak, self.account, self._held()))
+            print(f"hetero: warning: {self.over}", file=self.out, flush=True)
+        elif self.warned is None and self.over is None and peak >= (1 - MARGIN) * self.budget:
             self.warned = warning_line(peak, self.budget, self.contributors)
             print(f"hetero: warning: {self.warned}", file=self.out, flush=True)
+
+    def _held(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for m in self.others:
+            for what, b in m.resident_bytes().get("host", {}).items():
+                if what in MEASURED_AS:
+                    held[MEASURED_AS[what]] = held.get(MEASURED_AS[what], 0) + b
+        return held
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -66,7 +125,11 @@ class BudgetWatch:
         self.check()  # a peak reached after the last poll
 
     def summary(self) -> list[str]:
-        return []
+        budget = SIZE.format_short(self.budget)
+        if self.over is not None:
+            return [f"the DRAM budget {budget} was not kept: {self.over}"]
+        return [f"the DRAM budget {budget} was kept: peak {SIZE.format_short(self.peak)} "
+                f"({self.peak / self.budget:.0%} of it)"]
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         return {}

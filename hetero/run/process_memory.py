@@ -82,13 +82,16 @@ def gpu_peak(device) -> GpuPeak | None:
                    reserved_bytes=torch.cuda.max_memory_reserved(device))
 
 
-def peak_line(measured: int, predicted: int | None, plain: int | None, what: str = "dram peak") -> str:
-    """`dram peak 1.2GiB: 0.98x plain's 1.22GiB (profile); predicted 1.21GiB, measured -1%`."""
+def peak_line(measured: int, predicted: int | None, plain: int | None, what: str = "dram peak",
+              plain_estimated: bool = False) -> str:
+    """`dram peak 1.2GiB: 0.98x plain's 1.22GiB (a fresh process, profiled); predicted 1.21GiB, measured -1%`:
+    plain's peak as the profile measured it the way this one is (what a memory limit charges)."""
     from hetero.units import SIZE
 
     line = f"{what} {SIZE.format_short(measured)}"
     if plain:
-        line += f": {measured / plain:.2f}x plain's {SIZE.format_short(plain)} (profile)"
+        how = "estimated: profiled under a budget" if plain_estimated else "profiled in a fresh process"
+        line += f": {measured / plain:.2f}x plain's {SIZE.format_short(plain)} ({how})"
     if predicted:
         line += f"; predicted {SIZE.format_short(predicted)}, measured {measured / predicted - 1:+.0%}"
     return line

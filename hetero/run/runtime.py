@@ -69,7 +69,7 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
     found += [ddp] if overlapped or plan.routing is not None else []
     # first: malloc's settings must hold before any other mechanism allocates
     found[:0] = [ReturnFreedMemory(plan.allocator)] if plan.allocator is not None else []
-    return found + ([BudgetWatch(plan)] if plan.budget.dram_budget_bytes else [])
+    return found + ([BudgetWatch(plan, list(found))] if plan.budget.dram_budget_bytes else [])
 
 
 class Runtime:

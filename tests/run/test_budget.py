@@ -1,5 +1,6 @@
 """The runtime keeps what the plan decided about host memory: malloc's thresholds set (and restored) by the plan's
-`allocator` section, training unchanged by them, and one warning when the process nears the plan's DRAM budget."""
+`allocator` section, training unchanged by them, one warning when the process nears the plan's DRAM budget, and one
+at once when it passes it, naming the entry of the plan's account most to blame."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from torch.testing import assert_close
 
 from hetero.plan import fit
 from hetero.run import allocator, process_memory
-from hetero.run.budget_watch import BudgetWatch, warning_line
+from hetero.run.budget_watch import Blame, BudgetWatch, blame, warning_line
 from hetero.run.runtime import Runtime, mechanisms
 from hetero.schema.plan import AllocatorPlan, Predicted
+from hetero.units import SIZE
 from tests.run.plans import optimizer_plan
 from tests.run.test_nvme_states import model, train
 
@@ -89,3 +91,34 @@ def test_a_budget_in_the_plan_starts_the_watch_and_none_does_not():
     budgeted = replace(plan, budget=replace(plan.budget, dram_budget_bytes=1 << 40))
     assert any(isinstance(m, BudgetWatch) for m in mechanisms(budgeted))
     assert "over the plan's" in warning_line(2 << 30, 1 << 30, {})
+
+
+def test_passing_the_budget_is_said_at_once_with_the_peak_and_the_entry_most_to_blame():
+    plan = optimizer_plan(model(), device="host")
+    now = process_memory.dram_peak_bytes()
+    plan.predicted = Predicted(iteration_s=1.0, peak_bytes={}, dram={"plain training": now // 2},
+                               dram_saved={"gradients freed in backward": 1 << 20})
+    out = io.StringIO()
+    watch = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=now // 2)), out=out)
+    watch.check()
+    watch.check()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "is over the plan's" in lines[0] and "most to blame by the plan's account: plain " \
+        "training" in lines[0]
+    assert watch.summary()[0].startswith(f"the DRAM budget {SIZE.format_short(now // 2)} was not kept")
+    kept = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=4 * now)), out=out)
+    kept.check()
+    assert kept.summary()[0].startswith(f"the DRAM budget {SIZE.format_short(4 * now)} was kept")
+
+
+def test_the_entry_most_to_blame_is_the_one_measured_furthest_over_its_prediction():
+    MiB = 1 << 20
+    account = {"plain training": 800 * MiB, "hetero optimizer": 100 * MiB, "nvme state staging": 20 * MiB,
+               "script's adam states": -200 * MiB}
+    # the mechanisms hold their predicted bytes: the base took the excess
+    assert blame(760 * MiB, account, {"hetero optimizer": 100 * MiB}) == \
+        Blame("plain training", 800 * MiB, 840 * MiB)
+    # the optimizer holds 90 MiB more than planned: it is to blame, the base is as predicted
+    assert blame(810 * MiB, account, {"hetero optimizer": 190 * MiB, "nvme state staging": 20 * MiB}) == \
+        Blame("hetero optimizer", 100 * MiB, 190 * MiB)
+    assert blame(1, {}, {}) is None
