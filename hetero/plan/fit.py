@@ -101,9 +101,10 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
     if not fitting:
         least = min(seen.values(), key=lambda c: c.peak_bytes)
         raise HeteroError(
-            f"the plan needs {SIZE.format_short(least.peak_bytes, 5)} of {host} even with "
-            f"{_names(least.levers) or 'nothing moved'}, over the budget {SIZE.format_short(budget, 5)} "
-            f"({ctx.budget_source}, less {HEADROOM:.0%} headroom)" + _unusable_text(unusable),
+            f"below the floor: no plan keeps the budget {SIZE.format_short(budget, 5)} ({ctx.budget_source}, less "
+            f"{HEADROOM:.0%} headroom); the least any plan needs is {SIZE.format_short(least.peak_bytes, 5)} of "
+            f"{host}, with {_names(least.levers) or 'nothing moved'}: {floor_text(least.plan)}"
+            + _unusable_text(unusable),
             hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes / (1 - HEADROOM) + (1 << 20), 3)} or "
                  "more, or train a smaller model or batch", exit_code=USAGE)
     # Equally fast: the fewer levers; but where freed memory is returned only from near the budget on (`forced`),
@@ -112,6 +113,14 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
         fitting, key=lambda c: (c.iteration_s, c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))
+
+
+def floor_text(plan: Plan) -> str:
+    """What the floor is made of, by the plan's account: `plain training, memory returned 700MiB, hetero optimizer
+    20MiB, less script's adam states 200MiB`."""
+    held = ", ".join(f"{what} {SIZE.format_short(b)}" for what, b in plan.predicted.dram.items())
+    saved = ", ".join(f"{what} {SIZE.format_short(b)}" for what, b in plan.predicted.dram_saved.items())
+    return held + (f", less {saved}" if saved else "")
 
 
 def _in_backward_refused(ctx) -> str:

@@ -133,7 +133,6 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         session.progress("malloc's settings", 1, 1)
         if found is not None:  # plain training's own peak, settled, without hooks: what a plain process pays
             session.memory.dram_peak_bytes = found.default_peak_bytes
-            session.memory.default_steps = found.default_steps
             session.memory.dram_peak_returned_bytes = found.peak_bytes
             session.memory.returned_step_s = measured(found.step_s)
             session.memory.default_step_s = measured(found.default_step_s)

@@ -251,9 +251,10 @@ class Memory:
 
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
                                "VmHWM less the file pages mapped then): of the script run in a fresh process with "
-                               "malloc's defaults until the peak settles (`default_steps`); where that was not run "
-                               "(a budget, torchrun, a GPU), by the end of the warm-up steps, which run without the "
-                               "profiler's hooks.", unit=SIZE, ge=0)
+                               "malloc's defaults until the peak settles (less than 2MiB more in two steps; at most "
+                               "12 steps, or to the script's own end, whose evaluation and saving then count); where "
+                               "that was not run (a budget, torchrun, a GPU), by the end of the warm-up steps, which "
+                               "run without the profiler's hooks.", unit=SIZE, ge=0)
     gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
@@ -272,9 +273,6 @@ class Memory:
     default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
                                        "`returned_step` less this is what returning memory costs a step (page "
                                        "faults); null: not measured.", unit=TIME, default=None)
-    default_steps: int | None = doc("Steps the fresh run with malloc's defaults took until its peak rose by less "
-                                    "than 2MiB in two steps (at most 12, or the script's own end, whose evaluation "
-                                    "and saving then count); null: not run.", ge=1, le=MAX_STEPS, default=None)
     profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
                                      "`freed memory returned from the start, under the 2GiB memory cgroup`.",
                                      default=None)

@@ -88,8 +88,12 @@ def test_optimizer_states_go_to_nvme_when_only_they_fit(cpu):
 def test_a_budget_nothing_meets_is_refused_with_the_least_the_plan_needs(cpu):
     with pytest.raises(HeteroError) as e:
         plan(cpu, PlanOptions(dram_budget_bytes=100 * MiB))
-    assert e.value.exit_code == USAGE and "over the budget 100MiB" in e.value.message
+    assert e.value.exit_code == USAGE and "below the floor: no plan keeps the budget 100MiB" in e.value.message
     assert "\n" not in e.value.message and e.value.hint.startswith("raise --dram-budget to")
+    # the floor is named, and what it is made of by the plan's account
+    least = SIZE.parse(e.value.message.split("the least any plan needs is ")[1].split(" ")[0])
+    assert least > 100 * MiB and f"plain training, memory returned {SIZE.format_short(RETURNED)}" in e.value.message
+    assert SIZE.parse(e.value.hint.split("raise --dram-budget to ")[1].split(" ")[0]) >= least / (1 - fit.HEADROOM)
 
 
 def test_the_memory_cgroup_is_the_default_budget_and_an_option_above_it_is_refused(cpu):

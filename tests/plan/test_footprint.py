@@ -59,7 +59,7 @@ def test_evicting_from_host_memory_does_not_lower_the_predicted_process_peak(cpu
 
 def test_a_dram_budget_plain_training_fits_keeps_plain_and_one_it_does_not_is_refused(cpu):
     assert plan(cpu, PlanOptions(dram_budget_bytes=2 * GiB)).activations is None
-    with pytest.raises(HeteroError, match="over the budget"):  # evictions would not lower the process's peak
+    with pytest.raises(HeteroError, match="below the floor: no plan keeps the budget"):  # evictions do not lower it
         plan(cpu, PlanOptions(dram_budget_bytes=PLAIN_PEAK // 2))
 
 
