@@ -43,14 +43,15 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     host memory a budget leaves the measurements (None: no budget), which sizes the bandwidth copy."""
     report = progress or (lambda *a: None)
     phases = ["cpu", "gpu", "tiers", "axdimm"]
+    largest = largest_buffer(room_bytes)
     report("machine", 0, len(phases))
-    cpu = measure_cpu(gpu=device.type == "cuda", copy_bytes=copy_size(room_bytes))
+    cpu = measure_cpu(gpu=device.type == "cuda", copy_bytes=copy_size(room_bytes), largest=largest)
     report("machine", 1, len(phases))
     gpu = measure_gpu(device) if device.type == "cuda" else None
     report("machine", 2, len(phases))
-    tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown, disk_beside)
+    tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown, disk_beside, largest)
     report("machine", 3, len(phases))
-    axdimm = measure_axdimm(slowdown=cpu.background_slowdown)
+    axdimm = measure_axdimm(sizes=update_sizes(largest), slowdown=cpu.background_slowdown)
     report("machine", 4, len(phases))
     return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [],
                    memory_limit_bytes=process_memory.memory_limit_bytes())
@@ -92,10 +93,25 @@ def copy_size(room_bytes: int | None) -> int:
     return max(16 * MiB, min(256 * MiB, room_bytes // 4 // MiB * MiB))
 
 
-def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB) -> Cpu:
+def largest_buffer(room_bytes: int | None) -> int:
+    """The largest buffer a measurement of the host, the disk and the updates allocates: 64 MiB, or under a budget
+    an eighth of the room it leaves (each holds a few such buffers at once, and the threads it starts take their
+    own heaps), at least 4 MiB: a profile under a budget must not need more than the run it plans for."""
+    if room_bytes is None:
+        return 64 * MiB
+    return max(4 * MiB, min(64 * MiB, 1 << max(0, (room_bytes // 8).bit_length() - 1)))
+
+
+def update_sizes(largest: int) -> tuple[int, int]:
+    """Parameters of the small and the large timed update: the large one's `largest` bytes hold 16 B per parameter
+    (fp32 master, m, v and a gradient), at most UPDATE_SIZES' 4M parameters."""
+    return UPDATE_SIZES[0], max(16 * UPDATE_SIZES[0], min(UPDATE_SIZES[1], largest // 16 // 4096 * 4096))
+
+
+def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB, largest: int = 64 * MiB) -> Cpu:
     """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured."""
-    slowdown = None if gpu else measured(background_slowdown())
-    adam = host_adam(slowdown)
+    slowdown = None if gpu else measured(background_slowdown(min(32 * MiB, largest // 2)))
+    adam = host_adam(slowdown, update_sizes(largest))
     return Cpu(model=_cpu_model(), cores=len(os.sched_getaffinity(0)),
                dram_bandwidth_bytes_per_s=measured(copy_bandwidth(copy_bytes)), adam_params_per_s=measured(adam.rate),
                adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
@@ -155,27 +171,30 @@ def host_copy_curve(sizes: tuple[int, ...] = HOST_SIZES) -> list[CurvePoint]:
 
 
 def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
-                  slowdown: float | None = None, disk_beside: DiskBeside | None = None) -> list[Tier]:
-    """Fastest first. Read/write curves are the costs of moving data into and out of that tier from the fast one."""
+                  slowdown: float | None = None, disk_beside: DiskBeside | None = None,
+                  largest: int = 64 * MiB) -> list[Tier]:
+    """Fastest first. Read/write curves are the costs of moving data into and out of that tier from the fast one;
+    host and disk transfers are timed up to `largest` bytes."""
     dram_capacity = _meminfo("MemAvailable")
+    sizes = tuple(size for size in HOST_SIZES if size <= largest)
     if gpu is None:
-        copy = host_copy_curve()
+        copy = host_copy_curve(sizes)
         tiers = [Tier(name="dram", kind="dram", capacity_bytes=dram_capacity, read=copy, write=copy)]
     else:
         tiers = [Tier(name="hbm", kind="hbm", capacity_bytes=gpu.memory_bytes),
                  Tier(name="dram", kind="dram", capacity_bytes=dram_capacity, read=gpu.h2d, write=gpu.d2h)]
-    return tiers + [measure_nvme(nvme_dir, slowdown, disk_beside)]
+    return tiers + [measure_nvme(nvme_dir, slowdown, disk_beside, sizes)]
 
 
 def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
-                 disk_beside: DiskBeside | None = None) -> Tier:
+                 disk_beside: DiskBeside | None = None, sizes: tuple[int, ...] = HOST_SIZES) -> Tier:
     """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses; beside compute
     as `disk_beside` timed it beside the script's training, else through the same slow tier beside a GEMM loop."""
     store = _private_store(nvme_dir)
     base = store.directory.parent
     with store:
         write, read = [], []
-        for size in HOST_SIZES:
+        for size in sizes:
             data, out = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
             write.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.write("probe", data), repeats=3, min_s=0))))

@@ -8,6 +8,7 @@ runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measur
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, returned, tier_steps
 from hetero.profile.conservative import Conservative
-from hetero.run import process_memory
+from hetero.run import allocator, process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
 from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Training
@@ -69,7 +70,10 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    room = None if run.budget_bytes is None else max(0, run.budget_bytes - process_memory.resident_bytes())
+    # Under a budget the machine's buffers fit under the training's own peak (the training was released): the
+    # profile needs no more than the run it plans for.
+    ceiling = None if run.budget_bytes is None else min(run.budget_bytes, process_memory.dram_peak_bytes())
+    room = None if ceiling is None else max(0, ceiling - process_memory.resident_bytes())
     return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside, room))
 
 
@@ -138,11 +142,27 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             session.memory.default_step_s = measured(found.default_step_s)
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
-    return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
-                             training=session.training(summary, clips_grad=clips["calls"] > 0),
-                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
-                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
-                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0)
+    out = ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
+                            training=session.training(summary, clips_grad=clips["calls"] > 0),
+                            layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
+                            compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
+                            moved_tensors=session.conservative.moved_tensors if session.conservative else 0)
+    _release(session.model, session.optimizer)
+    return out
+
+
+def _release(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Free what the stopped script's training holds (weights, gradients, buffers, optimizer states) before the
+    machine is measured, and give the freed memory back: the script never runs again, and the hooks the profile and
+    its instruments registered on the parameters (held by torch beyond the reach of Python's garbage collector) would
+    otherwise keep all of it alive, so that the machine's buffers came on top of the training's peak."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.grad = None
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    optimizer.state.clear()
+    gc.collect()
+    allocator.trim()
 
 
 class _Session:

@@ -40,12 +40,12 @@ def time_updates(jobs: dict[int, list[Callable[[], None]]], slowdown: float | No
                    beside_launch_s=beside_launch, beside_rate=beside_rate)
 
 
-def host_adam(slowdown: float | None = None) -> Updates:
+def host_adam(slowdown: float | None = None, sizes: tuple[int, int] = UPDATE_SIZES) -> Updates:
     """The `host` optimizer device as the runtime drives it: hetero's Adam kernel on one driver thread, the caller
-    waiting for the update."""
+    waiting for the update (of `sizes` parameters: small, then large)."""
     driver, kernel = Driver("host-adam"), AdamKernel()
     try:
-        jobs = {n: [update_job(HostHome(driver, kernel, torch.zeros(n)), driver, n)] for n in UPDATE_SIZES}
+        jobs = {n: [update_job(HostHome(driver, kernel, torch.zeros(n)), driver, n)] for n in sizes}
         return time_updates(jobs, slowdown)
     finally:
         driver.close()

@@ -75,7 +75,7 @@ def test_the_workers_run_while_compute_runs_and_stop_after():
 
 def test_with_a_gpu_the_slowdown_is_left_null_and_said_why(monkeypatch):
     monkeypatch.setattr(machine, "copy_bandwidth", lambda nbytes: 1e10)
-    monkeypatch.setattr(machine, "host_adam", lambda slowdown: updates.Updates(launch_s=1e-4, rate=1e9))
+    monkeypatch.setattr(machine, "host_adam", lambda slowdown, sizes: updates.Updates(launch_s=1e-4, rate=1e9))
     monkeypatch.setattr(machine, "background_slowdown", lambda: pytest.fail("measured beside a GPU"))
     cpu = machine.measure_cpu(gpu=True)
     assert cpu.background_slowdown is None and cpu.adam_cpu is None and cpu.adam_beside_compute_params_per_s is None

@@ -34,3 +34,14 @@ def test_a_run_stops_once_its_peak_has_settled_or_at_the_most_steps():
     assert not returned.settled([1] * 4, least_steps=5)  # the warm-up and timed steps first
     rising = [k * 10 * MiB for k in range(1, returned.MAX_STEPS + 1)]
     assert returned.settled(rising, least_steps=3) and not returned.settled(rising[:-1], least_steps=3)
+
+
+def test_under_a_budget_no_machine_buffer_takes_more_than_an_eighth_of_the_room():
+    from hetero.profile.machine import largest_buffer, update_sizes
+    from hetero.profile.updates import UPDATE_SIZES
+
+    MiB = 2**20
+    assert largest_buffer(None) == 64 * MiB and update_sizes(64 * MiB) == UPDATE_SIZES  # no budget: as before
+    assert largest_buffer(300 * MiB) == 32 * MiB and largest_buffer(10 * MiB) == 4 * MiB
+    small, large = update_sizes(4 * MiB)
+    assert small == UPDATE_SIZES[0] and 16 * large <= 4 * MiB and large > small
