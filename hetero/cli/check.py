@@ -34,7 +34,7 @@ def check(files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile
 
 def summary(obj: Plan | Profile) -> str:
     if isinstance(obj, Plan):
-        named = ("optimizer", "activations", "routing", "allocator", "update_in_backward")
+        named = ("optimizer", "activations", "routing", "allocator", "update_in_backward", "recompute")
         sections = [s for s in named if getattr(obj, s) is not None]
         return f"Plan, {len(obj.layers)} GPU layers, sections: {', '.join(sections) or 'none'}"
     return f"Profile, {obj.model.num_params:,} params, {len(obj.layers)} layers"

@@ -99,6 +99,9 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
         table.add_row("allocator", f"malloc returns freed memory {start}")
     if out.update_in_backward:
         table.add_row("updates", f"the script's {out.update_in_backward.kind} steps each parameter in backward")
+    if out.recompute:
+        table.add_row("recompute", f"{len(out.recompute.blocks)} blocks recomputed in backward "
+                                   f"({', '.join(out.recompute.blocks)})")
     if out.layers:
         modes = {m: sum(x.mode == m for x in out.layers) for m in ("gfgb", "dha", "dfgb")}
         host = sum(x.grad == "host" for x in out.layers)
@@ -116,7 +119,7 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
     for section, reason in out.omitted.items():
         table.add_row(section, f"none: {reason}")
     if not (out.layers or out.optimizer or out.activations or out.routing or out.allocator or
-            out.update_in_backward):
+            out.update_in_backward or out.recompute):
         table.add_row("plan", "plain training: nothing hetero can do here saves memory or time (`hetero run` "
                               "runs the script as it is)")
     (Console() if sys.stdout.isatty() else Console(width=160)).print(table)

@@ -7,13 +7,15 @@ copy made with `deepcopy` would report into the profiler, or evict its activatio
 
 Contract: a hook registered through `forward_pre`/`forward` works as torch's own while its handle lives; while any
 such hook exists, `nn.Module.__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state, so
-the copy has exactly the hooks the script registered. The patch of `__getstate__` is installed with the first live
+the copy has exactly the hooks the script registered. `forward_override` likewise: a module's instance `forward`,
+left out of its copies (which run their class's forward on their own parameters). The patch of `__getstate__` is installed with the first live
 hook and removed with the last one (removed through its handle, or gone with its module), so torch is untouched
 outside hetero's hooks' lifetime.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -27,6 +29,8 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 _lock = threading.RLock()  # reentrant: a module collected while the lock is held forgets its hooks in this thread
 _ids: dict[int, weakref.ref] = {}  # ids of hetero's live hooks -> their module
 _original_getstate = None  # torch's nn.Module.__getstate__ while the patch is installed
+_overridden: dict[int, int] = {}  # id(module) -> the id of its forward override
+_override_ids = itertools.count(-1, -1)  # negative: never one of torch's handle ids
 
 
 class Handle:
@@ -46,6 +50,8 @@ def _forget(hook_id: int) -> None:
     global _original_getstate
     with _lock:
         _ids.pop(hook_id, None)
+        for module_id in [m for m, i in _overridden.items() if i == hook_id]:
+            del _overridden[module_id]
         if not _ids and _original_getstate is not None:
             nn.Module.__getstate__ = _original_getstate
             _original_getstate = None
@@ -59,6 +65,35 @@ def forward_pre(module: nn.Module, hook: Callable, **kwargs) -> Handle:
 def forward(module: nn.Module, hook: Callable, **kwargs) -> Handle:
     """`module.register_forward_hook(hook, **kwargs)`, left out of copies and pickles of the module."""
     return _track(module, module.register_forward_hook(hook, **kwargs))
+
+
+class Override:
+    """Removes a forward override: the module's class's `forward` is its own again."""
+
+    __slots__ = ("_module", "id")
+
+    def __init__(self, module: nn.Module, override_id: int):
+        self._module, self.id = weakref.ref(module), override_id
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is not None and "forward" in module.__dict__:
+            del module.forward
+        _forget(self.id)
+
+
+def forward_override(module: nn.Module, forward: Callable) -> Override:
+    """`module.forward = forward` for this instance, left out of copies and pickles of the module."""
+    global _original_getstate
+    override_id = next(_override_ids)
+    with _lock:
+        _ids[override_id] = weakref.ref(module, lambda _, i=override_id: _forget(i))
+        _overridden[id(module)] = override_id
+        if _original_getstate is None:
+            _original_getstate = nn.Module.__getstate__
+            nn.Module.__getstate__ = _getstate
+    module.forward = forward
+    return Override(module, override_id)
 
 
 def state_dict_pre(module: nn.Module, hook: Callable) -> Handle:
@@ -79,6 +114,8 @@ def _track(module: nn.Module, handle) -> Handle:
 def _getstate(self: nn.Module) -> dict:
     state = _original_getstate(self)
     ids = _ids
+    if _overridden.get(id(self)) in ids:
+        state.pop("forward", None)
     for key in _HOOK_DICTS:
         hooks = state.get(key)
         if hooks and any(i in ids for i in hooks):

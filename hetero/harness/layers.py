@@ -55,6 +55,13 @@ def layers_named(model: nn.Module, wanted: set[str]) -> tuple[list[LayerSpec], l
     return first, missing
 
 
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks (see `select_layers`' `block` granularity) by module path, in definition order:
+    what the profile checks for recomputation and the runtime checkpoints."""
+    blocks = {id(b) for b in _repeated_blocks(model)}
+    return [(name, module) for name, module in model.named_modules() if id(module) in blocks]
+
+
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """Children of ModuleLists/Sequentials whose members all share one class: a transformer's blocks."""
     blocks = []

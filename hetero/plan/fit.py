@@ -12,7 +12,10 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
   reads it back with them (MemFerry's "a gradient leaves when it is final", with NVMe as the slow tier); only for one
   process (a data-parallel all-reduce needs the gradients in memory);
 - `tiering`: saved activations evicted to the slow tier after each layer's forward (lowers the peak only where
-  freed memory is returned, which the footprint counts).
+  freed memory is returned, which the footprint counts);
+- `recompute`: the blocks the profile found recomputable keep only their inputs, and backward runs their forward
+  again (hetero.plan.recompute): time for memory, like the disk levers, so the fastest combination that fits decides
+  between them; with it, the fewest blocks (most bytes saved per second first) that keep the budget.
 
 A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
 I/O; `solve` builds and simulates each candidate.
@@ -25,10 +28,11 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
+from hetero.plan import recompute
 from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
-LEVERS = ("allocator", "in_backward", "states", "grads", "tiering")  # in the order their effects are described
+LEVERS = ("allocator", "in_backward", "states", "grads", "tiering", "recompute")  # in the order of their lines
 NEEDS = {"grads": "states"}  # a lever that works only with another
 EXCLUDES = (frozenset({"in_backward", "states"}),)  # levers that cannot work together (both drive the optimizer)
 # The predicted peak must stay this far under the budget: measured peaks of planned runs came out up to 2% above
@@ -76,12 +80,18 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
         why["tiering"] = "no slower tier to evict saved activations to"
     else:
         out.append("tiering")
+    refused = recompute.refused_text(ctx.profile)
+    if refused:
+        why["recompute"] = refused
+    else:
+        out.append("recompute")
     return out, why
 
 
-def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
+def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     """The plan under `ctx.dram_bytes`: plain training's when it fits, else the fastest combination of levers that
-    fits; HeteroError (exit 2) when none does."""
+    fits; HeteroError (exit 2) when none does. `solve(levers, blocks=None)`: the plan with `levers`, and with
+    `recompute` among them the first `blocks` blocks (all: None)."""
     levers, unusable = available(ctx)
     forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \
         else frozenset()
@@ -111,8 +121,25 @@ def fit(ctx, solve: Callable[[frozenset[str]], Plan], host: str) -> Plan:
     # the lower peak first, so that malloc's defaults, whose own peak is not known, stay clear of that mark.
     best = base if base.peak_bytes <= room and not forced else min(
         fitting, key=lambda c: (c.iteration_s, c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
+    best = _fewest_blocks(ctx, solve, best, host, room)
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))
+
+
+def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, room: int) -> Candidate:
+    """With recomputation chosen, the fewest blocks that keep the budget: each one more costs its forward."""
+    if "recompute" not in best.levers:
+        return best
+    units, _ = recompute.units(ctx.profile)
+    plans: dict[int, Plan] = {len(units): best.plan}
+
+    def fits(k: int) -> bool:
+        plans.setdefault(k, solve(best.levers, blocks=k))
+        return plans[k].predicted.peak_bytes[host] <= room
+
+    k = recompute.fewest(fits, len(units))
+    p = plans[k]
+    return Candidate(best.levers, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
 
 
 def floor_text(plan: Plan) -> str:
@@ -168,6 +195,7 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
         # a lever's saving is counted without the levers that need it (they have their own line)
         dependents = {x for x, needed in NEEDS.items() if needed == lever}
         with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
+        with_it = best if lever == "recompute" else with_it  # with the fewest blocks, not every block
         if without is None:
             parts.append(f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
                          "budget, so plain training's own peak is not known)")
@@ -184,7 +212,8 @@ _NAMES = {"allocator": "returning freed memory",
           "in_backward": "updating each parameter in backward (for a script that reads no gradient before step)",
           "states": "optimizer states on NVMe",
           "grads": "gradients on NVMe from backward to step (for a script that zeroes them each step)",
-          "tiering": "evicting saved activations"}
+          "tiering": "evicting saved activations",
+          "recompute": "recomputing blocks in backward"}
 
 
 def _names(levers: frozenset[str]) -> str:

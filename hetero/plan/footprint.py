@@ -7,7 +7,8 @@ cancels. With glibc's default allocator, saved activations evicted *from* host m
 allocator keeps the memory they freed for the next ones, so the process's peak stays where plain training put it
 (docs/benchmarks.md, "Memory is what the process pays"). A plan whose `allocator` section returns freed memory
 starts from the peak the profile measured that way, and there evictions do lower it: by the simulated drop of
-the saved-activation peak.
+the saved-activation peak. Recomputed blocks (the plan's `recompute`) never allocate what they would have saved, so
+they lower it with either allocator (hetero.plan.recompute.peak_drop).
 
 `contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
 `hetero run` names its largest entries when the process nears the budget.
@@ -15,7 +16,7 @@ the saved-activation peak.
 
 from __future__ import annotations
 
-from hetero.plan import axdimm
+from hetero.plan import axdimm, recompute
 from hetero.plan.choices import host_static_bytes
 from hetero.schema.plan import ActivationPlan, NvmeOverflow, OptimizerPlan, Plan
 from hetero.schema.profile import Profile
@@ -30,6 +31,7 @@ MOVED_IN = "moved in from the gpu"
 TIERING = "activation store buffers"
 EVICTED = "evicted activations"
 GRADS_FREED = "gradients freed in backward"
+RECOMPUTED = "activations recomputed in backward"
 
 
 def own_states_in_host(profile: Profile) -> int:
@@ -99,6 +101,7 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     out[MOVED_IN] = max(0, moved_in)
     out[EVICTED] = -evicted_saving if returned else 0
     out[GRADS_FREED] = -grads_freed_in_backward(profile) if plan.update_in_backward is not None else 0
+    out[RECOMPUTED] = -recompute.peak_drop(profile, plan.recompute)
     tiered = evicted_from_host_peak and plan.activations is not None and \
         any(e.evict_bytes for e in plan.activations.schedule)
     out[TIERING] = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES if tiered else 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, fit, footprint, routing, simulate, tiering
+from hetero.plan import axdimm, fit, footprint, recompute, routing, simulate, tiering
 from hetero.plan.choices import build, host_tier, sync_times
 from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.gpu_layers import layer_modes
@@ -28,6 +28,7 @@ from hetero.schema.plan import (
     OptimizerPlan,
     Plan,
     Predicted,
+    RecomputePlan,
     RoutingPlan,
     Source,
     StatePlacement,
@@ -48,7 +49,7 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
     ctx = context(profile, options)
     pins = pins_of(profile, options.previous)
     if fit.applies(profile, ctx.gpu, ctx.budget_source):
-        return fit.fit(ctx, lambda levers: _solve(ctx, pins, levers), ctx.host.name)
+        return fit.fit(ctx, lambda levers, blocks=None: _solve(ctx, pins, levers, blocks), ctx.host.name)
     out = _solve(ctx, pins, frozenset())
     _check_dram(ctx, out)
     if ctx.budget_source is None:
@@ -57,11 +58,13 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
                                                        f"({ctx.budget_source})"))
 
 
-def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
-    """The plan with `levers` (hetero.plan.fit.LEVERS) turned on, predicted, not checked against the budget."""
+def _solve(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None = None) -> Plan:
+    """The plan with `levers` (hetero.plan.fit.LEVERS) turned on, predicted, not checked against the budget;
+    `blocks`: how many blocks `recompute` takes (all it can: None)."""
     omitted: dict[str, str] = {}
     optimizer = _optimizer(ctx, pins, omitted, levers)
-    schedules = _activations(ctx, pins, omitted, levers)
+    recomputed = recompute.plan_for(ctx.profile, blocks) if "recompute" in levers else None
+    schedules = _activations(ctx, pins, omitted, levers, recomputed)
     route = _routing(ctx, pins, omitted)
     budget = ctx.dram_bytes if ctx.budget_source is not None else None
     draft = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
@@ -70,7 +73,8 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
                                reserve=ctx.options.reserve),
                  layers=[], optimizer=optimizer, activations=None, routing=route, predicted=UNPREDICTED,
                  omitted=omitted, allocator=_allocator(ctx) if "allocator" in levers else None,
-                 update_in_backward=_in_backward(ctx) if "in_backward" in levers and optimizer is None else None)
+                 update_in_backward=_in_backward(ctx) if "in_backward" in levers and optimizer is None else None,
+                 recompute=recomputed)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
     draft = layer_modes(ctx, draft, pins)
     return _returning_from(ctx, replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft))))
@@ -213,9 +217,10 @@ def _placement(ctx: Context, device: str) -> axdimm.Placement:
 # -- activations --------------------------------------------------------------------------------------------------
 
 
-def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> list[ActivationPlan]:
+def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str],
+                 recomputed: RecomputePlan | None = None) -> list[ActivationPlan]:
     """The TierTrain schedule under the paper's busy-prefetcher rule and under ours; `_pick_schedule` simulates
-    both."""
+    both. Layers inside `recomputed` blocks save nothing to evict."""
     if ctx.slow is None:
         omitted["activations"] = f"the profile has no tier slower than {ctx.fast} with measured transfer times"
         return []
@@ -227,8 +232,10 @@ def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: froz
         return []
     evict, prefetch = ctx.tier_curves(ctx.slow)
     layers = ctx.profile.layers
-    windows = [tiering.Window(name=x.name, saved_bytes=x.saved_bytes, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s,
-                              storages=tuple(x.saved_storages_bytes)) for x in layers]
+    rebuilt = recompute.layers_of(ctx.profile, recomputed.blocks) if recomputed is not None else set()
+    windows = [tiering.Window(name=x.name, saved_bytes=0 if x.name in rebuilt else x.saved_bytes, fp_end_s=x.fp_end_s,
+                              bp_start_s=x.bp_start_s, storages=() if x.name in rebuilt else tuple(x.saved_storages_bytes))
+               for x in layers]
     index = {x.name: i for i, x in enumerate(layers)}
     pinned = {index[name]: tiering.Decision(layer=index[name], evict_bytes=e.evict_bytes, prefetch_at_s=e.prefetch_at_s,
                                             prefetch_after=index.get(e.prefetch_after), outcome="pinned", why=e.why)
@@ -332,7 +339,8 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
                                    avg_fast_untiered_bytes=result.act_avg_untiered_bytes,
                                    peak_fast_untiered_bytes=result.act_peak_untiered_bytes)
     sync = sync_times(profile, plan)
-    iteration = result.iteration_s + (fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0)
+    iteration = result.iteration_s + (fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0) + \
+        recompute.cost_s(profile, plan.recompute)
     return Predicted(iteration_s=_ns(iteration), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
                      activations=act, dram={k: b for k, b in dram.items() if b > 0},
                      dram_saved={k: -b for k, b in dram.items() if b < 0})

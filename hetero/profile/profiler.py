@@ -14,7 +14,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,12 +26,12 @@ from hetero.harness.capture import Capture, fingerprint
 from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
 from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript, run_script
-from hetero.profile import dha, machine, peers, returned, tier_steps
+from hetero.profile import dha, machine, peers, recompute, returned, tier_steps
 from hetero.profile.conservative import Conservative
 from hetero.run import allocator, process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
-from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Training
+from hetero.schema.profile import Block, Layer, Machine, Memory, ModelInfo, Profile, Training
 from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -84,7 +84,8 @@ def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
     if run.moved_tensors and measured_machine.cpu.adam_params_per_s:
         training = _plain_step(training, run.moved_tensors, run.model.num_params, measured_machine)
     return Profile(model=run.model, training=training, layers=run.layers, machine=measured_machine,
-                   memory=run.memory, unmeasured=unmeasured | ({"layers": COMPILED} if run.compiled else {}))
+                   memory=run.memory, unmeasured=unmeasured | ({"layers": COMPILED} if run.compiled else {}),
+                   blocks=run.blocks)
 
 
 def save(profile: Profile, output: Path, script: str) -> None:
@@ -102,6 +103,7 @@ class ScriptMeasurement:
     compiled: bool = False  # the model runs through torch.compile: its layers are not timed
     budget_bytes: int | None = None  # the budget the profile keeps (--dram-budget or the memory cgroup's)
     moved_tensors: int = 0  # parameters whose optimizer the profile kept on NVMe (Conservative): step not plain's
+    blocks: list[Block] = field(default_factory=list)  # the repeated blocks, checked for recomputation
 
 
 def measure_script(script: str, args: list[str], options: ProfileOptions,
@@ -142,11 +144,13 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             session.memory.default_step_s = measured(found.default_step_s)
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
+    blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
     out = ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                             training=session.training(summary, clips_grad=clips["calls"] > 0),
                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
-                            moved_tensors=session.conservative.moved_tensors if session.conservative else 0)
+                            moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
+                            blocks=blocks)
     _release(session.model, session.optimizer)
     return out
 
@@ -174,6 +178,7 @@ class _Session:
         self.optimizer: torch.optim.Optimizer | None = None
         self.profiler: LayerProfiler | None = None
         self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
+        self.recompute: dha.RootInputs | None = None  # the model's last call, to check its blocks' recomputation
         self.device = torch.device("cpu")
         self.steps_done = 0
         self.summary: Summary | None = None  # the measured steps', once they are all done
@@ -196,6 +201,7 @@ class _Session:
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.compiled = capture.compiled(model, self.capture.roots)
+        self.recompute = None if self.compiled else recompute.watch(model)
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
                                       compiled=self.compiled)
         if self.compiled:
@@ -253,6 +259,8 @@ class _Session:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
         if self.budgeted is not None:
             self.budgeted.close()
+        if self.recompute is not None and self.summary is None:  # ended early: nothing will check the blocks
+            self.recompute.close()
         if self.others is not None:
             self.others.close()
         if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind

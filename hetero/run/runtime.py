@@ -53,6 +53,7 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
     from hetero.run.budget_watch import BudgetWatch
     from hetero.run.ddp_sync import DdpSync
     from hetero.run.optimizer import OptimizerOffload
+    from hetero.run.recompute import Recompute
     from hetero.run.routing import GradientRouting
     from hetero.run.shadow import shadow_model
     from hetero.run.tiering import ActivationTiering
@@ -64,6 +65,7 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
         found.append(OptimizerOffload(plan.optimizer, ddp))
     found += [UpdatesInBackward(plan.update_in_backward)] if plan.update_in_backward is not None else []
     found += [ActivationTiering(plan.activations)] if plan.activations is not None else []
+    found += [Recompute(plan.recompute)] if plan.recompute is not None else []
     found += [GradientRouting(plan, ddp)] if plan.routing is not None else []
     overlapped = plan.optimizer is not None and plan.optimizer.device != "gpu" and plan.optimizer.overlap_backward
     found += [ddp] if overlapped or plan.routing is not None else []

@@ -36,9 +36,13 @@ def doc(
     ge: float | None = None,
     le: float | None = None,
     comment: bool = False,
+    added: bool = False,
 ) -> Any:
-    """A documented schema field. `comment=True` marks a field written as a `# why:` comment, not as a key."""
-    meta = {"doc": text, "unit": unit, "ge": ge, "le": le, "comment": comment}
+    """A documented schema field. `comment=True` marks a field written as a `# why:` comment, not as a key;
+    `added=True` a field added after files were written without it: while it holds its default it is left out of
+    the file's content hash, so that a plan still names its profile (and a run its plan) by the hash it was made
+    with."""
+    meta = {"doc": text, "unit": unit, "ge": ge, "le": le, "comment": comment, "added": added}
     if comment:
         return dataclasses.field(default=default, metadata=meta, compare=False)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -159,8 +160,31 @@ def to_data(obj: Any) -> Any:
 
 
 def content_sha256(obj: Any) -> str:
-    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale."""
-    data = json.dumps(to_data(obj), sort_keys=True, separators=(",", ":"))
+    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, nor
+    does a field added to the schema later while it holds its default (`fields.doc(added=True)`)."""
+    data = json.dumps(_content(obj), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(data.encode()).hexdigest()
+
+
+def _content(obj: Any) -> Any:
+    """`to_data(obj)` without the added fields that hold their defaults."""
+    if is_schema(type(obj)):
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        out = {}
+        for s in specs(type(obj)):
+            value = getattr(obj, s.name)
+            if s.comment or (fields[s.name].metadata.get("added") and value == _default(fields[s.name])):
+                continue
+            out[s.name] = _content(value)
+        return out
+    if isinstance(obj, list):
+        return [_content(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _content(v) for k, v in obj.items()}
+    return obj
+
+
+def _default(field: dataclasses.Field) -> Any:
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 

@@ -217,6 +217,18 @@ class UpdateInBackward:
 
 
 @dataclass(kw_only=True, slots=True)
+class RecomputePlan:
+    """Activation checkpointing of chosen blocks: the runtime runs each one's forward through
+    `torch.utils.checkpoint.checkpoint(use_reentrant=False)` (its RNG state preserved, as torch does by default), so
+    that backward recomputes the block's saved tensors from its inputs instead of keeping them: less memory for one
+    more forward of the block. Only blocks the profile found recomputable (the same output from the same RNG state,
+    no buffer changed)."""
+
+    blocks: list[str] = doc("Module paths of the blocks recomputed, in forward order.")
+    why: str = doc("The numbers behind the decision, and the blocks left out.", default="", comment=True)
+
+
+@dataclass(kw_only=True, slots=True)
 class ActivationPrediction:
     """Saved-activation bytes resident in the fast tier over one iteration, with and without tiering."""
 
@@ -260,6 +272,8 @@ class Plan:
     update_in_backward: UpdateInBackward | None = doc("The script's own optimizer steps each parameter during "
                                                       "backward; null: in `step()`, as the script does.",
                                                       default=None)
+    recompute: RecomputePlan | None = doc("Blocks whose saved tensors backward recomputes; null: none.", default=None,
+                                          added=True)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")

@@ -279,6 +279,20 @@ class Memory:
 
 
 @dataclass(kw_only=True, slots=True)
+class Block:
+    """A repeated block of the model (a transformer layer): what activation checkpointing would recompute in
+    backward instead of keeping its saved tensors. Its forward time and saved bytes are those of the profile's layers
+    under it (`layers`: the names that start with its own)."""
+
+    name: str = doc("The block's module path, e.g. `h.3`.")
+    input_bytes: int = doc("Bytes of the tensors its forward takes: what checkpointing keeps of it.", unit=SIZE, ge=0)
+    recomputable: bool = doc("Whether its forward, run again from the same RNG state on the same inputs, gave the "
+                             "same output bit for bit and changed none of its buffers (checked once, after the "
+                             "measured steps).")
+    why: str | None = doc("Why it cannot be recomputed; null where it can.", default=None)
+
+
+@dataclass(kw_only=True, slots=True)
 class Profile:
     """profile.yaml: the machine and the model as `hetero profile` measured them."""
 
@@ -290,9 +304,12 @@ class Profile:
                                 "hetero measured them.", default=None)
     unmeasured: dict[str, str] = doc("Why each null field is null, by path (`machine.gpu`, `layers.*.fp_dha`).",
                                      default_factory=dict)
+    blocks: list[Block] = doc("The model's repeated blocks, which `hetero plan` may recompute in backward; empty: none "
+                              "found (or a profile made before hetero measured them).", default_factory=list,
+                              added=True)
 
     def problems(self) -> list[tuple[str, str]]:
         too_many = [("layers", f"{len(self.layers)} entries, at most {MAX_LAYERS}")] if len(self.layers) > MAX_LAYERS \
             else []
-        return unique_names(self.layers, "layers") + too_many
+        return unique_names(self.layers, "layers") + unique_names(self.blocks, "blocks") + too_many
 

@@ -1,0 +1,140 @@
+"""Recomputation as a lever of the DRAM-budget fit (hetero.plan.fit): activation checkpointing of chosen blocks.
+
+A recomputed block keeps only its inputs through the iteration; backward runs its forward again to rebuild the rest
+of what it saved. From the profile: a block's saved bytes are its layers' (`Layer.saved_bytes` counts what autograd
+saves until the next layer starts, the ops between layers included), its recomputation time is its forward's span
+(from the end of the layer before it to the end of its last layer), and what it keeps is its measured
+`input_bytes`. Blocks are taken in the order of bytes saved per second of recomputation, so that the fewest
+seconds buy the saving a budget needs (`fewest`).
+
+What it takes off the process's peak (`peak_drop`): the saved-activation peak falls by every chosen block's saving
+but the largest (backward rebuilds one block at a time); and the peak falls only while it is the forward-backward
+turn's: once activations are below what the optimizer step holds in their place (a gradient and a temporary per
+parameter, `STEP_BYTES_PER_PARAM`), the process peaks in the step and recomputing more saves nothing.
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hetero.schema.plan import RecomputePlan
+from hetero.schema.profile import Block, Profile
+from hetero.units import SIZE, short_time
+
+STEP_BYTES_PER_PARAM = 8  # fp32 gradient, and a parameter-sized temporary of torch's Adam step
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    name: str
+    saved_bytes: int  # what its layers save per micro-batch
+    kept_bytes: int  # its inputs, which checkpointing keeps
+    forward_s: float  # one recomputation, per micro-batch
+
+    @property
+    def saving_bytes(self) -> int:
+        return max(0, self.saved_bytes - self.kept_bytes)
+
+
+def units(profile: Profile) -> tuple[list[Unit], dict[str, str]]:
+    """The blocks recomputation can take, best saving per second first, and why each other block is not one."""
+    out, refused = [], {}
+    for block in profile.blocks:
+        if not block.recomputable:
+            refused[block.name] = block.why or "not recomputable"
+            continue
+        unit = _unit(profile, block)
+        if unit is None:
+            refused[block.name] = "none of the profile's layers is inside it"
+        elif unit.saving_bytes == 0:
+            refused[block.name] = f"its inputs ({SIZE.format_short(unit.kept_bytes)}) are all it saves"
+        else:
+            out.append(unit)
+    out.sort(key=lambda u: (-u.saving_bytes / max(u.forward_s, 1e-9), u.name))
+    return out, refused
+
+
+def _unit(profile: Profile, block: Block) -> Unit | None:
+    inside = [i for i, layer in enumerate(profile.layers)
+              if layer.name == block.name or layer.name.startswith(block.name + ".")]
+    if not inside:
+        return None
+    layers = profile.layers
+    first, last = inside[0], inside[-1]
+    start = layers[first - 1].fp_end_s if first > 0 else layers[first].fp_end_s - layers[first].fp_s
+    return Unit(name=block.name, saved_bytes=sum(layers[i].saved_bytes for i in inside), kept_bytes=block.input_bytes,
+                forward_s=max(0.0, layers[last].fp_end_s - start))
+
+
+def layers_of(profile: Profile, blocks: list[str]) -> set[str]:
+    """The profile's layers inside the recomputed `blocks` (their saved tensors are rebuilt, never kept)."""
+    return {layer.name for layer in profile.layers
+            if any(layer.name == b or layer.name.startswith(b + ".") for b in blocks)}
+
+
+def chosen(profile: Profile, plan: RecomputePlan | None) -> list[Unit]:
+    """The units of the blocks `plan` recomputes (a block the profile does not know counts for nothing)."""
+    if plan is None:
+        return []
+    by_name = {b.name: b for b in profile.blocks}
+    found = [_unit(profile, by_name[name]) for name in plan.blocks if name in by_name]
+    return [u for u in found if u is not None]
+
+
+def cost_s(profile: Profile, plan: RecomputePlan | None) -> float:
+    """What recomputation adds to an iteration: each chosen block's forward once more, every micro-batch."""
+    return sum(u.forward_s for u in chosen(profile, plan)) * profile.training.grad_accumulation
+
+
+def peak_drop(profile: Profile, plan: RecomputePlan | None) -> int:
+    """What recomputation takes off the process's predicted peak (see the module's docstring)."""
+    chosen_units = chosen(profile, plan)
+    if not chosen_units:
+        return 0
+    savings = [u.saving_bytes for u in chosen_units]
+    drop = sum(savings) - max(savings)
+    saved = sum(layer.saved_bytes for layer in profile.layers)
+    params = sum(layer.num_params for layer in profile.layers)
+    above_step = max(0, saved - STEP_BYTES_PER_PARAM * params)
+    return max(0, min(drop, above_step))
+
+
+def plan_for(profile: Profile, count: int | None = None) -> RecomputePlan | None:
+    """The first `count` units (all of them: None) as a plan section, in forward order; None when there is none."""
+    found, refused = units(profile)
+    taken = found if count is None else found[:count]
+    if not taken:
+        return None
+    order = {b.name: i for i, b in enumerate(profile.blocks)}
+    names = sorted((u.name for u in taken), key=order.__getitem__)
+    saving = sum(u.saving_bytes for u in taken)
+    seconds = sum(u.forward_s for u in taken) * profile.training.grad_accumulation
+    left = "".join(f"; not {name}: {why}" for name, why in refused.items())
+    return RecomputePlan(blocks=names, why=(
+        f"{len(names)} of {len(profile.blocks)} blocks recomputed in backward (torch.utils.checkpoint, "
+        f"use_reentrant=False, RNG state preserved): their layers' saved tensors ({SIZE.format_short(saving)} per "
+        f"micro-batch beyond the inputs kept) are rebuilt from their inputs, for one more forward of each "
+        f"({short_time(seconds)} per iteration); the blocks saving most per second first{left}"))
+
+
+def fewest(fits: Callable[[int], bool], most: int) -> int:
+    """The fewest units (1..most) for which `fits(k)` holds, given that it holds for `most` and more units never
+    fit less (bisection)."""
+    low, high = 0, most
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def refused_text(profile: Profile) -> str:
+    """Why recomputation is not a lever here ('' where it is)."""
+    if not profile.blocks:
+        return "the profile found no repeated blocks to recompute (or was made before hetero looked for them)"
+    found, refused = units(profile)
+    if found:
+        return ""
+    name, why = next(iter(refused.items()))
+    return f"no block can be recomputed ({name}: {why})"

@@ -1,0 +1,140 @@
+"""Which of the model's repeated blocks activation checkpointing can recompute, and what it keeps of each.
+
+`torch.utils.checkpoint` (non-reentrant, as the runtime uses it: hetero.run.recompute) keeps a block's inputs and
+runs its forward again in backward, restoring the CPU and the inputs' device RNG state first. That gives plain
+training's gradients only where a second forward from the same RNG state computes what the first did: not where
+the block draws from a generator of its own, or changes its buffers (BatchNorm's running statistics would be
+updated twice). The profile checks it once the script has stopped: it runs the model's last training call again,
+and in each block's forward post-hook runs the block's forward a second time from the RNG state the first began
+with, comparing outputs bit for bit (both with gradients enabled, so torch picks the same kernels), after checking
+that the first changed none of the block's buffers. It records each block's input bytes (what checkpointing keeps)
+and whether it can be recomputed, with why not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hetero.harness import hooks
+from hetero.harness.layers import repeated_blocks, tensors
+from hetero.profile.dha import RootInputs
+from hetero.schema.profile import Block
+
+SIDE_EFFECTS = "its forward changes its buffers (e.g. BatchNorm's running statistics): a recomputation would change " \
+               "them twice"
+RANDOMNESS = "its forward, run again from the same RNG state on the same inputs, gave another output (randomness " \
+             "checkpointing cannot replay, e.g. a generator of its own)"
+NOT_RUN = "the model's last training call did not reach it"
+
+
+@dataclass(slots=True)
+class _Seen:
+    """One block's first forward, as its hooks saw it."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    rng: tuple = ()
+    buffers: str = ""
+    training: bool = True
+    input_bytes: int = 0
+    why: str | None = None
+    done: bool = False
+
+
+def watch(model: nn.Module) -> RootInputs | None:
+    """Keep the model's latest training call, for `check`; None when the model has no repeated blocks."""
+    return RootInputs(model) if repeated_blocks(model) else None
+
+
+def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
+    """Every repeated block, checked by running the kept call again (the script must have stopped: this is one more
+    forward, and no profiler hook may see it)."""
+    if inputs is None:
+        return []
+    inputs.close()
+    blocks = repeated_blocks(model)
+    if inputs.call is None:
+        return [Block(name=name, input_bytes=0, recomputable=False, why=NOT_RUN) for name, _ in blocks]
+    seen: dict[str, _Seen] = {name: _Seen() for name, _ in blocks}
+    handles = []
+    for name, module in blocks:
+        handles.append(hooks.forward_pre(module, _before(seen[name]), with_kwargs=True))
+        handles.append(hooks.forward(module, _after(seen[name]), with_kwargs=True))
+    args, kwargs = inputs.call
+    try:
+        with torch.enable_grad():
+            model(*args, **kwargs)  # the graph it builds is dropped with the output
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [Block(name=name, input_bytes=s.input_bytes, recomputable=s.done and s.why is None,
+                  why=s.why if s.done else NOT_RUN) for name, s in seen.items()]
+
+
+def _before(seen: _Seen):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if seen.done:
+            return
+        seen.args, seen.kwargs, seen.training = args, kwargs, module.training
+        seen.input_bytes = sum(t.untyped_storage().nbytes() for t in _unique(tensors(list(args) +
+                                                                                   list(kwargs.values()))))
+        seen.rng = _rng_state(tensors(list(args)))
+        seen.buffers = _digest(list(module.buffers()))
+    return hook
+
+
+def _after(seen: _Seen):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if seen.done:
+            return
+        seen.done = True
+        if _digest(list(module.buffers())) != seen.buffers:
+            seen.why = SIDE_EFFECTS
+            return
+        first, after = _digest(tensors(output)), _rng_state(tensors(list(args)))
+        _set_rng_state(seen.rng)
+        try:
+            again = module.forward(*seen.args, **seen.kwargs)  # its own hooks not again: they are these
+            if _digest(tensors(again)) != first:
+                seen.why = RANDOMNESS
+        finally:
+            _set_rng_state(after)
+        seen.args, seen.kwargs = (), {}
+    return hook
+
+
+def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, ids = [], set()
+    for t in ts:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in ids:
+            ids.add(key)
+            out.append(t)
+    return out
+
+
+def _digest(ts: list[torch.Tensor]) -> str:
+    """A hash of the tensors' values, bit for bit."""
+    h = hashlib.sha256()
+    for t in ts:
+        data = t.detach().contiguous().cpu()
+        h.update(str((tuple(data.shape), data.dtype)).encode())
+        h.update(data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+def _rng_state(inputs: list[torch.Tensor]) -> tuple:
+    """The CPU generator's state, and each CUDA input device's, as checkpoint preserves them."""
+    devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    return torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, gpus = state
+    torch.set_rng_state(cpu)
+    for device, gpu in gpus:
+        torch.cuda.set_rng_state(gpu, device)

@@ -1,0 +1,72 @@
+"""The plan's `recompute` section: the chosen blocks' forwards run through torch.utils.checkpoint.
+
+Each block the plan names gets an instance `forward` that calls `checkpoint(original_forward, ...,
+use_reentrant=False)` while gradients are enabled (RNG state preserved, torch's default), so autograd keeps the
+block's inputs instead of everything its layers save, and backward runs the forward again to rebuild it. The
+block's own hooks still run around it (nn.Module.__call__ calls them, then `forward`), and so do the hooks of the
+modules inside it, once in forward and once in the recomputation: the plan's other mechanisms compose with it.
+Without gradients (evaluation) the block runs as written. A copy of the model (an EMA's deepcopy) has none of it
+(hetero.harness.hooks.forward_override). `close` removes the instance attribute: the class's forward is the block's
+again. The runtime decides nothing: the profile checked the blocks, the plan chose them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hetero.errors import STALE_PLAN, HeteroError
+from hetero.harness import hooks
+from hetero.schema.plan import RecomputePlan
+
+
+class Recompute:
+    """A runtime Mechanism: checkpoints the plan's blocks from `bind` to `close`."""
+
+    def __init__(self, plan: RecomputePlan):
+        self.plan = plan
+        self.overrides: list[hooks.Override] = []
+        self.recomputed = 0  # forwards of a chosen block run through checkpoint
+
+    def install(self, patches, need_model) -> None:
+        pass
+
+    def bind(self, model: nn.Module) -> None:
+        missing = [name for name in self.plan.blocks if not _has(model, name)]
+        if missing:
+            raise HeteroError(f"the plan recomputes {', '.join(missing)}, which the model does not have",
+                              hint="profile and plan again", exit_code=STALE_PLAN)
+        for name in self.plan.blocks:
+            block = model.get_submodule(name)
+            self.overrides.append(hooks.forward_override(block, functools.partial(self._checkpointed, block.forward)))
+
+    def _checkpointed(self, forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        self.recomputed += 1
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def close(self) -> None:
+        for override in self.overrides:
+            override.remove()
+        self.overrides = []
+
+    def summary(self) -> list[str]:
+        if not self.recomputed:
+            return []
+        return [f"recompute: {len(self.plan.blocks)} blocks kept only their inputs, {self.recomputed} block forwards "
+                "recomputed in backward (torch.utils.checkpoint, use_reentrant=False)"]
+
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        return {}
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

@@ -1,0 +1,79 @@
+"""Recomputation is a lever of the DRAM-budget fit: chosen where it is the fastest way to fit, with the fewest
+blocks that keep the budget, its time in the predicted iteration and its saving in the plan's account; blocks the
+profile found it cannot recompute are left out, with why."""
+
+import pytest
+
+from hetero.plan import fit, footprint, recompute
+from hetero.plan.solve import PlanOptions, plan
+from hetero.schema import files
+from hetero.schema.profile import Block, Memory, Profile
+
+MiB = 2**20
+PLAIN, RETURNED = 900 * MiB, 700 * MiB
+
+
+@pytest.fixture
+def cpu(repo) -> Profile:
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    profile.memory = Memory(dram_peak_bytes=PLAIN, dram_peak_returned_bytes=RETURNED,
+                            returned_step_s=profile.training.iteration_s * 1.25,
+                            default_step_s=profile.training.iteration_s)
+    profile.blocks = [Block(name=f"h.{i}", input_bytes=MiB, recomputable=True) for i in range(4)]
+    return profile
+
+
+def budget(peak: int) -> PlanOptions:
+    return PlanOptions(dram_budget_bytes=int(peak / (1 - fit.HEADROOM)) + 1)
+
+
+def test_a_blocks_saving_is_what_its_layers_save_beyond_its_inputs_and_its_cost_its_forward(cpu):
+    units, refused = recompute.units(cpu)
+    assert sorted(u.name for u in units) == ["h.0", "h.1", "h.2", "h.3"] and refused == {}
+    h1 = next(u for u in units if u.name == "h.1")
+    inside = [x for x in cpu.layers if x.name.startswith("h.1.")]
+    assert h1.saved_bytes == sum(x.saved_bytes for x in inside) and h1.saving_bytes == h1.saved_bytes - MiB
+    before = cpu.layers[cpu.layers.index(inside[0]) - 1]
+    assert h1.forward_s == pytest.approx(inside[-1].fp_end_s - before.fp_end_s)
+    rates = [u.saving_bytes / u.forward_s for u in units]
+    assert rates == sorted(rates, reverse=True)  # the most bytes per second first
+
+
+def test_the_fit_recomputes_the_fewest_blocks_that_keep_the_budget_and_counts_them(cpu):
+    p = plan(cpu, budget(860 * MiB))
+    assert p.recompute is not None and len(p.recompute.blocks) == 2
+    units = {u.name: u for u in recompute.units(cpu)[0]}
+    chosen = [units[name] for name in p.recompute.blocks]
+    # backward rebuilds one block at a time: the largest block's saving is not taken off the peak
+    drop = sum(u.saving_bytes for u in chosen) - max(u.saving_bytes for u in chosen)
+    assert p.predicted.dram_saved[footprint.RECOMPUTED] == drop
+    assert p.predicted.peak_bytes["dram"] <= 860 * MiB
+    fewer = plan(cpu, budget(850 * MiB))
+    assert len(fewer.recompute.blocks) == 3
+    assert fewer.predicted.iteration_s - p.predicted.iteration_s == pytest.approx(
+        units[next(b for b in fewer.recompute.blocks if b not in p.recompute.blocks)].forward_s, rel=1e-6)
+    assert "recomputing blocks in backward saves" in p.budget.why
+    assert p.recompute.blocks == sorted(p.recompute.blocks)  # in forward order
+
+
+def test_blocks_that_cannot_be_recomputed_are_left_out_with_why(cpu):
+    cpu.blocks[1] = Block(name="h.1", input_bytes=MiB, recomputable=False, why="its forward changes its buffers")
+    assert "not h.1: its forward changes its buffers" in recompute.plan_for(cpu).why
+    for b in cpu.blocks:
+        b.recomputable, b.why = False, "randomness it cannot replay"
+    p = plan(cpu, budget(860 * MiB))
+    assert p.recompute is None
+    assert "not recomputing blocks in backward: no block can be recomputed (h.0: randomness it cannot replay)" \
+        in p.budget.why
+    cpu.blocks = []
+    assert "found no repeated blocks" in plan(cpu, budget(860 * MiB)).budget.why
+
+
+def test_recomputing_saves_nothing_below_what_the_optimizer_step_holds(cpu):
+    saved = sum(x.saved_bytes for x in cpu.layers)
+    params = sum(x.num_params for x in cpu.layers)
+    everything = recompute.plan_for(cpu)
+    assert recompute.peak_drop(cpu, everything) == min(
+        sum(u.saving_bytes for u in recompute.units(cpu)[0]) - max(u.saving_bytes for u in recompute.units(cpu)[0]),
+        saved - recompute.STEP_BYTES_PER_PARAM * params)
+    assert recompute.fewest(lambda k: k >= 3, 4) == 3 and recompute.fewest(lambda k: True, 4) == 1
