@@ -6,11 +6,11 @@ locks and threads (`TypeError: cannot pickle '_thread.RLock' object`), and which
 copy made with `deepcopy` would report into the profiler, or evict its activations under the original's schedule).
 
 Contract: a hook registered through `forward_pre`/`forward` works as torch's own while its handle lives; while any
-such hook exists, `nn.Module.__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state, so
-the copy has exactly the hooks the script registered. `forward_override` likewise: a module's instance `forward`,
-left out of its copies (which run their class's forward on their own parameters). The patch of `__getstate__` is installed with the first live
-hook and removed with the last one (removed through its handle, or gone with its module), so torch is untouched
-outside hetero's hooks' lifetime.
+such hook exists, `nn.Module.__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state,
+so the copy has exactly the hooks the script registered. `forward_override` likewise: a module's instance `forward`,
+left out of its copies (which run their class's forward on their own parameters). The patch of `__getstate__` is
+installed with the first live hook and removed with the last one (removed through its handle, or gone with its
+module), so torch is untouched outside hetero's hooks' lifetime.
 """
 
 from __future__ import annotations

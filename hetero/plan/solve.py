@@ -234,7 +234,8 @@ def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: froz
     layers = ctx.profile.layers
     rebuilt = recompute.layers_of(ctx.profile, recomputed.blocks) if recomputed is not None else set()
     windows = [tiering.Window(name=x.name, saved_bytes=0 if x.name in rebuilt else x.saved_bytes, fp_end_s=x.fp_end_s,
-                              bp_start_s=x.bp_start_s, storages=() if x.name in rebuilt else tuple(x.saved_storages_bytes))
+                              bp_start_s=x.bp_start_s,
+                              storages=() if x.name in rebuilt else tuple(x.saved_storages_bytes))
                for x in layers]
     index = {x.name: i for i, x in enumerate(layers)}
     pinned = {index[name]: tiering.Decision(layer=index[name], evict_bytes=e.evict_bytes, prefetch_at_s=e.prefetch_at_s,
