@@ -1,7 +1,12 @@
-"""Train what does not fit: the largest examples/train_gpt.py each configuration trains under a memory cgroup limit.
+"""Train what does not fit: the largest model each configuration trains under a memory cgroup limit.
 
     sudo .venv/bin/python bench/cap.py [--limits 768MiB 1GiB 1536MiB] [--n-embd 768 --batch-size 1 --seq-len 128]
                                        [--steps 4] [--repeats 3] [--max-layers 48] [--profile-uncapped]
+                                       [--script gpt|heldout] [--vocab N]
+
+The script is examples/train_gpt.py, or with `--script heldout` bench/heldout_lm.py (a GPT-style LM written apart
+from it: pre-norm blocks with F.scaled_dot_product_attention, SwiGLU, an untied head, AdamW with two parameter
+groups; `--n-embd`, `--batch-size`, `--seq-len` and `--vocab` map onto its width, batch, context and vocabulary).
 
 Three configurations, each process in its own memory cgroup with the same limit (bench/cgroup.py; swap capped too):
 plain PyTorch, plain with `--checkpoint` (torch.utils.checkpoint on every block), and hetero, whose `hetero profile`,
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import platform
 import re
@@ -43,29 +49,42 @@ from hetero.units import SIZE, short_size  # noqa: E402
 
 CONFIGS = ("plain", "checkpoint", "hetero")
 HETERO = [sys.executable, "-m", "hetero"]
-ENV = dict(os.environ, GOMP_SPINCOUNT="1000")  # libgomp's spinning would favour whoever has more threads
+# libgomp's spinning would favour whoever has more threads: the caller's settings (OMP_NUM_THREADS, GOMP_SPINCOUNT)
+# go to every process alike, GOMP_SPINCOUNT=1000 where unset
+ENV = {"GOMP_SPINCOUNT": "1000"} | dict(os.environ)
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss [\d.]+\s+(\d+) ms/step")
+WEIGHTS = re.compile(r"^weight sum (\S+)", re.MULTILINE)
 
 
 @dataclass(frozen=True)
 class Shape:
-    """examples/train_gpt.py at a fixed width and batch; the number of layers varies."""
+    """The script at a fixed width and batch; the number of layers varies."""
 
     n_embd: int
     batch: int
     seq: int
     vocab: int
     steps: int
+    script: str = "gpt"
 
     def argv(self, layers: int, checkpoint: bool = False) -> list[str]:
+        heads = str(max(1, self.n_embd // 64))
+        if self.script == "heldout":
+            return [str(ROOT / "bench/heldout_lm.py"), "--blocks", str(layers), "--width", str(self.n_embd),
+                    "--heads", heads, "--batch", str(self.batch), "--context", str(self.seq), "--vocab",
+                    str(self.vocab), "--steps", str(self.steps), "--log-every", "1", "--weight-sum",
+                    *(["--checkpoint"] if checkpoint else [])]
         return [str(ROOT / "examples/train_gpt.py"), "--n-layer", str(layers), "--n-embd", str(self.n_embd),
-                "--n-head", str(max(1, self.n_embd // 64)), "--batch-size", str(self.batch), "--seq-len",
+                "--n-head", heads, "--batch-size", str(self.batch), "--seq-len",
                 str(self.seq), "--vocab", str(self.vocab), "--steps", str(self.steps), "--log-every", "1",
-                *(["--checkpoint"] if checkpoint else [])]
+                "--weight-sum", *(["--checkpoint"] if checkpoint else [])]
 
     def params(self, layers: int) -> int:
-        """The model's parameters: tied embedding, positions, blocks (attention, MLP, two LayerNorms), final norm."""
+        """The model's parameters: embeddings and head, blocks (attention, feed-forward, two LayerNorms), norm."""
         c = self.n_embd
+        if self.script == "heldout":  # untied head, bias-free linears, SwiGLU's hidden width rounded up to 256
+            hidden = 256 * math.ceil(8 * c / 3 / 256)
+            return 2 * self.vocab * c + self.seq * c + layers * (4 * c * c + 3 * c * hidden + 4 * c) + 2 * c
         return self.vocab * c + self.seq * c + layers * (12 * c * c + 13 * c) + 2 * c
 
 
@@ -81,12 +100,18 @@ class Trial:
     profile_peak_bytes: int = 0  # hetero only: the cgroup's peak while profiling
     steps_s: list[float] = field(default_factory=list)
     plan_why: str = ""  # hetero only: what the plan turned on to keep the budget
+    weight_sum: str = ""  # the final weights' sum the script printed (plain's and hetero's must agree)
 
 
 def step_times(text: str) -> list[float]:
     """Per-step seconds after the first, from the script's running mean ("step k ... M ms/step")."""
     elapsed = [int(k) * float(ms) / 1e3 for k, ms in STEP_LINE.findall(text)]
     return [b - a for a, b in itertools.pairwise(elapsed)]
+
+
+def weight_sum(text: str) -> str:
+    found = WEIGHTS.findall(text)
+    return found[-1] if found else ""
 
 
 def capped(argv: list[str], limit: int | None, work: Path, name: str) -> tuple[cgroup.Capped, str]:
@@ -108,7 +133,8 @@ def run_plain(shape: Shape, layers: int, limit: int, work: Path, checkpoint: boo
     result, text = capped([sys.executable, *shape.argv(layers, checkpoint)], limit, work, config)
     if not result.ok:
         return Trial(config, layers, False, failure("the script", result, text), result.peak_bytes)
-    return Trial(config, layers, True, peak_bytes=result.peak_bytes, steps_s=step_times(text))
+    return Trial(config, layers, True, peak_bytes=result.peak_bytes, steps_s=step_times(text),
+                 weight_sum=weight_sum(text))
 
 
 def prepare_hetero(shape: Shape, layers: int, limit: int, work: Path, uncapped_profile: bool) -> Trial | None:
@@ -130,7 +156,8 @@ def run_hetero(shape: Shape, layers: int, limit: int, work: Path, prepared: Tria
     if not result.ok:
         return Trial("hetero", layers, False, failure("hetero run", result, text), result.peak_bytes,
                      prepared.profile_peak_bytes, plan_why=why)
-    return Trial("hetero", layers, True, "", result.peak_bytes, prepared.profile_peak_bytes, step_times(text), why)
+    return Trial("hetero", layers, True, "", result.peak_bytes, prepared.profile_peak_bytes, step_times(text), why,
+                 weight_sum(text))
 
 
 class Bench:
@@ -252,6 +279,11 @@ def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) 
             notes.append(f"  hetero's plan at {t.layers} layers: {t.plan_why}")
             if t.layers == most["hetero"]:
                 break
+    sums = {c: sorted({t.weight_sum for t in bench.trials if t.config == c and t.ok and t.layers == common
+                       and t.weight_sum}) for c in CONFIGS}
+    if common:
+        notes.append(f"  final weight sums at {common} layers: " +
+                     "; ".join(f"{c} {', '.join(sums[c]) or '-'}" for c in CONFIGS))
     return [row], notes, most["plain"]
 
 
@@ -271,6 +303,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--script", choices=("gpt", "heldout"), default="gpt",
+                   help="examples/train_gpt.py, or bench/heldout_lm.py (widths, batch, context and vocab alike)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of every run (the profile measures 1+2)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds at the largest common size")
     p.add_argument("--max-layers", type=int, default=48)
@@ -281,9 +315,9 @@ def main() -> int:
     if reason:
         print(f"bench/cap.py: {reason}", file=sys.stderr)
         return 2
-    shape = Shape(args.n_embd, args.batch_size, args.seq_len, args.vocab, args.steps)
+    shape = Shape(args.n_embd, args.batch_size, args.seq_len, args.vocab, args.steps, args.script)
     print(f"# {shlex.join(['bench/cap.py', *sys.argv[1:]])}\n# {machine()}")
-    print(f"# examples/train_gpt.py --n-embd {shape.n_embd} --batch-size {shape.batch} --seq-len {shape.seq} "
+    print(f"# {shape.argv(0)[0]} --n-embd {shape.n_embd} --batch-size {shape.batch} --seq-len {shape.seq} "
           f"--vocab {shape.vocab} --steps {shape.steps}, layers varied"
           + ("; hetero profiled OUTSIDE the cgroup (--profile-uncapped)" if args.profile_uncapped else ""))
     print("| limit | plain: layers (params) | checkpoint | hetero | hetero / plain params | largest common | "
