@@ -42,6 +42,9 @@ def plan(
     tier_activations: bool = typer.Option(False, "--tier-activations",
                                           help="Evict saved activations even where the plan finds it saves no "
                                                "memory the process pays for (host memory without a GPU)."),
+    recompute: bool = typer.Option(False, "--recompute",
+                                   help="Recompute every block the profile found recomputable in backward, even where "
+                                        "no budget needs it (activation checkpointing)."),
     slow_tier: str | None = typer.Option(None, "--slow-tier", metavar="NAME",
                                          help="Tier saved activations are evicted to (a tier name in the profile)."),
     stay_time: str = typer.Option("1ms", "--stay-time", help="Least time an evicted tensor stays in the slow tier."),
@@ -66,7 +69,8 @@ def plan(
         raise HeteroError(f"--emulate {emulate}: only axdimm can be emulated", hint="--emulate axdimm",
                           exit_code=USAGE)
     source = written_profile_path(profile, output)
-    options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, profile_path=source,
+    options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, recompute=recompute,
+                          profile_path=source,
                           reserve=reserve, gpu_memory_bytes=quantity(SIZE, gpu_memory, "--gpu-memory"),
                           dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,

@@ -108,6 +108,17 @@ def _summary(profile, output: Path) -> None:
             table.add_row(f"{tier.name} beside compute", f"writes {writes}; its workers slow training "
                                                          f"{_interference(tier.write_cpu)}")
     table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
+    m = profile.memory
+    if m is not None:
+        how = f"estimated, profiled under a budget: {m.profiled_under}" if m.dram_peak_estimated else \
+            "a fresh process with malloc's defaults, once its peak settled"
+        table.add_row("host memory", f"plain training peaks at {SIZE.format_short(m.dram_peak_bytes)} ({how})")
+    if profile.blocks:
+        refused = [b for b in profile.blocks if not b.recomputable]
+        why = f"; not {', '.join(b.name for b in refused[:3])}{'...' * (len(refused) > 3)}: {refused[0].why}" \
+            if refused else ""
+        table.add_row("blocks", f"{len(profile.blocks) - len(refused)} of {len(profile.blocks)} repeated blocks can "
+                                f"be recomputed in backward{why}")
     Console().print(table)
 
 

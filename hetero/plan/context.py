@@ -23,6 +23,7 @@ class PlanOptions:
     optimizer_device: str | None = None  # default: a real AXDIMM when the profile has one, else host
     emulate: bool = False  # --emulate axdimm: the emulated AXDIMM may hold states (tests and demonstrations)
     tier_activations: bool = False  # --tier-activations: schedule evictions even where they save no process memory
+    recompute: bool = False  # --recompute: every block the profile found recomputable, whether or not a budget needs it
     slow_tier: str | None = None
     stay_time_s: float = 1e-3
     previous: Plan | None = None  # --from: its pinned entries are kept

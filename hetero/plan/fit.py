@@ -95,6 +95,7 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     levers, unusable = available(ctx)
     forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \
         else frozenset()
+    forced |= {"recompute"} if ctx.options.recompute and "recompute" in levers else set()  # --recompute
     seen: dict[frozenset[str], Candidate] = {}
     for k in range(len(levers) + 1):
         for combo in combinations(levers, k):
@@ -128,7 +129,7 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
 
 def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, room: int) -> Candidate:
     """With recomputation chosen, the fewest blocks that keep the budget: each one more costs its forward."""
-    if "recompute" not in best.levers:
+    if "recompute" not in best.levers or ctx.options.recompute:  # --recompute: every block it can
         return best
     units, _ = recompute.units(ctx.profile)
     plans: dict[int, Plan] = {len(units): best.plan}

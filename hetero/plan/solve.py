@@ -48,9 +48,13 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
     (hetero.plan.fit)."""
     ctx = context(profile, options)
     pins = pins_of(profile, options.previous)
+    if options.recompute and (ctx.gpu is not None or recompute.refused_text(profile)):
+        why = "its savings are planned in host memory, and this profile trains on a GPU" if ctx.gpu is not None \
+            else recompute.refused_text(profile)
+        raise HeteroError(f"--recompute: {why}", hint="plan without --recompute", exit_code=USAGE)
     if fit.applies(profile, ctx.gpu, ctx.budget_source):
         return fit.fit(ctx, lambda levers, blocks=None: _solve(ctx, pins, levers, blocks), ctx.host.name)
-    out = _solve(ctx, pins, frozenset())
+    out = _solve(ctx, pins, frozenset({"recompute"}) if options.recompute else frozenset())
     _check_dram(ctx, out)
     if ctx.budget_source is None:
         return out

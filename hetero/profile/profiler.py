@@ -74,6 +74,10 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     # profile needs no more than the run it plans for.
     ceiling = None if run.budget_bytes is None else min(run.budget_bytes, process_memory.dram_peak_bytes())
     room = None if ceiling is None else max(0, ceiling - process_memory.resident_bytes())
+    if room is not None and run.memory.profiled_under:
+        run.memory.profiled_under += (f"; the machine measured after the training was released, in buffers of at "
+                                      f"most {SIZE.format_short(machine.largest_buffer(room))} (an eighth of the "
+                                      f"{SIZE.format_short(room)} left under the training's own peak)")
     return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside, room))
 
 

@@ -4,6 +4,8 @@ profile found it cannot recompute are left out, with why."""
 
 import pytest
 
+from hetero.errors import USAGE, HeteroError
+
 from hetero.plan import fit, footprint, recompute
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
@@ -77,3 +79,16 @@ def test_recomputing_saves_nothing_below_what_the_optimizer_step_holds(cpu):
         sum(u.saving_bytes for u in recompute.units(cpu)[0]) - max(u.saving_bytes for u in recompute.units(cpu)[0]),
         saved - recompute.STEP_BYTES_PER_PARAM * params)
     assert recompute.fewest(lambda k: k >= 3, 4) == 3 and recompute.fewest(lambda k: True, 4) == 1
+
+
+def test_recompute_forces_every_recomputable_block_and_is_refused_where_none_is(cpu):
+    p = plan(cpu, PlanOptions(recompute=True))
+    assert p.recompute.blocks == ["h.0", "h.1", "h.2", "h.3"] and p.budget.dram_budget_bytes is None
+    assert p.predicted.iteration_s == pytest.approx(plan(cpu, PlanOptions()).predicted.iteration_s +
+                                                    recompute.cost_s(cpu, p.recompute), rel=1e-6)
+    under = plan(cpu, PlanOptions(recompute=True, dram_budget_bytes=2 * PLAIN))  # fits plain, recomputes anyway
+    assert under.recompute.blocks == p.recompute.blocks
+    cpu.blocks = []
+    with pytest.raises(HeteroError) as e:
+        plan(cpu, PlanOptions(recompute=True))
+    assert e.value.exit_code == USAGE and e.value.message.startswith("--recompute: the profile found no repeated")
