@@ -3,7 +3,10 @@
 Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors:
 a `saved_tensors_hooks` pair around the model's forward attributes every tensor autograd saves (parameters
 excluded, each storage once) to the layer running, or to the last one that ended when it is saved between
-layers; a storage saved by several layers belongs to the last of them. Backward: the first unpack of a layer's
+layers, also between the layers nested in a running one (a root module owning a parameter of its own, an attention
+module between its projections: the tensors its own ops save between its children are needed back when backward
+reaches that point, before the last child's backward); a storage saved by several layers belongs to the last of
+them. Backward: the first unpack of a layer's
 saved tensors is its backward start (TierTrain's ts^B: the moment they must be back in fast memory);
 gradient-accumulation hooks on the parameters mark the end of backward.
 Nothing blocks inside a step: the clock hands out tokens (perf_counter values, or CUDA events) that are resolved
@@ -102,7 +105,7 @@ class LayerProfiler:
         self.micro_batches: list[PassTokens] = []
         self.current: PassTokens | None = None  # the micro-batch whose forward is running
         self.last_forward: PassTokens | None = None  # the one whose backward runs next
-        self.stack: list[list] = []  # [layer, start token, child count] of layers running
+        self.stack: list[list] = []  # [layer, start token, depth, last nested layer ended] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
         # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
         # innermost pair of hooks runs. Backward starts then come from the outputs' gradients alone.
@@ -155,7 +158,7 @@ class LayerProfiler:
         i = self.index[id(module)]
         if i not in mb.order:
             mb.order.append(i)
-        self.stack.append([i, self.clock.mark(), len(self.stack)])
+        self.stack.append([i, self.clock.mark(), len(self.stack), None])
         self.hook_s += time.perf_counter() - t
 
     def _layer_end(self, module, args, output) -> None:
@@ -163,11 +166,13 @@ class LayerProfiler:
         if mb is None or not self.stack:
             return
         t = time.perf_counter()
-        i, start, depth = self.stack.pop()
+        i, start, depth, _ = self.stack.pop()
         end = self.clock.mark()
         mb.intervals.append(Interval(i, start, end, depth))
         mb.fp_end[i] = end
         self.last_ended = i
+        if self.stack:
+            self.stack[-1][3] = i
         for grad_fn in {o.grad_fn for o in tensors(output) if o.grad_fn is not None}:
             grad_fn.register_prehook(self._grad_ready_hook(mb, i))
         self.hook_s += time.perf_counter() - t
@@ -181,7 +186,8 @@ class LayerProfiler:
         if mb is None or storage in self.param_storages:
             layer = -1
         else:
-            layer = self.stack[-1][0] if self.stack else self.last_ended
+            top = self.stack[-1] if self.stack else None
+            layer = self.last_ended if top is None else top[0] if top[3] is None else top[3]
             # A storage saved by several layers belongs to the last: its backward is the first to need it back.
             previous = mb.owner.get(storage)
             if previous != layer:

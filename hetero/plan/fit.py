@@ -198,7 +198,8 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
         with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
         with_it = best if lever == "recompute" else with_it  # with the fewest blocks, not every block
         if without is None:
-            parts.append(f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
+            parts.append(f"{_NAMES[lever]} (--recompute)" if lever == "recompute" else
+                         f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
                          "budget, so plain training's own peak is not known)")
             continue
         parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - with_it.peak_bytes)} for "

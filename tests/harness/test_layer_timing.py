@@ -128,3 +128,44 @@ def test_parameters_used_functionally_belong_to_a_layer_that_ran(tmp_path):
     assert layers[2].param_names() == ["1.o.weight", "1.o.bias"]
     assert (layers[2].fp_s, layers[2].fp_end_s, layers[2].bp_start_s) == (0.0, layers[1].fp_end_s, layers[1].bp_start_s)
     assert sum(x.num_params for x in layers) == 16 + 16 * 17 + 16 * 17 + 4 * 17
+
+
+def test_what_a_running_layers_own_ops_save_between_its_children_goes_to_the_last_child_that_ended():
+    """A root module owning a parameter of its own is a layer running through the whole forward: what the ops of a
+    block save between its linears (an activation, a product) belongs to the linear before them, as it would at
+    the top level, not to the root, whose backward comes last."""
+    from torch import nn
+
+    from hetero.harness.layer_timing import CpuClock, LayerProfiler, summarize
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(torch.sigmoid(self.gate(x)) * self.up(x))  # sigmoid and * save outside any layer
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))  # the root owns a parameter: it is a layer
+            self.blocks = nn.ModuleList(Gated() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x * self.scale)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Root(), torch.randn(4, 8)
+    profiler = LayerProfiler(model, select_layers(model, "module"), CpuClock())
+    profiler.attach()
+    model(x).sum().backward()
+    profiler.detach()
+    layers = {layer.name: layer for layer in summarize(profiler).layers}
+    total = sum(independent_saved_storages(model, x, None))
+    assert sum(layer.saved_bytes for layer in layers.values()) == total
+    # sigmoid's output and up's output (16 floats x 4 rows each) go to `up`, the last child ended before them
+    assert layers["blocks.0.up"].saved_bytes >= 2 * 4 * 16 * 4
+    assert layers["(model)"].saved_bytes <= 2 * 4 * 8 * 4  # only what it saves before a child ran: x * scale
