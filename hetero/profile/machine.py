@@ -33,6 +33,7 @@ HOST_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 BESIDE_SIZES = (64 * KiB, MiB, 4 * MiB, 16 * MiB)  # disk trips timed beside compute: sizes of the tensors moved
 GPU_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 NVME_TIER = "nvme0"  # the disk tier's name in profiles
+DEFAULT_BYTES = 640 * MiB  # what the measurements hold at most with their default sizes (the copy's 2 x 256 MiB)
 
 
 def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,

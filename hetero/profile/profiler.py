@@ -70,10 +70,11 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
-    # Under a budget the machine's buffers fit under the training's own peak (the training was released): the
-    # profile needs no more than the run it plans for.
-    ceiling = None if run.budget_bytes is None else min(run.budget_bytes, process_memory.dram_peak_bytes())
-    room = None if ceiling is None else max(0, ceiling - process_memory.resident_bytes())
+    # Under a budget that leaves less than the machine's measurements hold by default, their buffers fit under the
+    # training's own peak (the training was released): the profile needs no more than the run it plans for.
+    resident = process_memory.resident_bytes()
+    tight = run.budget_bytes is not None and run.budget_bytes - resident < machine.DEFAULT_BYTES
+    room = max(0, min(run.budget_bytes, process_memory.dram_peak_bytes()) - resident) if tight else None
     if room is not None and run.memory.profiled_under:
         run.memory.profiled_under += (f"; the machine measured after the training was released, in buffers of at "
                                       f"most {SIZE.format_short(machine.largest_buffer(room))} (an eighth of the "
@@ -135,6 +136,16 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             raise capture.no_optimizer()
         raise _ended_early(result.exit_code, session.steps_done, options)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
+    layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
+        if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
+    blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
+    out = ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
+                            training=session.training(summary, clips_grad=clips["calls"] > 0),
+                            layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
+                            compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
+                            moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
+                            blocks=blocks)
+    _release(session.model, session.optimizer)  # before the fresh processes: they must not come on top of it
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
@@ -146,16 +157,6 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             session.memory.dram_peak_returned_bytes = found.peak_bytes
             session.memory.returned_step_s = measured(found.step_s)
             session.memory.default_step_s = measured(found.default_step_s)
-    layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
-        if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
-    blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
-    out = ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
-                            training=session.training(summary, clips_grad=clips["calls"] > 0),
-                            layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
-                            compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
-                            moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
-                            blocks=blocks)
-    _release(session.model, session.optimizer)
     return out
 
 

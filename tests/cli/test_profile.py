@@ -119,7 +119,7 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     assert profile.training.optimizer == "adamw"  # the script's, though hetero's stood in for it while profiling
     assert memory.dram_peak_estimated and memory.dram_peak_returned_bytes == memory.dram_peak_bytes
     assert memory.profiled_under.startswith("Adam states, fp32 master copies and gradients of ")
-    measured = SIZE.parse(memory.profiled_under.rsplit("the peak measured that way: ", 1)[1])
+    measured = SIZE.parse(memory.profiled_under.rsplit("the peak measured that way: ", 1)[1].split(";")[0])
     # plain's estimate: the measured peak, less the staging the moved optimizer held, plus plain's 12 B/param
     held = memory.dram_peak_bytes - measured - conservative.PLAIN_BYTES_PER_PARAM * n
     rounded = measured * 0.005  # the text's three digits: a whole suite's process peaks past 1 GiB (3 MiB steps)
