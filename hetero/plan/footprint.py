@@ -32,6 +32,7 @@ TIERING = "activation store buffers"
 EVICTED = "evicted activations"
 GRADS_FREED = "gradients freed in backward"
 RECOMPUTED = "activations recomputed in backward"
+BELOW_SWITCH = "malloc's defaults below the switch"  # a plan whose allocator returns memory from `from_bytes` on
 
 
 def own_states_in_host(profile: Profile) -> int:

@@ -99,10 +99,14 @@ def _returning_from(ctx: Context, out: Plan) -> Plan:
         return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
             f"{out.allocator.why}; from the start: an iteration saves {SIZE.format_short(saved)} of activations, "
             f"more than the {SIZE.format_short(room - start)} a switch halfway to the budget would leave")))
-    return replace(out, allocator=replace(out.allocator, from_bytes=start, why=(
+    # malloc's defaults may take the process up to the switch: the prediction says so (its own account entry)
+    host = host_tier(ctx.profile)
+    predicted = replace(out.predicted, peak_bytes=out.predicted.peak_bytes | {host: start},
+                        dram=out.predicted.dram | ({footprint.BELOW_SWITCH: start - peak} if start > peak else {}))
+    return replace(out, predicted=predicted, allocator=replace(out.allocator, from_bytes=start, why=(
         f"{out.allocator.why}; with malloc's defaults, whose peak the profile could not measure, until the process "
         f"holds {SIZE.format_short(start)}, halfway from the predicted {SIZE.format_short(peak)} to the budget less "
-        f"headroom ({SIZE.format_short(room)}): no page faults below it")))
+        f"headroom ({SIZE.format_short(room)}): no page faults below it, and the process may hold up to it")))
 
 
 def _allocator(ctx: Context):

@@ -252,9 +252,10 @@ class Memory:
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
                                "VmHWM less the file pages mapped then): of the script run in a fresh process with "
                                "malloc's defaults until the peak settles (less than 2MiB more in two steps; at most "
-                               "12 steps, or to the script's own end, whose evaluation and saving then count); where "
-                               "that was not run (a budget, torchrun, a GPU), by the end of the warm-up steps, which "
-                               "run without the profiler's hooks.", unit=SIZE, ge=0)
+                               "12 steps, or to the script's own end, whose evaluation and saving then count); under a "
+                               "budget, in the profile's own process by the end of the measured steps; under "
+                               "torchrun or on a GPU, by the end of the warm-up steps, which run without the "
+                               "profiler's hooks.", unit=SIZE, ge=0)
     gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
