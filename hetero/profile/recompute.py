@@ -68,6 +68,9 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
     try:
         with torch.enable_grad():
             model(*args, **kwargs)  # the graph it builds is dropped with the output
+    except Exception as e:  # the script changed what its last call took (in place), or its model cannot run again
+        why = f"the check's forward of the model's last call failed ({type(e).__name__}: {str(e)[:120]})"
+        return [Block(name=name, input_bytes=s.input_bytes, recomputable=False, why=why) for name, s in seen.items()]
     finally:
         for handle in handles:
             handle.remove()

@@ -61,3 +61,14 @@ def test_each_block_is_recomputable_or_says_why_not(kind, why):
 def test_a_model_without_repeated_blocks_has_none_to_check():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     assert recompute.watch(model) is None and recompute.check(model, None) == []
+
+
+def test_a_last_call_that_cannot_run_again_leaves_every_block_not_recomputable():
+    torch.manual_seed(0)
+    model = Net("plain")
+    inputs = recompute.watch(model)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    inputs.call = ((torch.randn(4, 3),), {})  # as if the script had changed its input in place since
+    blocks = recompute.check(model, inputs)
+    assert not any(b.recomputable for b in blocks) and blocks[0].why.startswith("the check's forward of the model's")
