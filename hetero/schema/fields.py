@@ -40,8 +40,7 @@ def doc(
 ) -> Any:
     """A documented schema field. `comment=True` marks a field written as a `# why:` comment, not as a key;
     `added=True` a field added after files were written without it: while it holds its default it is left out of
-    the file's content hash, so that a plan still names its profile (and a run its plan) by the hash it was made
-    with."""
+    written files and of their content hash (`left_out`)."""
     meta = {"doc": text, "unit": unit, "ge": ge, "le": le, "comment": comment, "added": added}
     if comment:
         return dataclasses.field(default=default, metadata=meta, compare=False)
@@ -61,6 +60,7 @@ class FieldSpec:
     le: float | None
     comment: bool
     required: bool
+    added: bool = False  # added after files were written without it: left out of them while at its default
 
     @property
     def optional(self) -> bool:
@@ -81,10 +81,21 @@ def specs(cls: type) -> tuple[FieldSpec, ...]:
             key = key[: -len(unit.suffix)]
         required = f.default is MISSING and f.default_factory is MISSING
         out.append(FieldSpec(f.name, key, hints[f.name], meta["doc"], unit, meta["ge"], meta["le"],
-                             meta["comment"], required))
+                             meta["comment"], required, meta.get("added", False)))
     keys = [s.key for s in out]
     assert len(set(keys)) == len(keys), f"{cls.__name__}: two fields share a YAML key in {keys}"
     return tuple(out)
+
+
+def left_out(obj: Any, spec: FieldSpec) -> bool:
+    """Whether `obj`'s field is one added later (`doc(added=True)`) that holds its default: written files and
+    content hashes leave it out, so that files written before it existed keep their hash, and files written after
+    it without it stay readable by the hetero before it."""
+    if not spec.added:
+        return False
+    field = next(f for f in dataclasses.fields(obj) if f.name == spec.name)
+    default = field.default_factory() if field.default_factory is not MISSING else field.default
+    return getattr(obj, spec.name) == default
 
 
 def is_schema(tp: Any) -> bool:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -19,7 +18,7 @@ import yaml
 
 from hetero.errors import FileProblems
 from hetero.schema import yaml_write
-from hetero.schema.fields import is_schema, specs
+from hetero.schema.fields import is_schema, left_out, specs
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 from hetero.schema.run import Run
@@ -167,24 +166,14 @@ def content_sha256(obj: Any) -> str:
 
 
 def _content(obj: Any) -> Any:
-    """`to_data(obj)` without the added fields that hold their defaults."""
+    """`to_data(obj)` without the added fields that hold their defaults (`fields.left_out`)."""
     if is_schema(type(obj)):
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        out = {}
-        for s in specs(type(obj)):
-            value = getattr(obj, s.name)
-            if s.comment or (fields[s.name].metadata.get("added") and value == _default(fields[s.name])):
-                continue
-            out[s.name] = _content(value)
-        return out
+        return {s.name: _content(getattr(obj, s.name)) for s in specs(type(obj))
+                if not s.comment and not left_out(obj, s)}
     if isinstance(obj, list):
         return [_content(v) for v in obj]
     if isinstance(obj, dict):
         return {k: _content(v) for k, v in obj.items()}
     return obj
-
-
-def _default(field: dataclasses.Field) -> Any:
-    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 

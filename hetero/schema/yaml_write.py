@@ -9,7 +9,7 @@ import re
 import typing
 from typing import Any
 
-from hetero.schema.fields import FieldSpec, is_schema, specs, strip_optional
+from hetero.schema.fields import FieldSpec, is_schema, left_out, specs, strip_optional
 
 
 def render(obj: Any, lines: list[str]) -> None:
@@ -34,7 +34,7 @@ def _tree(value: Any, spec: FieldSpec | None, tp: Any) -> Any:
     if value is None:
         return "null"
     if is_schema(type(value)):
-        fields = [s for s in specs(type(value)) if not s.comment]
+        fields = [s for s in specs(type(value)) if not s.comment and not left_out(value, s)]
         why = next((getattr(value, s.name) for s in specs(type(value)) if s.comment), "")
         return _Map([(s.key, _tree(getattr(value, s.name), s, s.type)) for s in fields], why)
     if isinstance(value, list):
