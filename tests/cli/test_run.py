@@ -117,7 +117,7 @@ def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_p
     out, err = capfd.readouterr()
     assert "done torch.optim" in out  # the script's own optimizer
     line = next(x for x in err.splitlines() if x.startswith("hetero: dram peak "))
-    assert "x plain's" in line and "(profile); predicted" in line
+    assert "x plain's" in line and "(profiled in a fresh process); predicted" in line
 
 
 def test_a_separator_after_the_script_reaches_it_as_python_would_pass_it(workdir, capfd):
