@@ -28,6 +28,7 @@ from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, recompute, returned, tier_steps
 from hetero.profile.conservative import Conservative
+from hetero.profile.pressure import UnderPressure
 from hetero.run import allocator, process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
@@ -120,17 +121,28 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     budget = returned.budget_of(options.dram_budget_bytes)
     session.budgeted = returned.Budgeted(budget) if budget is not None else None
     try:
-        with session.capture, _watch_clipping() as clips:
-            if budget is not None:
-                session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir())
-                session.conservative.install(session.capture.resolve)
-            try:
-                result = run_script(script, args)
-            finally:  # before the clipping watch is undone: the optimizer's patches wrap it
-                if session.conservative is not None:
-                    session.conservative.close()
-    finally:
-        disk_beside = session.close()
+        try:
+            with session.capture, _watch_clipping() as clips:
+                if budget is not None:
+                    session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir())
+                    session.conservative.install(session.capture.resolve)
+                    session.pressure = UnderPressure(budget[0])
+                try:
+                    result = run_script(script, args)
+                finally:  # before the clipping watch is undone: the optimizer's patches wrap it
+                    if session.conservative is not None:
+                        session.conservative.close()
+        finally:
+            disk_beside = session.close()
+        return _measured(script, args, options, session, result, clips, budget, disk_beside)
+    finally:  # after the blocks' check, whose forward the overrides keep under the budget too
+        if session.pressure is not None:
+            session.pressure.close()
+
+
+def _measured(script: str, args: list[str], options: ProfileOptions, session: _Session, result, clips,
+              budget: tuple[int, str] | None, disk_beside: tier_steps.DiskBeside | None) -> ScriptMeasurement:
+    """What the stopped script's session measured; the fresh processes, where they run."""
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
         if result.exit_code == 0 and session.model is None:
             raise capture.no_optimizer()
@@ -138,6 +150,14 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     summary = session.summary  # set once the measured steps ended, which the check above ensures
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
+    if session.pressure is not None and session.pressure.engaged:  # measured in parts: the rest from twins
+        layers, unkept = session.pressure.fill(layers)
+        memory = session.memory
+        memory.dram_peak_bytes += unkept
+        memory.dram_peak_returned_bytes = memory.dram_peak_bytes
+        memory.profiled_under = f"{session.pressure.described(unkept)}; {memory.profiled_under}"
+    if session.pressure is not None:
+        session.pressure.least()  # the check's forward under the budget too
     blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
     out = ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
                             training=session.training(summary, clips_grad=clips["calls"] > 0),
@@ -191,6 +211,7 @@ class _Session:
         self.tier_steps: tier_steps.TierSteps | None = None
         self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
         self.conservative: Conservative | None = None  # under a budget: the optimizer, moved if plain won't fit
+        self.pressure: UnderPressure | None = None  # under a budget: blocks recomputed near it
         self.others: capture.OtherOptimizers | None = None
         self.capture: Capture | None = None
         self.compiled = False  # the script calls the model through torch.compile

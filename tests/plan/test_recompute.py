@@ -92,3 +92,9 @@ def test_recompute_forces_every_recomputable_block_and_is_refused_where_none_is(
     with pytest.raises(HeteroError) as e:
         plan(cpu, PlanOptions(recompute=True))
     assert e.value.exit_code == USAGE and e.value.message.startswith("--recompute: the profile found no repeated")
+
+
+def test_where_blocks_can_be_recomputed_tiering_is_left_out_and_says_why(cpu):
+    p = plan(cpu, budget(RETURNED - 60 * MiB))
+    assert p.activations is None and p.recompute is not None
+    assert f"not evicting saved activations: {fit.TIERING_LEFT_OUT}" in p.budget.why

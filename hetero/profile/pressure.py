@@ -1,0 +1,145 @@
+"""The profile under a budget its forward would not keep: the model's repeated blocks recomputed once the process
+nears the budget, and their layers measured in parts.
+
+A script whose saved activations alone pass the budget dies in its first forward, before hetero knows its model or
+has measured anything, while a plan that recomputes its blocks (hetero.plan.recompute) would train it. So under a
+budget the profile watches the first module called with gradients that has repeated blocks (hetero.harness.layers),
+and runs each block through `torch.utils.checkpoint` (non-reentrant, as the runtime does) whenever the process
+holds more than `mark` as the block starts. The first forward recomputes every block: the least memory this
+training can take, and a measure of what it adds beyond its blocks (the logits and the loss, backward's gradients,
+one block rebuilt): the peak it reached less what the process held as its first block started. From the second
+forward on, `mark` is the budget less the plan's headroom and that much, and a block runs as written only where
+the process, with the most a block kept when one did (`block_bytes`; an eighth of the budget before any did),
+stays under it; decided in that second forward, each block keeps its decision for the rest of the profile, so
+that every measured step recomputes the same blocks. Blocks that run as written keep their activations and are
+measured as usual; the
+others (`engaged`) save nothing the layer profiler sees, so `fill` gives each of their layers what the same layer of
+a measured block of the same class saved: the profile measures the script in parts. `unkept_bytes` is what the
+engaged blocks would have held, which plain training's estimated peak adds back. Nothing happens below the mark.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hetero.harness import hooks
+from hetero.harness.layers import repeated_blocks
+from hetero.plan.fit import HEADROOM
+from hetero.run import process_memory
+from hetero.schema.profile import Layer
+from hetero.units import SIZE
+
+class UnderPressure:
+    """Installed before the script runs; `close` takes every override back."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.mark = 0  # the first forward: every block
+        self.first: str | None = None  # the first block, whose start begins a forward
+        self.started_at: int | None = None  # resident bytes as the first forward's first block started
+        self.calibrated = False
+        self.block_bytes = budget_bytes // 8  # the most a block that ran as written added (an eighth before any)
+        self.seen_block = False
+        self.last: tuple[int, bool] | None = None  # resident bytes as the last block started, and whether it ran so
+        self.engaged: dict[str, int] = {}  # block -> forwards it was recomputed in, from the second forward on
+        self.decided: dict[str, bool] = {}  # block -> runs as written (decided in the second forward)
+        self.classes: dict[str, type] = {}  # block -> its class
+        self.inputs: dict[str, int] = {}  # block -> bytes its checkpoint kept (its inputs)
+        self.overrides: list[hooks.Override] = []
+        self.checked: set[int] = set()
+        self.handle = nn.modules.module.register_module_forward_pre_hook(self._called)
+
+    def _called(self, module: nn.Module, args) -> None:
+        if not torch.is_grad_enabled() or id(module) in self.checked:
+            return
+        self.checked.update(id(m) for m in module.modules())
+        blocks = repeated_blocks(module)
+        if not blocks:
+            return
+        self.handle.remove()
+        self.first = blocks[0][0]
+        for name, block in blocks:
+            self.classes[name] = type(block)
+            self.overrides.append(hooks.forward_override(block, functools.partial(self._forward, name,
+                                                                                   block.forward)))
+
+    def _forward(self, name: str, forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if name in self.decided:
+            plain = self.decided[name]
+        else:
+            plain = self._decide(name, process_memory.resident_bytes())
+        if plain:
+            return forward(*args, **kwargs)
+        if self.calibrated:
+            self.engaged[name] = self.engaged.get(name, 0) + 1
+        self.inputs[name] = sum(t.untyped_storage().nbytes() for t in args if isinstance(t, torch.Tensor))
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def _decide(self, name: str, resident: int) -> bool:
+        """Whether the block runs as written in this forward; from the second forward on, for good."""
+        if name == self.first:
+            self._forward_starts(resident)
+        elif self.last is not None and self.last[1]:  # the block before ran as written: what it kept
+            added = max(0, resident - self.last[0])
+            self.block_bytes = max(self.block_bytes, added) if self.seen_block else added
+            self.seen_block = True
+        plain = resident + self.block_bytes <= self.mark
+        self.last = (resident, plain)
+        if self.calibrated:
+            self.decided[name] = plain
+        return plain
+
+    def _forward_starts(self, resident: int) -> None:
+        """A forward's first block starts: the first time, note what the process holds; the second, set the mark
+        from what the first forward (every block recomputed) added beyond it."""
+        if self.started_at is None:
+            self.started_at = resident
+        elif not self.calibrated:
+            self.calibrated = True
+            beyond = max(0, process_memory.dram_peak_bytes() - self.started_at)
+            self.mark = int(self.budget_bytes * (1 - HEADROOM)) - beyond
+
+    def fill(self, layers: list[Layer]) -> tuple[list[Layer], int]:
+        """`layers` with every engaged block's layers given what the same layer of a measured block of its class
+        saved, and the bytes the engaged blocks did not keep (their layers' saved bytes less their inputs)."""
+        measured = [b for b in self.classes if b not in self.engaged]
+        by_name = {layer.name: layer for layer in layers}
+        out, unkept = list(layers), 0
+        for block in self.engaged:
+            twin = next((b for b in measured if self.classes[b] is self.classes[block]), None)
+            if twin is None:
+                continue
+            saved = 0
+            for k, layer in enumerate(out):
+                if not layer.name.startswith(block + "."):
+                    continue
+                source = by_name.get(twin + layer.name[len(block):])
+                if source is not None:
+                    out[k] = replace(layer, saved_bytes=source.saved_bytes,
+                                     saved_storages_bytes=list(source.saved_storages_bytes))
+                    saved += source.saved_bytes
+            unkept += max(0, saved - self.inputs.get(block, 0))
+        return out, unkept
+
+    def described(self, unkept: int) -> str:
+        measured = [b for b in self.classes if b not in self.engaged]
+        return (f"{len(self.engaged)} of {len(self.classes)} blocks recomputed while the process held more than "
+                f"{SIZE.format_short(self.mark)}, their layers measured in {', '.join(measured[:2]) or 'none'}"
+                f"{'...' * (len(measured) > 2)} (plain training would have held {SIZE.format_short(unkept)} more)")
+
+    def least(self) -> None:
+        """Recompute every block from now on (the profile's own forward after the script, checking the blocks)."""
+        self.decided = dict.fromkeys(self.classes, False)
+
+    def close(self) -> None:
+        self.handle.remove()
+        for override in self.overrides:
+            override.remove()
+        self.overrides = []

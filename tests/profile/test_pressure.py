@@ -1,0 +1,68 @@
+"""Under a budget its forward would not keep, the profile recomputes the model's blocks from where the process
+nears the budget: every block in the first forward, then, from what that forward added beyond its blocks, the ones
+that keep the budget run as written, for good; the others' layers are given what a measured twin's saved."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.profile import pressure
+from hetero.schema.profile import Layer
+
+MiB = 2**20
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + F.gelu(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def layer(name: str, saved: int) -> Layer:
+    return Layer(name=name, type="Linear", num_params=72, params={"weight": 256, "bias": 32}, fp_s=1e-3, bp_s=2e-3,
+                 fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None, saved_bytes=saved,
+                 saved_storages_bytes=[saved] if saved else [], fp_end_s=1e-3, bp_start_s=5e-3)
+
+
+def test_blocks_run_as_written_while_they_keep_the_budget_and_the_rest_are_filled_from_a_twin(monkeypatch):
+    readings = iter([100, 101, 102, 103,  # the first forward: every block recomputed, whatever is held
+                     100, 150, 200, 250])  # the second: each block as written keeps 50 MiB
+    monkeypatch.setattr(pressure.process_memory, "resident_bytes", lambda: next(readings) * MiB)
+    monkeypatch.setattr(pressure.process_memory, "dram_peak_bytes", lambda: 200 * MiB)
+    watch = pressure.UnderPressure(400 * MiB)
+    torch.manual_seed(0)
+    model = Net()
+    try:
+        for _ in range(3):  # the third forward reads nothing: its blocks keep the second's decisions
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(4, 8))  # evaluation: as written, nothing counted
+    finally:
+        watch.close()
+    # the mark: the budget less 3% headroom less what the first forward added beyond its blocks (200 - 100 MiB)
+    assert watch.mark == int(400 * MiB * 0.97) - 100 * MiB
+    assert watch.decided == {"blocks.0": True, "blocks.1": True, "blocks.2": True, "blocks.3": False}
+    assert watch.engaged == {"blocks.3": 2}  # the second and third forwards
+    assert "forward" not in model.blocks[0].__dict__  # closed: the class's forward again
+    watch.inputs["blocks.3"] = 1000
+    layers = [layer("blocks.0.fc", 5000), layer("blocks.3.fc", 0), layer("head", 700)]
+    filled, unkept = watch.fill(layers)
+    assert [x.saved_bytes for x in filled] == [5000, 5000, 700] and unkept == 4000
+    assert watch.described(unkept).startswith("1 of 4 blocks recomputed while the process held more than")
