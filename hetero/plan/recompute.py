@@ -9,8 +9,9 @@ seconds buy the saving a budget needs (`fewest`).
 
 What it takes off the process's peak (`peak_drop`): the saved-activation peak falls by every chosen block's saving
 but the largest (backward rebuilds one block at a time); and the peak falls only while it is the forward-backward
-turn's: once activations are below what the optimizer step holds in their place (a gradient and a temporary per
-parameter, `STEP_BYTES_PER_PARAM`), the process peaks in the step and recomputing more saves nothing.
+turn's: once activations are below what the optimizer step holds in their place (a gradient per parameter,
+`STEP_BYTES_PER_PARAM`; torch's Adam steps its parameters a few tensors at a time), the process peaks in the step
+and recomputing more saves nothing.
 Pure: no torch, no I/O.
 """
 
@@ -23,7 +24,7 @@ from hetero.schema.plan import RecomputePlan
 from hetero.schema.profile import Block, Profile
 from hetero.units import SIZE, short_time
 
-STEP_BYTES_PER_PARAM = 8  # fp32 gradient, and a parameter-sized temporary of torch's Adam step
+STEP_BYTES_PER_PARAM = 4  # the fp32 gradients, all held when the optimizer steps
 
 
 @dataclass(frozen=True, slots=True)
