@@ -131,7 +131,7 @@ class UnderPressure:
     def described(self, unkept: int) -> str:
         measured = [b for b in self.classes if b not in self.engaged]
         return (f"{len(self.engaged)} of {len(self.classes)} blocks recomputed while the process held more than "
-                f"{SIZE.format_short(self.mark)}, their layers measured in {', '.join(measured[:2]) or 'none'}"
+                f"{SIZE.format_short(max(0, self.mark))}, their layers measured in {', '.join(measured[:2]) or 'none'}"
                 f"{'...' * (len(measured) > 2)} (plain training would have held {SIZE.format_short(unkept)} more)")
 
     def least(self) -> None:

@@ -155,7 +155,7 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
         memory = session.memory
         memory.dram_peak_bytes += unkept
         memory.dram_peak_returned_bytes = memory.dram_peak_bytes
-        memory.profiled_under = f"{session.pressure.described(unkept)}; {memory.profiled_under}"
+        memory.profiled_under = f"{memory.profiled_under}; {session.pressure.described(unkept)}"
     if session.pressure is not None:
         session.pressure.least()  # the check's forward under the budget too
     blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
