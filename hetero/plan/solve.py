@@ -40,6 +40,9 @@ from hetero.units import SIZE, short_time, size_change
 ONE_PROCESS = "the profile has one process: no gradient synchronization to route"
 
 
+# Under 512 MiB a switch 20 MiB below the budget less headroom was passed before it took hold (a width-768 model of
+# 6 layers, killed at 512 MiB with the plan predicting 477): the switch needs at least this share of the budget above.
+SWITCH_SHARE = 16
 UNPREDICTED = Predicted(iteration_s=0.0, peak_bytes={})  # a draft's: the simulator never reads it
 
 
@@ -99,6 +102,11 @@ def _returning_from(ctx: Context, out: Plan) -> Plan:
         return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
             f"{out.allocator.why}; from the start: an iteration saves {SIZE.format_short(saved)} of activations, "
             f"more than the {SIZE.format_short(room - start)} a switch halfway to the budget would leave")))
+    if room - start < ctx.dram_bytes // SWITCH_SHARE:
+        return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
+            f"{out.allocator.why}; from the start: a switch halfway to the budget would leave "
+            f"{SIZE.format_short(room - start)}, less than 1/{SWITCH_SHARE} of it, for what malloc's defaults add "
+            f"before the switch takes hold")))
     # malloc's defaults may take the process up to the switch: the prediction says so (its own account entry)
     host = host_tier(ctx.profile)
     predicted = replace(out.predicted, peak_bytes=out.predicted.peak_bytes | {host: start},
