@@ -188,3 +188,16 @@ def test_a_collection_where_the_header_wants_a_word_is_exit_3(tmp_path, text):
     with pytest.raises(FileProblems) as e:
         files.load(path)
     assert e.value.exit_code == 3 and "a collection" in e.value.message
+
+
+def test_a_field_added_later_is_left_out_of_files_and_hashes_while_at_its_default():
+    """plan.recompute and profile.blocks came after files were written without them: such a file keeps its hash, and
+    a new file that does not use them is one the hetero before them reads."""
+    from hetero.schema.plan import RecomputePlan
+
+    plan = files.loads(PLAN.read_text())
+    assert plan.recompute is None and "recompute" not in files.dumps(plan)
+    before = files.content_sha256(plan)
+    plan.recompute = RecomputePlan(blocks=["h.0"])
+    assert "recompute:" in files.dumps(plan) and files.content_sha256(plan) != before
+    assert files.loads(files.dumps(plan)).recompute.blocks == ["h.0"]
