@@ -10,7 +10,7 @@ USAGE = 2
 INVALID_FILE = 3
 STALE_PLAN = 4
 UNSUPPORTED_SCRIPT = 5  # the script trains in a way hetero cannot carry out (found by `hetero profile`)
-DAMAGED = 6  # a work file hetero keeps training data in was changed or removed behind its back (hetero.run.devices.nvme)
+DAMAGED = 6  # a work file hetero keeps training data in was changed or removed behind its back (run/devices/nvme.py)
 INTERRUPTED = 130  # Ctrl-C; SIGTERM ends a run with 143 and SIGHUP with 129 (128 + the signal)
 
 
