@@ -1,4 +1,4 @@
-"""User-facing errors and the exit codes every hetero command shares."""
+"""User-facing errors and the exit codes every hetero command shares (the table in docs/plan-format.md)."""
 
 from __future__ import annotations
 
