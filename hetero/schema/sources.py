@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetero.errors import STALE_PLAN, FileProblems, HeteroError, Problem
+from hetero.errors import STALE_PLAN, HeteroError
 from hetero.schema import files
 from hetero.schema.names import unknown_names
 from hetero.schema.plan import Plan

@@ -157,15 +157,17 @@ def _new(root: Path, kind: str, field: str, made: list[Path]) -> WorkDir:
         hidden = Path(tempfile.mkdtemp(prefix=f".{name}", dir=root))
     except OSError as e:
         raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}", HINT) from None
+    path = hidden
     try:
         _check_private(hidden, field)
         lock = os.open(hidden / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        path = root / f"{name}{secrets.token_hex(6)}"
-        os.rename(hidden, path)  # an unpredictable name: nothing can be waiting there
+        final = root / f"{name}{secrets.token_hex(6)}"
+        os.rename(hidden, final)  # an unpredictable name: nothing can be waiting there
+        path = final
         _check_private(path, field)
     except BaseException as e:
-        shutil.rmtree(hidden, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
         if lock is not None:
             os.close(lock)
         if isinstance(e, OSError):
@@ -178,12 +180,13 @@ HINT = "set it to a directory you own on a disk with free space, e.g. ~/hetero-t
 
 
 def expand(base: str | None, field: str) -> Path:
-    """`base` with `~` expanded; the system temp directory when None. An empty or blank path is refused."""
+    """`base` with `~` expanded, made absolute (a script changing its directory cannot move it); the system temp
+    directory when None. An empty or blank path is refused."""
     if base is None:
         return Path(tempfile.gettempdir())
     if not base.strip():
         raise PlanPathError(field, "empty path", HINT)
-    return Path(os.path.expanduser(base))
+    return Path(os.path.abspath(os.path.expanduser(base)))
 
 
 def check_place(root: Path, field: str) -> None:
