@@ -51,6 +51,7 @@ def profile(
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
                              dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"))
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
+    launch.sweep_earlier([nvme])  # what killed runs and profiles left there and in the temp directory
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:
             options.check()

@@ -14,7 +14,9 @@ Two ways, one per case:
   measured: the profile writes the measured one as an estimate (a lower bound) and says so.
 
 `python -m hetero.profile.returned OUT STEPS returned|default SCRIPT [ARGS]` is the fresh process (started with
-`hetero run`'s modules loaded first); it writes `OUT` (JSON).
+`hetero run`'s modules loaded first); it writes `OUT` (JSON) in a private work directory of the profile
+(`hetero-returned-*`, hetero.run.devices.workdir: swept by the next start if the profile is killed), and it ends
+when the profile ends, however the profile ends (Linux parent-death signal), SIGKILL and a memory limit included.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 from hetero.run import allocator, process_memory
+from hetero.run.devices import workdir
 from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
 
@@ -68,22 +70,28 @@ def measure(script: str, args: list[str], warmup: int) -> Returned | None:
 
 
 def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
-    with tempfile.TemporaryDirectory(prefix="hetero-returned-") as work:
-        out = os.path.join(work, "returned.json")
+    work = workdir.create(None, "returned", "TMPDIR")
+    try:
+        out = os.path.join(work.path, "returned.json")
         steps = warmup + TIMED_STEPS
-        done = subprocess.run([sys.executable, "-c", _CHILD, out, str(steps), malloc, script, *args],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              check=False)
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(os.getpid()), out, str(steps), malloc, script,
+                               *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return None
         with open(out) as f:
             data = json.load(f)
+    finally:
+        work.remove()
     return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"])
 
 
-# The fresh process loads what `hetero run` has loaded when its script starts (the CLI, the runtime), so that its
-# peak counts them as a planned run's does (~20 MiB here), then runs this module.
-_CHILD = ("import sys, runpy, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
+# The fresh process first asks to die with the profile (it gets SIGTERM, whose default action ends it, when the
+# profile ends, or at once if the profile, whose pid is its first argument, is gone already); then it loads what
+# `hetero run` has loaded when its script starts (the CLI, the runtime), so that its peak counts them as a planned
+# run's does (~20 MiB here), and runs this module.
+_CHILD = ("import sys, hetero.interrupts; hetero.interrupts.die_with_parent(int(sys.argv.pop(1))); "
+          "import runpy, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
           "runpy.run_module('hetero.profile.returned', run_name='__main__', alter_sys=True)")
 
 

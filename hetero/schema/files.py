@@ -125,17 +125,35 @@ def save(obj: Any, path: str | os.PathLike, header: tuple[str, ...] = ()) -> Non
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """`text` into `path` atomically (a temporary file beside it, then renamed)."""
+    """`text` into `path` atomically and durably: a temporary file beside it, flushed to disk (fsync) before it is
+    renamed over `path`, then the directory flushed so the rename itself survives a power loss. After a crash at
+    any moment `path` holds the old text or the new one, whole."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plan is a normal, shareable file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a directory we may write in but not open (rare); the file itself is on disk
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

@@ -243,6 +243,15 @@ class Layer:
         """Qualified names of the layer's parameters, as in `model.named_parameters()`."""
         return [local if self.name == ROOT_LAYER else f"{self.name}.{local}" for local in self.params]
 
+    def problems(self) -> list[tuple[str, str]]:
+        # An invisible character (U+FEFF, a zero-width space) in a name is an edit or a corruption: no module or
+        # parameter torch builds has one, so the plan made from it would name something the model does not have.
+        for key, name in [("name", self.name), *((f"params.{k}", k) for k in self.params)]:
+            if not name.isprintable():
+                return [(key, f"{name!r} holds an invisible or control character, which no module or parameter "
+                              "name has: re-profile")]
+        return []
+
 
 @dataclass(kw_only=True, slots=True)
 class Memory:
@@ -290,5 +299,10 @@ class Profile:
     def problems(self) -> list[tuple[str, str]]:
         too_many = [("layers", f"{len(self.layers)} entries, at most {MAX_LAYERS}")] if len(self.layers) > MAX_LAYERS \
             else []
-        return unique_names(self.layers, "layers") + too_many
+        # Every parameter the optimizer owns belongs to a layer (frozen ones too, so the layers may hold more).
+        held = sum(layer.num_params for layer in self.layers)
+        missing = [("layers", f"the layers hold {held:,} parameters, fewer than the {self.model.num_params:,} of "
+                              "model.num_params: a layer is missing; re-profile")] \
+            if self.layers and held < self.model.num_params else []
+        return unique_names(self.layers, "layers") + too_many + missing
 

@@ -25,9 +25,10 @@ PLANS = sorted((Path(__file__).resolve().parents[2] / "plans").glob("*.yaml"))
 
 
 def check(path: Path) -> tuple[int, str]:
+    """`hetero check` of the file alone: a plan's profile is not beside it here."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["check", str(path)])
+        code = main(["check", "--skip-profile-check", str(path)])
     return code, err.getvalue()
 
 
@@ -149,6 +150,8 @@ def test_mutated_shipped_files_are_exit_0_or_3_never_a_traceback(tmp_path, shipp
     monkeypatch.chdir(tmp_path)  # the plan's profile is not found: `check` validates the file alone, as loads does
     rng = random.Random(f"hetero-{shipped.name}")
     text, path = trimmed(shipped.read_text()), tmp_path / shipped.name
+    # the model of a profile cut to two layers holds what they hold at least: one parameter, say
+    text = re.sub(r"^  num_params: .*$", "  num_params: 1", text, count=1, flags=re.MULTILINE)
     assert load_or_problems(text, shipped.name) == 0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     codes = {0: 0, 3: 0}
