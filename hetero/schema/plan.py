@@ -242,6 +242,11 @@ class Predicted:
                                default_factory=dict)
     dram_saved: dict[str, int] = doc("What the plan moves out of host memory, by what it is.", unit=SIZE,
                                      default_factory=dict)
+    gpu: dict[str, int] = doc("What makes up the predicted GPU peak (`peak` of `gpu` is this sum less `gpu_saved`): "
+                              "plain training's measured reserved peak, and what the plan adds there; empty without "
+                              "a GPU.", unit=SIZE, default_factory=dict)
+    gpu_saved: dict[str, int] = doc("What the plan moves off the GPU, by what it is.", unit=SIZE,
+                                    default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)

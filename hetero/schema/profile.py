@@ -66,6 +66,11 @@ class Training:
     optimizer_step_s: float = doc("Time of `optimizer.step()`.", unit=TIME)
     overhead: float = doc("Profiling overhead: step time with the profiler's hooks over step time without, "
                           "minus one (0.03 = 3% slower while measured).", ge=0)
+    plain_iteration_s: float | None = doc(
+        "Wall time of one optimizer step of plain training: the median of the warm-up steps after the first, "
+        "without the profiler's hooks (on a GPU they leave launch gaps that `iteration` includes). The planner "
+        "predicts a GPU plan's iteration as this plus what the plan changes in simulation; null: not measured "
+        "(a CPU, or one warm-up step).", unit=TIME, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
