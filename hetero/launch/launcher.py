@@ -30,6 +30,7 @@ from pathlib import Path
 
 from hetero.errors import STALE_PLAN, USAGE, FileProblems, HeteroError, Interrupted, Problem
 from hetero.harness.script import ScriptResult, check_script, run_script, script_argv
+from hetero.launch.plain import Expected, exec_plain
 from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures
 from hetero.run.devices import workdir
 from hetero.run.devices.workdir import PlanPathError
@@ -157,14 +158,18 @@ def check_profile(plan: Plan, plan_path: Path, allow_stale: bool) -> str | None:
 
 
 def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool = False,
-        torchrun: Torchrun | None = None, trace: Trace | None = None) -> int:
+        torchrun: Torchrun | None = None, trace: Trace | None = None, replace_process: bool = False) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
-    exit code."""
+    exit code. With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the
+    script in this process's place (hetero.launch.plain) and this call does not return."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:
         trace.check()
     if torchrun is None:
+        loaded = files.load(plan_path, expect=Plan)
+        if replace_process and trace is None and loaded.runs_plain():
+            _run_plain(script, args, loaded, plan_path, allow_stale)
         return run_here(script, args, plan_path, allow_stale, leader=True, trace=trace).exit_code
     torchrun.check()
     loaded = files.load(plan_path, expect=Plan)
@@ -199,13 +204,37 @@ def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, l
               "so hetero never saw its model", file=sys.stderr)
     if leader and result.exit_code == 0:
         print(f"hetero: {_memory_line(loaded, plan_path)}", file=sys.stderr)
+        gpu = _gpu_line(loaded, runtime.model)
+        if gpu:
+            print(f"hetero: {gpu}", file=sys.stderr)
     return result
+
+
+def _run_plain(script: str, args: list[str], plan: Plan, plan_path: Path, allow_stale: bool) -> None:
+    """A plan that moves nothing: the script runs as `python SCRIPT ARGS`, in this process's place
+    (hetero.launch.plain), once the plan and its profile are checked."""
+    warning = check_profile(plan, plan_path, allow_stale)
+    if warning:
+        print(f"hetero: warning: {warning}", file=sys.stderr)
+    from hetero.plan.model import GPU
+
+    plain_peak, predicted = _host_peaks(plan, plan_path)
+    exec_plain(script, args, Expected(fingerprint=plan.source.model_fingerprint, allow_stale=allow_stale,
+                                      plain_peak_bytes=plain_peak, predicted_peak_bytes=predicted,
+                                      predicted_gpu_bytes=plan.predicted.peak_bytes.get(GPU)))
 
 
 def _memory_line(plan: Plan, plan_path: Path) -> str:
     """This process's peak host memory beside plain training's (the profile's) and the plan's prediction."""
-    from hetero.plan.choices import host_tier
     from hetero.run import process_memory
+
+    plain, predicted = _host_peaks(plan, plan_path)
+    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain)
+
+
+def _host_peaks(plan: Plan, plan_path: Path) -> tuple[int | None, int | None]:
+    """Plain training's host-memory peak as the profile measured it, and the plan's prediction (None: unknown)."""
+    from hetero.plan.choices import host_tier
 
     path = find_profile(plan, plan_path)
     try:
@@ -214,7 +243,16 @@ def _memory_line(plan: Plan, plan_path: Path) -> str:
         profile = None
     plain = profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None
     predicted = plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None
-    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain)
+    return plain, predicted
+
+
+def _gpu_line(plan: Plan, model) -> str | None:
+    """The process's GPU peaks (torch's reserved, and allocated) beside the plan's prediction; None off a GPU."""
+    from hetero.plan.model import GPU
+    from hetero.run import process_memory
+
+    device = next((p.device for p in model.parameters()), None) if model is not None else None
+    return process_memory.gpu_peak_line(device, plan.predicted.peak_bytes.get(GPU))
 
 
 def profile_workers(script: str, args: list[str], options: object, output: Path, torchrun: Torchrun,

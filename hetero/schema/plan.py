@@ -266,6 +266,14 @@ class Plan:
                                                       "backward; null: in `step()`, as the script does.",
                                                       default=None)
 
+    def runs_plain(self) -> bool:
+        """Nothing to carry out: no section moves anything (layers all `gfgb` with gradients on the GPU, and an
+        optimizer, if any, on the GPU: the script's own), and no budget to keep at run time."""
+        return (all(e.mode == "gfgb" and e.grad == "gpu" for e in self.layers)
+                and (self.optimizer is None or self.optimizer.device == "gpu") and self.activations is None
+                and self.routing is None and self.allocator is None and self.update_in_backward is None
+                and self.budget.dram_budget_bytes is None and self.budget.gpu_memory_bytes is None)
+
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")
         for key in self.omitted:
