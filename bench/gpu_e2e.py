@@ -155,9 +155,10 @@ def checks(rows: list[Outcome], plans: dict, base: float | None) -> None:
         ratio = statistics.median(r.ms_per_step for r in default) / base
         print(f"check: the default plan's step is {ratio:.3f}x plain's (goal where the model fits: <= 1.02): "
               f"{'met' if ratio <= 1.02 else 'not met'}")
-    if plain and plain.ok and default and default[0].loss is not None:
-        print(f"check: default plan's final loss {default[0].loss!r} against plain's {plain.loss!r}: "
-              f"{'equal' if default[0].loss == plain.loss else 'differs'}")
+    if plain and plain.ok and default and default[0].weights is not None:
+        same = default[0].weights == plain.weights and default[0].loss == plain.loss
+        print(f"check: default plan's weight sum {default[0].weights!r} and loss {default[0].loss!r} against "
+              f"plain's {plain.weights!r}, {plain.loss!r}: {'equal' if same else 'differ'}")
     half, plan = by.get("hetero-half"), plans.get("hetero-half")
     if half is not None and half.ok and plan is not None and plain is not None and half.reserved:
         budget, predicted = plan.budget.gpu_memory_bytes, plan.predicted.peak_bytes.get(GPU)
@@ -169,7 +170,8 @@ def checks(rows: list[Outcome], plans: dict, base: float | None) -> None:
         if half.loss is not None and plain.loss is not None:
             close = abs(half.loss - plain.loss) <= 1e-5 + 1.3e-6 * abs(plain.loss)
             print(f"check: half-budget final loss {half.loss!r} against plain's {plain.loss!r}: "
-                  f"{'close (torch.testing float32 tolerance)' if close else 'not close'}")
+                  f"{'close (torch.testing float32 tolerance)' if close else 'not close'}; weight sum "
+                  f"{half.weights!r} against {plain.weights!r}")
         if half.ms_per_step and base:
             predicted_ms = plan.predicted.iteration_s * 1e3
             print(f"half-budget step: {half.ms_per_step / base:.2f}x plain's; predicted {predicted_ms:.1f} ms, "
