@@ -96,6 +96,12 @@ class Cpu:
         "`adam` while the model computes on all cores; null: not measured (a GPU computes): `adam` holds.",
         unit=PARAM_RATE, default=None)
     adam_launch_beside_compute_s: float | None = doc("`adam_launch` the same way.", unit=TIME, ge=0, default=None)
+    hook_pair_s: float | None = doc("Host time of a module's forward pre-hook and forward hook, both Python: what "
+                                    "the runtime's per-layer work costs the thread that runs the model; null: not "
+                                    "measured (older profiles).", unit=TIME, ge=0, default=None)
+    saved_tensor_s: float | None = doc("Host time of one saved tensor's trip through Python pack and unpack hooks "
+                                       "(activation tiering's per-tensor work); null: not measured.", unit=TIME,
+                                       ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,6 +136,9 @@ class Gpu:
                                              unit=RATE)
     dha_write_bytes_per_s: float | None = doc("Bandwidth of kernels writing pinned host memory directly.",
                                               unit=RATE)
+    event_s: float | None = doc("Host time of recording a CUDA event on one stream and making another wait for it: "
+                                "every ordered hand-off the runtime makes (a copy's wait, a gradient's download); "
+                                "null: not measured (older profiles).", unit=TIME, ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)

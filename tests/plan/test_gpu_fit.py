@@ -107,3 +107,16 @@ def test_forced_options_are_honoured_and_what_is_left_out_says_why(profile):
     budget = profile.memory.gpu_reserved_peak_bytes * 19 // 20
     kept = plan(profile, PlanOptions(optimizer_device="none", gpu_memory_bytes=budget))
     assert kept.optimizer is None and kept.activations is not None  # the only lever left that saves GPU memory
+
+
+def test_the_runtimes_host_work_is_counted_where_the_profile_measured_it(profile):
+    forced = PlanOptions(tier_activations=True)
+    before = plan(profile, forced).predicted.iteration_s
+    m = profile.machine
+    costly = dataclasses.replace(profile, machine=dataclasses.replace(
+        m, cpu=dataclasses.replace(m.cpu, hook_pair_s=1e-4, saved_tensor_s=2e-4),
+        gpu=dataclasses.replace(m.gpu, event_s=1e-5)))
+    after = plan(costly, forced).predicted.iteration_s
+    layers = len(profile.layers)  # each layer's boundary hooks, at least; and every saved storage's trip
+    assert after >= before + layers * 1e-4 - 1e-9
+    assert plan(costly, PlanOptions()).predicted.iteration_s == STEP  # plain training runs none of it
