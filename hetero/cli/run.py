@@ -28,6 +28,7 @@ def torchrun(nproc: int | None, nnodes: str, node_rank: int | None, master_addr:
 
 
 def run(
+    ctx: typer.Context,
     script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
     args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
     plan: str = typer.Option(None, "--plan", metavar="FILE", help="The plan to enforce [default: plan.yaml]."),
@@ -46,8 +47,9 @@ def run(
     The script's exit code passes through; with several workers, that of the first one to fail."""
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     traced = launch.Trace(trace, trace_steps) if trace is not None else None
+    own = bool(ctx.obj and ctx.obj.get("own_process"))
     code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks, trace=traced,
-                      skip_profile_check=skip_profile_check)
+                      skip_profile_check=skip_profile_check, replace_process=own)
     raise typer.Exit(code)
 
 

@@ -34,6 +34,7 @@ from typing import TextIO
 
 from hetero.errors import USAGE, FileProblems, HeteroError, Interrupted, Problem
 from hetero.harness.script import ScriptResult, check_script, run_script, script_argv
+from hetero.launch.plain import Expected, exec_plain
 from hetero.launch.preflight import Checked, check_plan
 from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, traceback_of
 from hetero.run.devices import workdir
@@ -41,7 +42,6 @@ from hetero.run.devices.workdir import PlanPathError
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
-from hetero.schema.sources import find_profile
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
@@ -146,9 +146,11 @@ def find_plan(plan: str | None) -> Path:
 
 
 def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool = False,
-        torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False) -> int:
+        torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False,
+        replace_process: bool = False) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
-    exit code."""
+    exit code. With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the
+    script in this process's place (hetero.launch.plain) and this call does not return."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:
@@ -158,6 +160,8 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
     checked = check_plan(plan_path, allow_stale, skip_profile_check)  # what `hetero check` checks, all of it
     sweep_earlier(plan_bases(checked.plan))
     if torchrun is None:
+        if replace_process and trace is None and checked.plan.runs_plain():
+            _run_plain(script, args, checked, allow_stale)
         return run_here(script, args, plan_path, allow_stale, leader=True, trace=trace,
                         skip_profile_check=skip_profile_check, checked=checked).exit_code
     if checked.plan.routing is not None:  # refused before any worker starts; rank 0 prints the warnings
@@ -206,23 +210,51 @@ def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, l
         print(f"hetero: warning: the plan was never applied: {script} ended without an optimizer step, "
               "so hetero never saw its model", file=sys.stderr)
     if leader and result.exit_code == 0:
-        print(f"hetero: {_memory_line(loaded, plan_path)}", file=sys.stderr)
+        print(f"hetero: {_memory_line(loaded, checked.profile)}", file=sys.stderr)
+        gpu = _gpu_line(loaded, runtime.model)
+        if gpu:
+            print(f"hetero: {gpu}", file=sys.stderr)
     return result
 
 
-def _memory_line(plan: Plan, plan_path: Path) -> str:
+def _run_plain(script: str, args: list[str], checked: Checked, allow_stale: bool) -> None:
+    """A plan that moves nothing: the script runs as `python SCRIPT ARGS`, in this process's place
+    (hetero.launch.plain), once the plan and its profile are checked."""
+    from hetero.plan.model import GPU
+
+    for warning in checked.warnings:
+        print(f"hetero: warning: {warning}", file=sys.stderr)
+    plan = checked.plan
+    plain_peak, predicted = _host_peaks(plan, checked.profile)
+    exec_plain(script, args, Expected(fingerprint=plan.source.model_fingerprint, allow_stale=allow_stale,
+                                      plain_peak_bytes=plain_peak, predicted_peak_bytes=predicted,
+                                      predicted_gpu_bytes=plan.predicted.peak_bytes.get(GPU)))
+
+
+def _memory_line(plan: Plan, profile: Profile | None) -> str:
     """This process's peak host memory beside plain training's (the profile's) and the plan's prediction."""
-    from hetero.plan.choices import host_tier
     from hetero.run import process_memory
 
-    path = find_profile(plan, plan_path)
-    try:
-        profile = files.load(path, expect=Profile) if path is not None else None
-    except FileProblems:
-        profile = None
+    plain, predicted = _host_peaks(plan, profile)
+    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain)
+
+
+def _host_peaks(plan: Plan, profile: Profile | None) -> tuple[int | None, int | None]:
+    """Plain training's host-memory peak as the profile measured it, and the plan's prediction (None: unknown)."""
+    from hetero.plan.choices import host_tier
+
     plain = profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None
     predicted = plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None
-    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain)
+    return plain, predicted
+
+
+def _gpu_line(plan: Plan, model) -> str | None:
+    """The process's GPU peaks (torch's reserved, and allocated) beside the plan's prediction; None off a GPU."""
+    from hetero.plan.model import GPU
+    from hetero.run import process_memory
+
+    device = next((p.device for p in model.parameters()), None) if model is not None else None
+    return process_memory.gpu_peak_line(device, plan.predicted.peak_bytes.get(GPU))
 
 
 def profile_workers(script: str, args: list[str], options: object, output: Path, torchrun: Torchrun,

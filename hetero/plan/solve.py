@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, fit, footprint, routing, simulate, tiering
-from hetero.plan.choices import build, host_tier, sync_times
+from hetero.plan import axdimm, fit, footprint, gpu_fit, plain, routing, simulate, tiering
+from hetero.plan.choices import build, gpu_state_bytes, host_tier, sync_times
 from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.gpu_layers import layer_modes
 from hetero.plan.model import GPU
@@ -49,7 +49,10 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
     pins = pins_of(profile, options.previous)
     if fit.applies(profile, ctx.gpu, ctx.budget_source):
         return fit.fit(ctx, lambda levers: _solve(ctx, pins, levers), ctx.host.name)
-    out = _solve(ctx, pins, frozenset())
+    if ctx.gpu is not None:
+        out = gpu_fit.fit(ctx, pins, lambda levers: _solve(ctx, pins, levers))
+    else:
+        out = _solve(ctx, pins, frozenset())
     _check_dram(ctx, out)
     if ctx.budget_source is None:
         return out
@@ -58,7 +61,8 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
 
 
 def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
-    """The plan with `levers` (hetero.plan.fit.LEVERS) turned on, predicted, not checked against the budget."""
+    """The plan with `levers` turned on (hetero.plan.fit.LEVERS without a GPU, hetero.plan.gpu_fit.LEVERS with
+    one), predicted, not checked against the budget."""
     omitted: dict[str, str] = {}
     optimizer = _optimizer(ctx, pins, omitted, levers)
     schedules = _activations(ctx, pins, omitted, levers)
@@ -72,7 +76,12 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
                  omitted=omitted, allocator=_allocator(ctx) if "allocator" in levers else None,
                  update_in_backward=_in_backward(ctx) if "in_backward" in levers and optimizer is None else None)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
-    draft = layer_modes(ctx, draft, pins)
+    if ctx.gpu is not None:
+        counted = plain.counted_budget_bytes(ctx.profile, draft, int(ctx.budget_bytes * (1 - gpu_fit.HEADROOM)),
+                                             predict(ctx.profile, plain.plain_of(draft)))
+        draft = layer_modes(ctx, draft, pins, ctx.options.reserve if "host_grads" in levers else 1.0, counted)
+    else:
+        draft = layer_modes(ctx, draft, pins)
     return _returning_from(ctx, replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft))))
 
 
@@ -145,6 +154,8 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
     if device is None:
         omitted["optimizer"] = "--optimizer-device none: the script's optimizer stays as the script built it"
         return None
+    if ctx.gpu is not None and "offload" not in levers and device != "gpu":
+        return None  # the script's own optimizer, on the GPU (hetero.plan.gpu_fit says why)
     if ctx.gpu is None and device == "host" and ctx.options.optimizer_device is None:
         omitted["optimizer"] = _host_saves_nothing(ctx)
         return None
@@ -225,6 +236,8 @@ def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: froz
     if ctx.gpu is None and not (pins.evictions or ctx.options.tier_activations or "tiering" in levers):
         omitted["activations"] = _tiering_saves_nothing(ctx)
         return []
+    if ctx.gpu is not None and "tiering" not in levers:
+        return []  # hetero.plan.gpu_fit says why
     evict, prefetch = ctx.tier_curves(ctx.slow)
     layers = ctx.profile.layers
     windows = [tiering.Window(name=x.name, saved_bytes=x.saved_bytes, fp_end_s=x.fp_end_s, bp_start_s=x.bp_start_s,
@@ -333,6 +346,13 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
                                    peak_fast_untiered_bytes=result.act_peak_untiered_bytes)
     sync = sync_times(profile, plan)
     iteration = result.iteration_s + (fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0)
+    gpu: dict[str, int] = {}
+    if profile.machine.gpu is not None:
+        bare = predict(profile, plain.plain_of(plan))
+        gpu = plain.gpu_contributors(profile, plan, result, bare, gpu_state_bytes(profile, plan.optimizer))
+        peak[GPU] = sum(gpu.values())
+        iteration = plain.anchored_iteration_s(profile, iteration, bare.iteration_s)
     return Predicted(iteration_s=_ns(iteration), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
                      activations=act, dram={k: b for k, b in dram.items() if b > 0},
-                     dram_saved={k: -b for k, b in dram.items() if b < 0})
+                     dram_saved={k: -b for k, b in dram.items() if b < 0}, gpu={k: b for k, b in gpu.items() if b > 0},
+                     gpu_saved={k: -b for k, b in gpu.items() if b < 0})

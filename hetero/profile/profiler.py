@@ -8,7 +8,9 @@ runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measur
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -34,19 +36,27 @@ from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Tr
 from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
+WARMUP_CPU, WARMUP_GPU = 2, 6  # default warm-up steps; on a GPU the last 5 time plain training's own step
 
 
 @dataclass(kw_only=True, slots=True)
 class ProfileOptions:
     steps: int = 5  # optimizer steps measured
-    warmup: int = 2  # optimizer steps run first, unmeasured (the model is found during the first)
+    warmup: int | None = None  # optimizer steps run first, unmeasured; None: WARMUP_CPU, or WARMUP_GPU on CUDA
     granularity: str = "module"
     nvme_dir: str | None = None  # where to measure the disk tier; a temporary folder by default
     model_name: str | None = None  # `--model`: which of several candidate models to profile
     dram_budget_bytes: int | None = None  # `--dram-budget`: keep the profile under it (default: the memory cgroup's)
 
+    def warmup_on(self, device: torch.device) -> int:
+        """The warm-up steps on `device`: as asked, else enough that the plain step time is steady (a GPU's first
+        steps pay for handles, autotuning and the allocator's growth; a CPU's steps are long already)."""
+        if self.warmup is not None:
+            return self.warmup
+        return WARMUP_GPU if device.type == "cuda" else WARMUP_CPU
+
     def check(self) -> None:
-        if self.warmup < 1:
+        if self.warmup is not None and self.warmup < 1:
             raise HeteroError(f"--warmup {self.warmup}: need at least 1 warm-up step",
                               hint="hetero finds the model during the first optimizer step", exit_code=USAGE)
         if self.steps < 1:
@@ -123,13 +133,13 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
         if result.exit_code == 0 and session.model is None:
             raise capture.no_optimizer()
-        raise _ended_early(result.exit_code, session.steps_done, options)
+        raise _ended_early(result.exit_code, session.steps_done, options.warmup_on(session.device), options.steps)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
         session.progress("malloc's settings", 0, 1)
-        found = returned.measure(script, args, options.warmup)
+        found = returned.measure(script, args, options.warmup_on(session.device))
         session.progress("malloc's settings", 1, 1)
         if found is not None:
             session.memory.dram_peak_returned_bytes = found.peak_bytes
@@ -165,6 +175,8 @@ class _Session:
         self.compiled = False  # the script calls the model through torch.compile
         self.kept: str | None = None  # why hetero's Adam cannot take the optimizer's place (it stays the script's)
         self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
+        self.warm_ends: list = []  # clock tokens at the end of each warm-up step (no profiler hooks then)
+        self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
         self._start = self._previous_end = None
 
     def found(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -172,6 +184,7 @@ class _Session:
             self.conservative.bind(model)
         self.model, self.optimizer = model, optimizer
         self.device = next(model.parameters()).device
+        self.warmup = self.options.warmup_on(self.device)
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.compiled = capture.compiled(model, self.capture.roots)
@@ -198,8 +211,10 @@ class _Session:
             return
         self.steps_done += 1
         end = self.profiler.clock.mark()
-        warmup, total = self.options.warmup, self.options.warmup + self.options.steps
-        if self.steps_done > warmup:
+        warmup, total = self.warmup, self.warmup + self.options.steps
+        if self.steps_done <= warmup:
+            self.warm_ends.append(end)
+        else:
             self.step_marks.append((self._start, end, self._previous_end))
         self._previous_end = end
         self.progress("warm-up steps" if self.steps_done <= warmup else "measured steps",
@@ -252,12 +267,22 @@ class _Session:
         return Training(
             optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other",
             grad_accumulation=max(1, round(micro)),
-            clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
+            clips_grad=clips_grad, warmup_steps=self.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
             optimizer_step_s=measured(sum(clock.seconds(s, e) for s, e, _ in self.step_marks) / steps),
             overhead=round(self.profiler.hook_s / (iteration * steps), 4),
+            plain_iteration_s=self._plain_iteration_s(),
         )
+
+    def _plain_iteration_s(self) -> float | None:
+        """On a GPU, the median of the warm-up steps after the first, end to end, without the profiler's hooks:
+        what an iteration of plain training costs (the hooked steps' layer times include the hooks' launch gaps).
+        None on a CPU, whose hooks cost little against its kernels, or with a single warm-up step."""
+        if self.device.type != "cuda" or len(self.warm_ends) < 2:
+            return None
+        clock = self.profiler.clock
+        return measured(statistics.median(clock.seconds(a, b) for a, b in itertools.pairwise(self.warm_ends)))
 
 
 def _memory(device: torch.device, budgeted: returned.Budgeted | None, conservative: Conservative | None) -> Memory:
@@ -321,13 +346,13 @@ def _watch_clipping() -> Iterator[Counter]:
             setattr(module, name, original)
 
 
-def _ended_early(exit_code: int, steps: int, options: ProfileOptions) -> HeteroError:
-    needed = options.warmup + options.steps
+def _ended_early(exit_code: int, steps: int, warmup: int, measured_steps: int) -> HeteroError:
+    needed = warmup + measured_steps
     if exit_code != 0:
         return HeteroError(f"the script exited with code {exit_code} after {steps} optimizer steps; "
                            "no profile written", exit_code=exit_code)
     return HeteroError(
         f"the script ended after {steps} optimizer step{'s' * (steps != 1)}; hetero profile needs {needed} "
-        f"(--warmup {options.warmup} + --steps {options.steps})",
+        f"(--warmup {warmup} + --steps {measured_steps})",
         hint="let the script run longer (e.g. pass it a larger step count) or lower --steps/--warmup",
         exit_code=FAILURE)

@@ -116,15 +116,16 @@ def shadow_model(plan: Plan) -> list[ShadowModel]:
     GPU (gfgb, grad gpu) under an optimizer that updates there."""
     if not plan.layers:
         return []
-    dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
     if plan.optimizer is None or plan.optimizer.device == "gpu":
         moved = [e for e in plan.layers if e.mode != "gfgb" or e.grad != "gpu"]
         if not moved:
             return []
+        dha.devices.check()  # the refusal below is for a GPU machine; elsewhere, that there is none comes first
         raise HeteroError(f"layer {moved[0].name} is `mode: {moved[0].mode}, grad: {moved[0].grad}`, but the optimizer "
                           "updates on the GPU: DHA and host gradients need the master weights in host memory",
                           hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
                           exit_code=INVALID_FILE)
+    dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
     return [ShadowModel(plan)]
 
 

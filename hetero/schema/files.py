@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -177,8 +178,27 @@ def to_data(obj: Any) -> Any:
 
 
 def content_sha256(obj: Any) -> str:
-    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale."""
-    data = json.dumps(to_data(obj), sort_keys=True, separators=(",", ":"))
+    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, and
+    neither does a field a later hetero added, while it holds its default (what an older file without it means)."""
+    data = json.dumps(_said(obj), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(data.encode()).hexdigest()
+
+
+def _said(obj: Any) -> Any:
+    """`to_data(obj)` without the fields that hold their declared default."""
+    if is_schema(type(obj)):
+        return {f.name: _said(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.metadata.get("comment") and not _is_default(f, getattr(obj, f.name))}
+    if isinstance(obj, list):
+        return [_said(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _said(v) for k, v in obj.items()}
+    return obj
+
+
+def _is_default(f: dataclasses.Field, value: Any) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return value == f.default
+    return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
 
 

@@ -242,6 +242,11 @@ class Predicted:
                                default_factory=dict)
     dram_saved: dict[str, int] = doc("What the plan moves out of host memory, by what it is.", unit=SIZE,
                                      default_factory=dict)
+    gpu: dict[str, int] = doc("What makes up the predicted GPU peak (`peak` of `gpu` is this sum less `gpu_saved`): "
+                              "plain training's measured reserved peak, and what the plan adds there; empty without "
+                              "a GPU.", unit=SIZE, default_factory=dict)
+    gpu_saved: dict[str, int] = doc("What the plan moves off the GPU, by what it is.", unit=SIZE,
+                                    default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,6 +265,14 @@ class Plan:
     update_in_backward: UpdateInBackward | None = doc("The script's own optimizer steps each parameter during "
                                                       "backward; null: in `step()`, as the script does.",
                                                       default=None)
+
+    def runs_plain(self) -> bool:
+        """Nothing to carry out: no section moves anything (layers all `gfgb` with gradients on the GPU, and an
+        optimizer, if any, on the GPU: the script's own), and no budget to keep at run time."""
+        return (all(e.mode == "gfgb" and e.grad == "gpu" for e in self.layers)
+                and (self.optimizer is None or self.optimizer.device == "gpu") and self.activations is None
+                and self.routing is None and self.allocator is None and self.update_in_backward is None
+                and self.budget.dram_budget_bytes is None and self.budget.gpu_memory_bytes is None)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")

@@ -66,6 +66,11 @@ class Training:
     optimizer_step_s: float = doc("Time of `optimizer.step()`.", unit=TIME)
     overhead: float = doc("Profiling overhead: step time with the profiler's hooks over step time without, "
                           "minus one (0.03 = 3% slower while measured).", ge=0)
+    plain_iteration_s: float | None = doc(
+        "Wall time of one optimizer step of plain training: the median of the warm-up steps after the first, "
+        "without the profiler's hooks (on a GPU they leave launch gaps that `iteration` includes). The planner "
+        "predicts a GPU plan's iteration as this plus what the plan changes in simulation; null: not measured "
+        "(a CPU, or one warm-up step).", unit=TIME, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +96,12 @@ class Cpu:
         "`adam` while the model computes on all cores; null: not measured (a GPU computes): `adam` holds.",
         unit=PARAM_RATE, default=None)
     adam_launch_beside_compute_s: float | None = doc("`adam_launch` the same way.", unit=TIME, ge=0, default=None)
+    hook_pair_s: float | None = doc("Host time of a module's forward pre-hook and forward hook, both Python: what "
+                                    "the runtime's per-layer work costs the thread that runs the model; null: not "
+                                    "measured (older profiles).", unit=TIME, ge=0, default=None)
+    saved_tensor_s: float | None = doc("Host time of one saved tensor's trip through Python pack and unpack hooks "
+                                       "(activation tiering's per-tensor work); null: not measured.", unit=TIME,
+                                       ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,6 +136,9 @@ class Gpu:
                                              unit=RATE)
     dha_write_bytes_per_s: float | None = doc("Bandwidth of kernels writing pinned host memory directly.",
                                               unit=RATE)
+    event_s: float | None = doc("Host time of recording a CUDA event on one stream and making another wait for it: "
+                                "every ordered hand-off the runtime makes (a copy's wait, a gradient's download); "
+                                "null: not measured (older profiles).", unit=TIME, ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -98,7 +98,7 @@ def test_a_gpu_plan_from_the_command_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     files.save(gpu_profile(6, seed=2), "profile.yaml")
-    assert main(["plan", "--gpu-memory", "1GiB", "--reserve", "0.3"]) == 0
+    assert main(["plan", "--gpu-memory", "1GiB", "--reserve", "0.3", "--optimizer-device", "host"]) == 0
     assert "write gradients to host" in capsys.readouterr().out
     plan = files.load("plan.yaml", expect=Plan)
     assert (len(plan.layers), plan.budget.gpu_memory_bytes, plan.budget.reserve) == (6, 2**30, 0.3)

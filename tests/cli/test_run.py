@@ -10,6 +10,7 @@ import pytest
 from hetero.cli.main import main
 from hetero.launch.launcher import PLAN_ENV, build
 from hetero.schema import files
+from tests.conftest import REPO
 from tests.profile import scripts
 from tests.run.plans import optimizer_plan
 
@@ -99,8 +100,7 @@ def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
         "    opt.step(); opt.zero_grad()",
         "    opt.step(); opt.zero_grad()\n    if step == 2: os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"))
     result = subprocess.run([sys.executable, "-m", "hetero", "run", "--skip-profile-check", script, "50"], cwd=workdir,
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 130, result.stderr
     assert result.stderr.rstrip().endswith("error: interrupted")
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
