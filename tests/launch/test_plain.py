@@ -38,7 +38,7 @@ def workdir(tmp_path):
 
 def test_a_plain_plan_runs_the_script_in_heteros_place(workdir):
     script = scripts.write(workdir, "import os\n" + TRAIN + SEEN)
-    done = hetero(workdir, "run", script, "2")
+    done = hetero(workdir, "run", "--skip-profile-check", script, "2")
     assert done.returncode == 0, done.stderr
     assert "LOADED []" in done.stdout and "done torch.optim.adamw" in done.stdout
     assert "hetero: plain training (the plan moves nothing); dram peak " in done.stderr
@@ -46,10 +46,11 @@ def test_a_plain_plan_runs_the_script_in_heteros_place(workdir):
 
 def test_the_planned_model_is_still_checked_and_exit_codes_pass_through(workdir):
     other = scripts.write(workdir, TRAIN.replace("model = Net()", "model = Net(width=48)"))
-    refused = hetero(workdir, "run", other)
+    refused = hetero(workdir, "run", "--skip-profile-check", other)
     assert refused.returncode == 4 and "is not the one the plan was made for" in refused.stderr
-    assert hetero(workdir, "run", "--allow-stale", other, "1").returncode == 0
-    assert hetero(workdir, "run", scripts.write(workdir, "sys.exit(3)\n", "exits.py")).returncode == 3
+    assert hetero(workdir, "run", "--skip-profile-check", "--allow-stale", other, "1").returncode == 0
+    exits = scripts.write(workdir, "sys.exit(3)\n", "exits.py")
+    assert hetero(workdir, "run", "--skip-profile-check", exits).returncode == 3
 
 
 @pytest.mark.parametrize("change", [
