@@ -21,7 +21,6 @@ counts one late prefetch; a buffer is handed out only once its read is complete,
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,7 +31,9 @@ from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness import hooks
+from hetero.harness.capture import calling
 from hetero.harness.layers import LayerSpec, layers_named, tensors
+from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
@@ -96,7 +97,6 @@ class ActivationTiering:
                             if e.evict_bytes > 0 and e.prefetch_after is None)
         self.ledger = Ledger(plan.fast, plan.slow)
         self.lock = self.ledger.lock
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model: nn.Module | None = None
         self.mover: Mover | None = None
         self.device: torch.device | None = None  # the fast tier's: tensors elsewhere stay where they are
@@ -128,15 +128,16 @@ class ActivationTiering:
         # post-hook last.
         self.handles += [hooks.forward_pre(model, self._forward_start, prepend=True),
                          hooks.forward(model, self._forward_end, always_call=True)]
-        if _inside_call(model):  # bound at the model's first forward, whose pre-hooks have already run
+        chain.join(self, TIERING)
+        if calling(model):  # bound at the model's first forward, whose pre-hooks have already run
             self._forward_start(model, ())
             if id(model) in self.names:
                 self._layer_start(model, ())
 
     def close(self) -> None:
-        if self.current is not None:  # the script ended inside the model's forward
-            self.current = None
-            self.hooks.__exit__(None, None, None)
+        self.current = None  # the script may have ended inside the model's forward
+        chain.close(self)
+        chain.leave(self)
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -179,13 +180,13 @@ class ActivationTiering:
         self.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self.current = TieredPass(start=perf_counter(), timed=list(self.timed))
         self.stack, self.last_ended = [], None
-        self.hooks.__enter__()
+        chain.open(self)
 
     def _forward_end(self, module, args, output) -> None:
         mb = self.current
         if mb is None:
             return
-        self.hooks.__exit__(None, None, None)
+        chain.close(self)
         self.current, self.last = None, mb
         self._due(mb)
         self._raise_failure()
@@ -225,20 +226,19 @@ class ActivationTiering:
                                 hint="check the slow tier's directory and free space")
             raise StopScript(e)
 
-    # -- saved tensors -----------------------------------------------------------------------------------------
+    # -- saved tensors (hetero.harness.saved_tensors) ----------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> Saved | None:
         mb = self.current
-        if mb is None or isinstance(tensor, nn.Parameter) or type(tensor) not in (torch.Tensor,) or \
-                tensor.layout != torch.strided:
-            return tensor
+        if mb is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return None  # parameters (nn.Parameter) and tensor subclasses stay where they are
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.param_storages:
-            return tensor
+            return None
         layer = self.stack[-1] if self.stack else self.last_ended
         record = self._record(mb, storage, ptr, layer)
-        keep = None if record.movable else tensor
+        keep = None if record.movable else tensor.detach()  # not the tensor itself: an output would hold its grad_fn
         return Saved(record, keep, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
     def _record(self, mb: TieredPass, storage: torch.UntypedStorage, ptr: int, layer: str | None) -> Record:
@@ -293,9 +293,7 @@ class ActivationTiering:
             group.committed += sum(nbytes for _, nbytes in chosen)
             self.mover.evict(chosen, group.layer)
 
-    def _unpack(self, saved) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+    def unpack(self, saved: Saved) -> torch.Tensor:
         record = saved.record
         if record.group is not None:
             self._started(record.group.mb, record.group.layer)
@@ -349,16 +347,3 @@ class ActivationTiering:
             group.requested = True
             if group.committed:
                 self.mover.prefetch(reversed(group.records.values()))  # backward's order: the last saved first
-
-
-def _inside_call(model: nn.Module) -> bool:
-    """Whether `model`'s own call is on the stack (its forward pre-hooks running now)."""
-    frame = sys._getframe(1)
-    call = nn.Module._call_impl.__code__
-    while frame is not None:
-        if frame.f_code is call and frame.f_locals.get("self") is model:
-            return True
-        frame = frame.f_back
-    return False
-
-
