@@ -11,6 +11,7 @@ from __future__ import annotations
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,10 @@ def check_script(script: str) -> Path:
     return path
 
 
-def run_script(script: str, args: list[str]) -> ScriptResult:
-    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates."""
+def run_script(script: str, args: list[str],
+               explain: Callable[[BaseException], HeteroError | None] | None = None) -> ScriptResult:
+    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates, and so does
+    the HeteroError `explain` gives for the script's exception (a budget the run overran), instead of its traceback."""
     path = check_script(script)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = script_argv(script, args)
@@ -73,6 +76,9 @@ def run_script(script: str, args: list[str]) -> ScriptResult:
         message = "" if e.code is None or isinstance(e.code, int) else str(e.code)
         return ScriptResult(_exit_code(e), stopped=False, error=message)
     except Exception as e:
+        explained = explain(e) if explain is not None else None
+        if explained is not None:
+            raise explained from None
         _print_script_traceback(e, path)
         return ScriptResult(1, stopped=False, error=traceback.format_exception_only(type(e), e)[-1].strip())
     finally:

@@ -178,6 +178,12 @@ class Device(Protocol):
         """Whether the work before `event` is done (an event never recorded: True)."""
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
+    def limit(self, nbytes: int | None) -> None:
+        """Cap the memory this process may reserve on the device (None: the whole device)."""
+
+    def peak_reserved(self) -> int:
+        """The most memory this process has reserved on the device."""
+
     def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> Any:
         """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written);
         the returned event completes when `dst` holds the bytes. The caller's thread does not wait; it keeps `src`
@@ -286,6 +292,13 @@ class CudaDevice:
 
     def query(self, event: torch.cuda.Event) -> bool:
         return event.query()
+
+    def limit(self, nbytes: int | None) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if nbytes is None else min(1.0, nbytes / total), self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
 
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)  # on the compute stream, after the kernel that produced src

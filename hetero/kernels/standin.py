@@ -14,7 +14,9 @@
   the next allocation on its stream. Side streams hold no reference to what they copy (CUDA's streams do not: that
   is what `record_stream` was for), so a buffer freed while a copy using it is still queued is a use after free:
   it is recorded in `violations`, and the copy, if it ever runs, raises. Every `buffer` is recorded in
-  `allocations` with the stream and thread that made it and the streams that used it since.
+  `allocations` with the stream and thread that made it and the streams that used it since. Blocks are never
+  returned, so `reserved` (their bytes) is also the peak; a `limit` makes a `buffer` beyond it raise CUDA's
+  out-of-memory error.
 
 `StandInDevices` are two such devices, `cuda:0` and `cuda:1`, with a current device as `torch.cuda` has one: a
 script "moves" its model to one with `to(model, index)`, so that a runtime binding to the wrong one is seen.
@@ -136,6 +138,8 @@ class StandInDevice:
         self.blocks: dict[int, Block] = {}  # start address -> block, live or free
         self.starts: list[int] = []  # the blocks' start addresses, sorted
         self.free: dict[int, list[Block]] = defaultdict(list)  # by size
+        self.reserved = 0  # bytes of every block made
+        self.limit_bytes: int | None = None
         self.lock = threading.RLock()
 
     @property
@@ -164,6 +168,10 @@ class StandInDevice:
             self.allocations.append(allocation)
             block = self.free[nbytes].pop() if self.free[nbytes] else None
             if block is None:
+                if self.limit_bytes is not None and self.reserved + nbytes > self.limit_bytes:
+                    raise torch.cuda.OutOfMemoryError(f"stand-in {self.name}: {nbytes} bytes more than the "
+                                                      f"{self.limit_bytes} bytes this process may reserve")
+                self.reserved += nbytes
                 block = Block(np.empty(max(nbytes, 1), dtype=np.uint8), nbytes, allocation)
                 self.blocks[block.start] = block
                 bisect.insort(self.starts, block.start)
@@ -266,6 +274,12 @@ class StandInDevice:
     def query(self, event: Mark) -> bool:
         with self.lock:
             return event.stream in (None, COMPUTE) or self.streams[event.stream].done >= event.at
+
+    def limit(self, nbytes: int | None) -> None:
+        self.limit_bytes = nbytes
+
+    def peak_reserved(self) -> int:
+        return self.reserved
 
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self.lock:

@@ -37,7 +37,9 @@ from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
-from hetero.run.devices.slow_tier import open_tier
+from hetero.kernels import dha
+from hetero.kernels.dha import Device
+from hetero.run.devices.slow_tier import GPU, open_tier
 from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
 
@@ -118,7 +120,7 @@ class ActivationTiering:
     def bind(self, model: nn.Module) -> None:
         layers = self._layers(model)
         self.model = model
-        tier, self.note = open_tier(self.plan)
+        tier, self.note = open_tier(self.plan, _gpu(self.plan, model))
         self.mover, self.device = Mover(tier, self.ledger), tier.device
         for spec in layers:
             self.names[id(spec.module)] = spec.name
@@ -347,3 +349,14 @@ class ActivationTiering:
             group.requested = True
             if group.committed:
                 self.mover.prefetch(reversed(group.records.values()))  # backward's order: the last saved first
+
+
+def _gpu(plan: ActivationPlan, model: nn.Module) -> Device | None:
+    """The model's GPU, where the plan tiers GPU memory and there is one."""
+    if plan.fast != GPU:
+        return None
+    try:
+        dha.devices.check()
+    except HeteroError:
+        return None
+    return dha.devices.for_model(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
 import pytest
 import torch
@@ -246,6 +247,33 @@ def test_an_exception_in_the_script_leaves_no_file(tmp_path):
         raise KeyError(loss.item())
     assert not nvme.exists()
 
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
+@pytest.mark.parametrize("evict", ["full", "partial"])
+def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
+    """GPU memory tiered to pinned host memory, through the stand-in's strict streams: training equals plain; every
+    device buffer of the steps (fetched activations, partial evictions' kept tails) is allocated on the compute stream
+    by the thread running the model, side streams only copy, and no buffer is freed while a copy still uses it."""
+    from hetero.kernels.standin import COMPUTE, PREFETCH
+
+    ref_model, model = tiny_gpt(), tiny_gpt()
+    ref = train(ref_model, "gpt", steps=4)
+    plan = tiering_plan(model, str(tmp_path / "nvme"), GiB if evict == "full" else 3000, min_tensor=1024)
+    plan.activations.fast, plan.activations.slow = "gpu", "dram"
+    plan.activations.slow_path = str(tmp_path / "nvme") if below else None
+    with Runtime(plan, script=__file__) as runtime:
+        out = train(model, "gpt", steps=4)
+    assert_close(torch.tensor(out), torch.tensor(ref))
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert_close(p, q)
+    assert runtime.mechanisms[0].ledger.report().evictions > 0
+    assert stand_in.allocations and {a.stream for a in stand_in.allocations} == {COMPUTE}
+    assert {a.thread for a in stand_in.allocations} == {threading.current_thread().name}
+    used = {s for a in stand_in.allocations for s in a.used_by}
+    assert used == ({PREFETCH} if evict == "full" else {COMPUTE, PREFETCH})  # kept tails: written on compute
+    assert not stand_in.violations
+    assert not (tmp_path / "nvme").exists()
 
 
 @pytest.mark.gpu
