@@ -184,10 +184,10 @@ class Device(Protocol):
     def peak_reserved(self) -> int:
         """The most memory this process has reserved on the device."""
 
-    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> Any:
-        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written);
-        the returned event completes when `dst` holds the bytes. The caller's thread does not wait; it keeps `src`
-        alive until the event is done."""
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, after: tuple = ()) -> Any:
+        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written)
+        and the events `after` (copies that last used `dst`); the returned event completes when `dst` holds the
+        bytes. The caller's thread does not wait; it keeps `src` alive until the event is done."""
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> Any:
         """Copy `src` into device `dst` on the upload stream, after the events `after`; the returned event completes
@@ -243,11 +243,14 @@ class CudaDevice:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
-    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event) -> torch.cuda.Event:
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event,
+                 after: tuple = ()) -> torch.cuda.Event:
         # Not on the compute stream (a driver thread's current stream is the legacy default one, where the script
         # computes): the copy would queue behind every backward kernel issued so far and delay the next ones.
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(ready)
+            for event in after:
+                self.d2h.wait_event(event)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.d2h)

@@ -219,13 +219,15 @@ class StandInDevice:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._enqueue(COPY, dst, src, "host to device")
 
-    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Mark) -> Mark:
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Mark, after: tuple = ()) -> Mark:
         with self.lock:
             if ready is None or ready.stream != COMPUTE:
                 raise RuntimeError(f"stand-in {self.name}: a copy to the host must wait for an event recorded on the "
                                    f"compute stream after its source was written (got {ready})")
             self.log.append(("d2h_waits", ready.name))
-            self._enqueue(D2H, dst, src, "device to host")
+            for event in after:
+                self.log.append(("d2h_waits", event.name))
+            self._enqueue(D2H, dst, src, "device to host", list(after))
             done = Mark(f"downloaded {ready.name}")
             self._record(D2H, done)
             return done
@@ -300,6 +302,8 @@ class StandInDevice:
 
     def _enqueue(self, stream: str, dst: torch.Tensor, src: torch.Tensor, what: str, after=None) -> None:
         with self.lock:
+            for before in after or ():
+                self._run(before)  # a legal schedule of what it waits for: done first, then `dst` is garbage
             dst.view(torch.uint8).fill_(POISON)
             op = Op(self._end(dst, stream), self._end(src, stream), after or [])
             q = self.streams[stream]

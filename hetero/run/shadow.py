@@ -21,9 +21,11 @@ after an event marking its own forward's end (the link is idle once the GFGB cop
 backward (a pre-hook on its outputs' grad_fn, or the first of its saved views to come back) waits for that copy.
 Micro-batches after the first keep the device copy: the weights do not change within a step.
 
-The step boundary. Before the step, the host waits for the compute stream (kernels reading host views, gradients
-written into host memory) and for the copy stream (copies reading the host copies), points DFGB parameters back at
-their host view and GFGB parameters at the device view of their host copy, so that in `step()` every placed
+The step boundary. Before the step, the host waits for the copy stream (copies reading the host copies), not for the
+whole device: the kernels that read a layer's host view or write its gradients into host memory all come before its
+gradients' ready event, which the optimizer's update of that layer waits for before it writes the host copy
+(hetero.run.states). It points DFGB parameters back at their host view and GFGB parameters at the device view of
+their host copy, so that in `step()` every placed
 parameter (and every host gradient, hetero.run.grad_offload) is a device view of pinned host memory: the optimizer
 finds the host bytes behind it (`Device.host_view`) and updates the CPU model with a host memcpy, DHA layers in
 place. A parameter never changes device: `p.data = x` across devices resets the parameter's gradient accumulator in
@@ -48,7 +50,7 @@ from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
 from hetero.harness import hooks
 from hetero.harness.capture import calling
 from hetero.harness.saved_tensors import SHADOW, chain
-from hetero.harness.layers import tensors
+from hetero.harness.layers import before_backward
 from hetero.kernels import dha
 from hetero.kernels.dha import Device, carve, offsets
 from hetero.run.grad_offload import HostGrads
@@ -252,8 +254,7 @@ class ShadowModel:
         if not st.copied and st not in self.pending:
             self.device.record_compute(st.forward_end)
             self.pending.append(st)
-        for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
-            grad_fn.register_prehook(partial(self._before_backward, st))
+        before_backward(output, partial(self._before_backward, st))
 
     def _forward_done(self, model, args, output) -> None:
         """The model's forward ended: copy the DFGB layers for their backward, latest forward first."""
@@ -301,7 +302,10 @@ class ShadowModel:
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):
             return
-        self._quiesce()
+        # No wait for the whole device: each update waits for its own gradients' event, which came after every
+        # kernel reading the parameter's host bytes (hetero.run.states), so the host writes each layer's host copy
+        # once that layer is done. Only the copies that read host copies are waited for here.
+        self._settle()
         for st in self.layers:
             if st.on_gpu or st.spec.mode == "gfgb":
                 st.point(st.alias)
@@ -328,6 +332,7 @@ class ShadowModel:
         self.device.synchronize(self.copied)
 
     def _settle(self, *args) -> None:
+        """The copies issued so far (which read the host copies and write the device buffers) are done."""
         self.device.synchronize(self.copied)
 
     def close(self) -> None:

@@ -7,15 +7,19 @@ of them, whose backward needs it first.
 
 Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to
 the planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast
-memory and reassembles it on the way back); storages saved after their layer ended are queued at once. Tensors
-under `min_tensor` and storages of parameters never move. One writer thread writes them, and once a write is
-complete the fast-tier copy is dropped, so the memory is really returned.
+memory and reassembles it on the way back); storages saved after their layer ended are queued at once. Storages of
+parameters never move, and tensors whose storage is under `min_tensor` are not even recorded (nor counted in the
+ledger): the pack hook leaves them to autograd after one size check. One writer thread writes evictions in the
+order they were queued (the earliest layers', which wait longest for their backward, first; a later layer's still
+queued when its backward starts is called off, never written), and once a write is complete the fast-tier copy is
+dropped, so the memory is really returned.
 
 Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
 tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
 without a trigger are due at their planned time from the forward start, and all of them at the latest when the
-backward starts. One reader thread serves requests in order (TierTrain's busy rule; the plan already cut requests
-to fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and
+backward starts, the latest layer first. Within a layer the last saved storage comes back first: what was evicted
+last is prefetched first, in the order backward needs it. One reader thread serves requests in order (TierTrain's
+busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and
 counts one late prefetch; a buffer is handed out only once its read is complete, and a failed read raises.
 """
 
@@ -32,7 +36,7 @@ from torch import nn
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness import hooks
 from hetero.harness.capture import calling
-from hetero.harness.layers import LayerSpec, layers_named, tensors
+from hetero.harness.layers import LayerSpec, before_backward, layers_named
 from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
@@ -95,8 +99,12 @@ class ActivationTiering:
         for e in plan.schedule:
             if e.evict_bytes > 0 and e.prefetch_after is not None:
                 self.after[e.prefetch_after].append(e.layer)
-        self.timed = sorted((e.prefetch_at_s, e.layer) for e in plan.schedule
-                            if e.evict_bytes > 0 and e.prefetch_after is None)
+        # Earliest first, and of prefetches due at once the latest layer in forward order first: backward needs it
+        # first (what was evicted last comes back first).
+        order = {e.layer: i for i, e in enumerate(plan.schedule)}
+        self.timed = [(at, layer) for at, _, layer in sorted((e.prefetch_at_s, -order[e.layer], e.layer)
+                                                              for e in plan.schedule
+                                                              if e.evict_bytes > 0 and e.prefetch_after is None)]
         self.ledger = Ledger(plan.fast, plan.slow)
         self.lock = self.ledger.lock
         self.model: nn.Module | None = None
@@ -215,8 +223,7 @@ class ActivationTiering:
             group.ended = True
             self._evict(group, group.live())
         if name in self.after and output is not None:
-            for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
-                grad_fn.register_prehook(lambda grads, mb=mb, name=name: self._started(mb, name))
+            before_backward(output, lambda grads, mb=mb, name=name: self._started(mb, name))
         self._due(mb)
         self._raise_failure()
 
@@ -235,6 +242,8 @@ class ActivationTiering:
         if mb is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return None  # parameters (nn.Parameter) and tensor subclasses stay where they are
         storage = tensor.untyped_storage()
+        if storage.nbytes() < self.plan.min_tensor_bytes:
+            return None  # never moves: not worth a record (autograd keeps it as it would)
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.param_storages:
             return None
@@ -303,9 +312,10 @@ class ActivationTiering:
                 self.unpacked(record.group.layer)
         if saved.tensor is not None:
             return saved.tensor
-        data = self.mover.data(record)
+        data = self.mover.data(record)  # uint8, where the storage's bytes are (it may start inside a larger buffer)
         out = torch.empty(0, dtype=saved.dtype, device=data.device)
-        return out.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+        start = data.storage_offset() // out.element_size()  # buffers start aligned for every dtype
+        return out.set_(data.untyped_storage(), start + saved.offset, saved.size, saved.stride)
 
     # -- backward progress and prefetch ---------------------------------------------------------------------
 

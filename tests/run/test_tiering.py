@@ -17,6 +17,7 @@ from hetero.harness.capture import fingerprint
 from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript
 from hetero.plan.model import chunks
+from hetero.run.devices.evictions import Mover
 from hetero.run.runtime import Runtime
 from hetero.schema.plan import ActivationPlan, Budget, Eviction, Plan, Predicted, Source
 from tests.waits import until
@@ -198,6 +199,39 @@ def test_parameters_and_their_views_never_move(tmp_path):
 
     tiering = run_both("views", make, tmp_path / "nvme", GiB, min_tensor=1, drain=True)
     assert tiering.ledger.report().evicted == {"(model)": 8 * 256 * 4 * STEPS}  # x only
+
+
+def test_what_was_evicted_last_comes_back_first(tmp_path, monkeypatch):
+    """Prefetches due at once (here: all, when backward starts) are served latest layer first, and within a layer
+    the last saved storage first: the order backward needs them in."""
+    fetched: list = []
+    fetch = Mover._fetch
+    monkeypatch.setattr(Mover, "_fetch", lambda self, r, landing: (fetched.append(r), fetch(self, r, landing))[1])
+    model = tiny_gpt()
+    order = {name: i for i, name in enumerate(layer_names(model))}
+    runtime = Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB, trigger="time"), script=__file__)
+
+    def backward_starts(step):
+        until(runtime.mechanisms[0].mover.writer.idle)
+        fetched.append(None)
+
+    with runtime:
+        train(model, "gpt", steps=3, between=backward_starts)
+        passes = [[(order[r.group.layer], int(r.key)) for r in part if r is not None]
+                  for part in _split(fetched)][1:]
+    assert len(passes) == 3 and all(len(p) > 3 for p in passes)
+    for p in passes:
+        assert p == sorted(p, reverse=True)  # by layer, latest first; within one, last saved first
+
+
+def _split(items: list) -> list[list]:
+    out = [[]]
+    for item in items:
+        if item is None:
+            out.append([])
+        else:
+            out[-1].append(item)
+    return out
 
 
 def test_tensors_under_the_threshold_stay(tmp_path):

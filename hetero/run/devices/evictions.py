@@ -13,9 +13,9 @@ is complete (or, on a GPU, with the event its user's stream waits for); a failed
 needs it, never replaced by a half-written buffer.
 
 Where fast memory is a GPU's, its buffers are made on the threads that run the model (the compute stream): a
-partial eviction's kept tail when the eviction is queued (`split`), and a fetch's buffer when the fetch is requested
-(`landing`), where the request also claims the record (an eviction not written yet is called off at once). The
-worker threads only copy into memory made for them (hetero.run.devices.host_pool).
+partial eviction's kept tail when the eviction is queued (`split`), and the buffers of the fetches one request asks
+for when it is made (`landings`), where the request also claims its records (an eviction not written yet is called
+off at once). The worker threads only copy into memory made for them (hetero.run.devices.host_pool).
 """
 
 from __future__ import annotations
@@ -147,17 +147,17 @@ class Mover:
         """Bring the records (weakly held: one freed meanwhile needs nothing) back, in this order: evictions not
         written yet are called off now, the others queued for the reader with the buffers they will land in (hook
         thread)."""
-        jobs = []
+        claimed = []
         for ref in records:
             r = ref()
             if r is None:
                 continue
             with self.lock:
-                fetch = self._claim(r)
-            if fetch:
-                jobs.append((ref, self.tier.landing(r.nbytes)))
-        if jobs:
-            self.reader.put(jobs)
+                if self._claim(r):
+                    claimed.append((ref, r.nbytes))
+        if claimed:
+            landings = self.tier.landings([nbytes for _, nbytes in claimed])
+            self.reader.put([(ref, landing) for (ref, _), landing in zip(claimed, landings)])
 
     def recall(self, r: Record) -> None:
         """Keep `r` in fast memory after all: cancel its eviction, or bring it back now."""
@@ -186,7 +186,7 @@ class Mover:
             start = perf_counter()
             if inline:
                 with spans.timed("late fetch", f"fetch {_layer(r)}", r.slow):
-                    self._fetch(r, self.tier.landing(r.nbytes))
+                    self._fetch(r, self.tier.landings([r.nbytes])[0])
             else:
                 r.back.wait()
             with self.lock:
@@ -259,7 +259,10 @@ class Mover:
             self.ledger.change(fast=r.slow, slow=-r.slow)
             stored, r.resident, r.slow = r.slow, r.nbytes, 0
         r.back.set()
-        self.writer.put(Deletion(r.key, stored, _layer(r)))  # the slow copy goes, off the reader's path
+        if self.tier.directory is None:
+            self.tier.delete(r.key)  # memory: its buffer back to its pool, no hand-off
+        else:
+            self.writer.put(Deletion(r.key, stored, _layer(r)))  # a file goes off the reader's path
 
     def _failed(self, error: BaseException) -> None:
         with self.lock:

@@ -15,10 +15,12 @@ is done, and made per-stream pools grow: DESIGN §7).
   (`split`); the download of its head waits for the compute stream's `ready` event, and the writer thread keeps the
   evicted storage until the download is done (the host waits, off the compute stream), so its memory goes back to
   the compute stream's pool only once nothing reads it;
-- a prefetch's buffer is allocated on the compute stream when the prefetch is requested (`landing`, with an event
-  the upload waits for: the block may have been freed by kernels still running), filled on the upload stream, and
-  waited for by the stream that unpacks it (`wait`); a record freed before that wait (a graph dropped) waits for
-  the upload on the host before its buffer goes.
+- the buffers of the fetches one prefetch request asks for are one allocation on the compute stream, made when the
+  request is (`landings`, with an event the uploads wait for: the block may have been freed by kernels still
+  running), filled on the upload stream, and waited for by the stream that unpacks them (`wait`); a record freed
+  before that wait (a graph dropped) waits for its upload on the host before its buffer can go;
+- an eviction's pinned buffer, reused from the pool, is written by a download that waits (on the device) for the
+  upload that last read it, not by the host.
 With an NVMe store below, an evicted head is written to a file once its download is done and the pinned buffer goes
 back to the pool; a prefetch reads the file into a pooled buffer first.
 """
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero.kernels.dha import Device
+from hetero.kernels.dha import Device, offsets
 from hetero.run.devices.nvme import NvmeStore
 
 _GRANULE = 64 << 10  # sizes round up to this: a step's shapes recur exactly, so classes match with little waste
@@ -68,7 +70,16 @@ class HostPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of `nbytes` on pooled memory, free of any copy still running."""
+        buffer, after = self.take_unordered(nbytes)
+        if after is not None:
+            self.synchronize(after)  # the copy that last read it must be done before it is written again
+        return buffer
+
+    def take_unordered(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """A uint8 buffer of `nbytes` on pooled memory, and the event of the copy that last used it (None: none),
+        which whatever writes the buffer must wait for first."""
         size = size_class(nbytes)
+        after = None
         with self._lock:
             entry = self._free[size].pop() if self._free[size] else None
             if entry is None:
@@ -77,14 +88,12 @@ class HostPool:
             memory = self._fresh(size)
         else:
             memory, after = entry
-            if after is not None:
-                self.synchronize(after)  # the copy that last read it must be done before it is written again
         if self.pinned:
-            return torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,))
+            return torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,)), after
         lease = memory.view()  # the storage handed out holds it; it dies with the last view of the buffer
         finalizer = weakref.finalize(lease, self._returned, memory, size)
         finalizer.atexit = False
-        return torch.from_numpy(lease)[:nbytes]
+        return torch.from_numpy(lease)[:nbytes], after
 
     def _fresh(self, size: int) -> Any:
         if self.pinned:
@@ -157,8 +166,9 @@ class PinnedTier:
         return rest
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
-        pinned = self.pool.take(evict_bytes)
-        done = self.link.download(pinned, data[:evict_bytes], ready)
+        pinned, after = self.pool.take_unordered(evict_bytes)
+        last_use = () if after is None or self.link.query(after) else (after,)
+        done = self.link.download(pinned, data[:evict_bytes], ready, last_use)
         self.link.synchronize(done)  # the caller drops `data` next: its memory may be reused once the copy read it
         if self.store is None:
             with self._lock:
@@ -167,11 +177,12 @@ class PinnedTier:
         self.store.write(key, pinned)
         self.pool.give(pinned)
 
-    def landing(self, nbytes: int) -> Landing:
-        buffer = self.link.buffer(nbytes)
-        allocated = self.link.event("prefetch buffer")
+    def landings(self, sizes: list[int]) -> list[Landing]:
+        where, total = offsets(sizes)
+        buffer = self.link.buffer(total)
+        allocated = self.link.event("prefetch buffers")
         self.link.record_compute(allocated)
-        return Landing(buffer, allocated)
+        return [Landing(buffer[at:at + nbytes], allocated) for at, nbytes in zip(where, sizes)]
 
     def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: Landing) -> tuple[torch.Tensor, Arrival]:
         stored = nbytes - (0 if rest is None else rest.numel())

@@ -45,8 +45,8 @@ class SlowTier(Protocol):
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
         """Writer: store `data[:evict_bytes]` under `key`. Once it returns, the caller may drop `data`."""
 
-    def landing(self, nbytes: int) -> Any:
-        """Hook thread, when a fetch is requested: where the fetch will put the bytes (None: the tier chooses)."""
+    def landings(self, sizes: list[int]) -> list[Any]:
+        """Hook thread, when fetches are requested: where each will put its bytes (None: the tier chooses)."""
 
     def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: Any = None) -> tuple[torch.Tensor, Any]:
         """Reader: a fast-tier buffer of `nbytes` (`landing`'s) holding the stored bytes followed by `rest`, and the
@@ -86,8 +86,8 @@ class NvmeTier:
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: None) -> None:
         self.store.write(key, data[:evict_bytes])
 
-    def landing(self, nbytes: int) -> None:
-        return None
+    def landings(self, sizes: list[int]) -> list[None]:
+        return [None] * len(sizes)
 
     def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: None = None) -> tuple[torch.Tensor, None]:
         out = self.pool.take(nbytes)

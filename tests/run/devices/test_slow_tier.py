@@ -161,7 +161,7 @@ def round_trip(tier: PinnedTier, data: torch.Tensor, evict_bytes: int) -> torch.
     """What tiering does with one storage: split and queue on the model's thread, write, land, fetch, wait."""
     rest = tier.split(data, evict_bytes)
     tier.evict("k", data, evict_bytes, tier.ready())
-    landing = tier.landing(data.numel())
+    landing = tier.landings([data.numel()])[0]
     out, arrived = tier.fetch("k", data.numel(), rest, landing)
     del rest, landing
     tier.wait(arrived, out)
@@ -201,11 +201,11 @@ def test_a_fetched_buffer_whose_record_goes_unwaited_waits_for_its_upload(tmp_pa
     try:
         data = torch.ones(1 << 12, dtype=torch.uint8)
         tier.evict("k", data, data.numel(), tier.ready())
-        out, arrived = tier.fetch("k", data.numel(), None, tier.landing(data.numel()))
+        out, arrived = tier.fetch("k", data.numel(), None, tier.landings([data.numel()])[0])
         tier.release(out, arrived)
         del out
         assert not device.violations
-        out, arrived = tier.fetch("k", data.numel(), None, tier.landing(data.numel()))
+        out, arrived = tier.fetch("k", data.numel(), None, tier.landings([data.numel()])[0])
         del out  # freed with its upload still queued: what the release above prevents
         assert device.violations
     finally:
