@@ -18,9 +18,10 @@ that zero their gradients each step (the plan says so).
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -163,9 +164,12 @@ class Offloaded:
         slot.step += 1
         slot.launched = True
         bucket = self._buckets[p]
-        bucket.waiting.append(Update(slot.home, grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
-        if len(bucket.waiting) == bucket.size:
-            launch(bucket.take())
+        update = Update(slot.home, grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        with bucket.lock:  # DDP's buckets may complete on another thread than autograd's
+            bucket.waiting.append(update)
+            complete = bucket.take() if len(bucket.waiting) == bucket.size else None
+        if complete:
+            launch(complete)
 
     def step(self, closure=None):
         if self._homes is None and not self._own:
@@ -192,8 +196,10 @@ class Offloaded:
             else:
                 self._launch(p, slot, p.grad)
         for bucket in {id(b): b for b in self._buckets.values()}.values():
-            if bucket.waiting:  # some of its parameters had no gradient this step
-                launch(bucket.take())
+            with bucket.lock:
+                left = bucket.take()
+            if left:  # some of its parameters had no gradient this step
+                launch(left)
         if spilled:
             self._homes.staging.update_all(spilled)
         self._homes.drain()
@@ -273,6 +279,7 @@ class Bucket:
 
     size: int
     waiting: list[Update]
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self) -> list[Update]:
         out, self.waiting = self.waiting, []

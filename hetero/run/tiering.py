@@ -19,8 +19,9 @@ tensors (or when its output's gradient is ready), and the layers the plan trigge
 without a trigger are due at their planned time from the forward start, and all of them at the latest when the
 backward starts, the latest layer first. Within a layer the last saved storage comes back first: what was evicted
 last is prefetched first, in the order backward needs it. One reader thread serves requests in order (TierTrain's
-busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and
-counts one late prefetch; a buffer is handed out only once its read is complete, and a failed read raises.
+busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching
+them itself if nobody has started, and counts one late prefetch; a buffer is handed out only once its read is
+complete, and a failed read raises.
 """
 
 from __future__ import annotations

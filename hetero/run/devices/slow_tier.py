@@ -89,7 +89,8 @@ class NvmeTier:
     def landings(self, sizes: list[int]) -> list[None]:
         return [None] * len(sizes)
 
-    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: None = None) -> tuple[torch.Tensor, None]:
+    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None,
+              landing: None = None) -> tuple[torch.Tensor, None]:
         out = self.pool.take(nbytes)
         stored = nbytes - (0 if rest is None else rest.numel())
         if rest is not None:
