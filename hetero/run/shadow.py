@@ -25,15 +25,14 @@ The step boundary. Before the step, the host waits for the copy stream (copies r
 whole device: the kernels that read a layer's host view or write its gradients into host memory all come before its
 gradients' ready event, which the optimizer's update of that layer waits for before it writes the host copy
 (hetero.run.states). It points DFGB parameters back at their host view and GFGB parameters at the device view of
-their host copy, so that in `step()` every placed
-parameter (and every host gradient, hetero.run.grad_offload) is a device view of pinned host memory: the optimizer
-finds the host bytes behind it (`Device.host_view`) and updates the CPU model with a host memcpy, DHA layers in
-place. A parameter never changes device: `p.data = x` across devices resets the parameter's gradient accumulator in
-autograd, and DDP's reducer hooks live on the old one (no all-reduce from the second step); host view and device
-buffer are both device tensors. After the step the GFGB parameters point at their device buffers again and the
-copies above are issued. Nothing synchronizes the device inside a step. Between `step()` and the next forward,
-GFGB weights are in flight: `state_dict()` waits for them; other code reading weights outside the model's forward
-must synchronize first.
+their host copy, so that in `step()` every placed parameter (and every host gradient, hetero.run.grad_offload) is a
+device view of pinned host memory: the optimizer finds the host bytes behind it (`Device.host_view`) and updates the
+CPU model with a host memcpy, DHA layers in place. A parameter never changes device: `p.data = x` across devices
+resets the parameter's gradient accumulator in autograd, and DDP's reducer hooks live on the old one (no all-reduce
+from the second step); host view and device buffer are both device tensors. After the step the GFGB parameters point
+at their device buffers again and the copies above are issued. Nothing synchronizes the device inside a step.
+Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them; other code reading
+weights outside the model's forward must synchronize first.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
 from hetero.harness import hooks
 from hetero.harness.capture import calling
-from hetero.harness.saved_tensors import SHADOW, chain
 from hetero.harness.layers import before_backward
+from hetero.harness.saved_tensors import SHADOW, chain
 from hetero.kernels import dha
 from hetero.kernels.dha import Device, carve, offsets
 from hetero.run.grad_offload import HostGrads
@@ -226,7 +225,7 @@ class ShadowModel:
             self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
         self.handles += [hooks.forward(model, self._forward_done, always_call=True),
                          hooks.state_dict_pre(model, self._settle)]
-        self.views = {st.alias.data_ptr(): st for st in self.layers if st.spec.mode == "dfgb"}
+        self.views = {st.alias.data_ptr(): st for st in self.layers if st.spec.mode == "dfgb" and st.alias.numel()}
         if self.views:
             chain.join(self, SHADOW)
             self.handles.append(hooks.forward_pre(model, self._forward_start, prepend=True))

@@ -155,9 +155,17 @@ class Mover:
             with self.lock:
                 if self._claim(r):
                     claimed.append((ref, r.nbytes))
-        if claimed:
+        if not claimed:
+            return
+        try:
             landings = self.tier.landings([nbytes for _, nbytes in claimed])
-            self.reader.put([(ref, landing) for (ref, _), landing in zip(claimed, landings)])
+        except BaseException:  # out of GPU memory: an unpack fetches them itself, or the error ends the step
+            with self.lock:
+                for ref, _ in claimed:
+                    if (r := ref()) is not None and r.state == FETCHING:
+                        r.state = EVICTED
+            raise
+        self.reader.put([(ref, landing) for (ref, _), landing in zip(claimed, landings)])
 
     def recall(self, r: Record) -> None:
         """Keep `r` in fast memory after all: cancel its eviction, or bring it back now."""

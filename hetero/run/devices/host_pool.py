@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero.kernels.dha import Device, offsets
+from hetero.kernels.dha import Device, offsets, pinned_host
 from hetero.run.devices.nvme import NvmeStore
 
 _GRANULE = 64 << 10  # sizes round up to this: a step's shapes recur exactly, so classes match with little waste
@@ -58,8 +58,8 @@ class HostPool:
     buffers are allocated at their class's exact size (`allocate_pinned`, e.g. hetero.kernels.dha.pinned_host), not
     by torch's pinned allocator, which rounds each up to a power of two."""
 
-    def __init__(self, pinned: bool = False, allocate_pinned: Callable[[int], torch.Tensor] | None = None,
-                 synchronize: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, pinned: bool = False, allocate_pinned: Callable[[int], torch.Tensor] = pinned_host,
+                 synchronize: Callable[[Any], None] = lambda event: event.synchronize()) -> None:
         self.pinned = pinned
         self.allocate_pinned = allocate_pinned  # nbytes -> uint8 pinned tensor of exactly nbytes
         self.synchronize = synchronize  # waits for an event `give` was handed
