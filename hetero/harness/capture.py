@@ -31,6 +31,13 @@ from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+_binding: list[nn.Module] = []  # the modules whose call found the model, while it is being bound
+
+
+def calling(model: nn.Module) -> bool:
+    """Whether `model` is being bound from inside its own call: its forward pre-hooks are running, so a pre-hook
+    registered now misses this call, while a forward hook registered now sees it end."""
+    return any(m is model for m in _binding)
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -102,7 +109,11 @@ class Capture:
             self.checked.add(id(module))
             model = unwrap(module)
             if fingerprint(model) == self.fingerprint:
-                self._found(model, None)
+                _binding.append(module)  # a wrapper's (DDP, torch.compile): the model's own call is still to come
+                try:
+                    self._found(model, None)
+                finally:
+                    _binding.pop()
 
     def _post(self, module: nn.Module, args, output) -> None:
         self.depth = max(0, self.depth - 1)

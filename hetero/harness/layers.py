@@ -78,6 +78,13 @@ def tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
+def before_backward(output: Any, hook) -> None:
+    """Call `hook(grad_outputs)` when backward reaches a module's output: a pre-hook on each distinct grad_fn of the
+    output's tensors."""
+    for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
+        grad_fn.register_prehook(hook)
+
+
 def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],
                                                                   dict[int, int]]:
     """(layers in forward order, each layer's parameters by local name, unseen layer -> the ran layer it is timed

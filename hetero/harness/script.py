@@ -11,6 +11,7 @@ from __future__ import annotations
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -57,11 +58,13 @@ def check_script(script: str) -> Path:
     return path
 
 
-def run_script(script: str, args: list[str], tracebacks: TextIO | None = None) -> ScriptResult:
+def run_script(script: str, args: list[str], tracebacks: TextIO | None = None,
+               explain: Callable[[BaseException], HeteroError | None] | None = None) -> ScriptResult:
     """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates, and so does a
     HeteroError raised by hetero's own code inside the script (a damaged state file met in `optimizer.step()`): it
-    is hetero's error, reported as one, not a crash of the script. The script's traceback goes to `tracebacks`
-    (default: stderr)."""
+    is hetero's error, reported as one, not a crash of the script; so does the HeteroError `explain` gives for the
+    script's exception (a budget the run overran), instead of its traceback. The script's traceback goes to
+    `tracebacks` (default: stderr)."""
     path = check_script(script)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = script_argv(script, args)
@@ -79,6 +82,9 @@ def run_script(script: str, args: list[str], tracebacks: TextIO | None = None) -
     except HeteroError:
         raise
     except Exception as e:
+        explained = explain(e) if explain is not None else None
+        if explained is not None:
+            raise explained from None
         _print_script_traceback(e, path, tracebacks or sys.stderr)
         return ScriptResult(1, stopped=False, error=traceback.format_exception_only(type(e), e)[-1].strip())
     finally:

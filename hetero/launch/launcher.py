@@ -202,7 +202,7 @@ def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, l
         if trace is not None and leader else None
     with _environment(launch.env), _plan_lines(plan_path):
         with Runtime(loaded, script=script, allow_stale=allow_stale, record=record) as runtime:
-            result = run_script(script, launch.argv[1:], tracebacks)
+            result = run_script(script, launch.argv[1:], tracebacks, explain=runtime.explain)
         # A failed run has no summary: its timings (a sync drift, late prefetches) say nothing about the plan.
         for line in runtime.summary() if leader and result.exit_code == 0 else []:  # may read the plan's path
             print(f"hetero: {line}", file=sys.stderr)

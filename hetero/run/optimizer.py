@@ -18,9 +18,10 @@ that zero their gradients each step (the plan says so).
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +31,7 @@ from hetero.kernels.adam import Hyperparameters
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import on_host
-from hetero.run.states import FP32
+from hetero.run.states import FP32, Update, launch
 from hetero.schema.plan import OptimizerPlan
 from hetero.units import SIZE
 
@@ -60,6 +61,8 @@ class Offloaded:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._params: dict[torch.nn.Parameter, ParamState] = {}
+        self._group_of: dict[torch.nn.Parameter, dict] = {}
+        self._buckets: dict[torch.nn.Parameter, Bucket] = {}
         self._homes: Homes | None = None
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
@@ -90,6 +93,8 @@ class Offloaded:
             return
         self._homes = self.homes_for()
         self._params = self._homes.build([(names[p], p) for p in order])
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
+        self._buckets = buckets({p: names[p] for p, slot in self._params.items() if slot.home is not None})
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
 
@@ -103,7 +108,7 @@ class Offloaded:
         return StateBytes(4 * FP32 * sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
 
     def _group(self, p: torch.nn.Parameter) -> dict:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        return self._group_of[p]
 
     def _grad_final(self, p: torch.nn.Parameter) -> None:
         if self._homes is None and not self._own:
@@ -155,9 +160,16 @@ class Offloaded:
                 self._launch(p, slot, grad)
 
     def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor) -> None:
+        """`p`'s update joins its bucket, which goes to the drivers once it is complete (or at the step)."""
         slot.step += 1
         slot.launched = True
-        slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        bucket = self._buckets[p]
+        update = Update(slot.home, grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        with bucket.lock:  # DDP's buckets may complete on another thread than autograd's
+            bucket.waiting.append(update)
+            complete = bucket.take() if len(bucket.waiting) == bucket.size else None
+        if complete:
+            launch(complete)
 
     def step(self, closure=None):
         if self._homes is None and not self._own:
@@ -183,6 +195,11 @@ class Offloaded:
                 spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
             else:
                 self._launch(p, slot, p.grad)
+        for bucket in {id(b): b for b in self._buckets.values()}.values():
+            with bucket.lock:
+                left = bucket.take()
+            if left:  # some of its parameters had no gradient this step
+                launch(left)
         if spilled:
             self._homes.staging.update_all(spilled)
         self._homes.drain()
@@ -254,6 +271,32 @@ class Offloaded:
             else:
                 slot.home.load(master, m, v)
         self._pending_state = None
+
+
+@dataclass(eq=False, slots=True)
+class Bucket:
+    """The parameters of one module: their updates go to the drivers together (hetero.run.states.launch)."""
+
+    size: int
+    waiting: list[Update]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self) -> list[Update]:
+        out, self.waiting = self.waiting, []
+        return out
+
+
+def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bucket]:
+    """Each parameter's bucket: the parameters its module owns directly (a Linear's weight and bias, whose gradients
+    one backward node makes)."""
+    by_module: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
+    for p, name in names.items():
+        by_module[name.rpartition(".")[0]].append(p)
+    out = {}
+    for params in by_module.values():
+        bucket = Bucket(len(params), [])
+        out.update(dict.fromkeys(params, bucket))
+    return out
 
 
 _TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # before any run replaces them
