@@ -40,10 +40,10 @@ from hetero.harness.capture import calling
 from hetero.harness.layers import LayerSpec, before_backward, layers_named
 from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
-from hetero.run.devices.evictions import RESIDENT, Mover, Record
-from hetero.run.devices.residency import Ledger
 from hetero.kernels import dha
 from hetero.kernels.dha import Device
+from hetero.run.devices.evictions import RESIDENT, Mover, Record
+from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import GPU, open_tier
 from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
