@@ -53,23 +53,23 @@ class Outcome:
 def pieces(python: str, work: Path) -> list[Piece]:
     """The pieces, in the order they run, their limits summing to TOTAL_S; `work` holds what they make."""
     gpt = ("examples/train_gpt.py", "--device", "cuda", "--n-layer", "8", "--n-embd", "512", "--n-head", "8",
-           "--batch-size", "8", "--seq-len", "256", "--steps", "40", "--log-every", "20", "--weight-sum")
+           "--batch-size", "8", "--seq-len", "256", "--steps", "30", "--log-every", "15", "--weight-sum")
     suite = (python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "not gpu",
              f"--junitxml={work / 'suite.xml'}", *(("-n", "12") if importlib.util.find_spec("xdist") else ()))
     return [
         Piece("tests", "GPU tests (pytest -m gpu)",
               ((python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu",
-                f"--junitxml={work / 'gpu-tests.xml'}"),), limit_s=75),
-        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=120),
+                f"--junitxml={work / 'gpu-tests.xml'}"),), limit_s=55),
+        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=115),
         Piece("fits", "A model that fits: plain against the default plan (examples/train_gpt.py, 27M parameters)",
-              ((python, "bench/gpu_e2e.py", "--out", str(work / "fits"), "--timeout", "40", "--", *gpt),),
-              limit_s=90),
+              ((python, "bench/gpu_e2e.py", "--out", str(work / "fits"), "--timeout", "45", "--", *gpt),),
+              limit_s=95),
         Piece("heldout", "A held-out LM end to end: plain, the default plan, and half of plain's reserved GPU peak",
               ((python, "bench/gpu_e2e.py", "--out", str(work / "heldout"), "--half", "--rounds", "1", "--timeout",
-                "45", "--", "bench/lm_heldout.py", "--steps", "30"),), limit_s=110),
+                "50", "--", "bench/lm_heldout.py", "--steps", "30"),), limit_s=115),
         Piece("offload", "Beyond a GPU budget: plain, ZeRO-Offload-style, FSDP2 CPUOffloadPolicy, hetero",
               ((python, "bench/gpu_offload.py", "--only", "compare", "--n-layer", "14", "--steps", "6",
-                "--timeout", "60"),), limit_s=85),
+                "--timeout", "70"),), limit_s=100),
     ]
 
 
@@ -186,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {x.name}: {o.status} ({o.seconds:.0f} s)"
               + "".join(f"\n  failed: {t}" for t in failing(o.output)), flush=True)
         text = section(env, outcomes)
-        write(a.out, text)  # after each piece: what ran is kept if a later one hangs the machine
+        # after each piece: what ran is kept if a later one hangs the machine or the call is cut
+        write(a.out, text)
         (artifacts / "gpu-results-section.md").write_text(text)
-    shutil.make_archive(str(artifacts / "gpu-check-work"), "gztar", work)
+        shutil.make_archive(str(artifacts / "gpu-check-work"), "gztar", work)
     print(f"gpu-check: artifacts in {artifacts} (gpu-results-section.md, gpu-check-work.tar.gz)")
     return 0 if all(o.status == "ok" for o in outcomes) else 1
 
