@@ -33,8 +33,8 @@ needs_cgroups = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 # and is killed in its second step; hetero returns freed memory (the plan's allocator section) and peaks near 1 GiB
 # (docs/benchmarks.md, "Training under a DRAM budget").
 LIMIT = 1200 * 2**20
-SCRIPT = [str(REPO / "examples/train_gpt.py"), "--n-layer", "6", "--n-embd", "256", "--batch-size", "16", "--seq-len",
-          "256", "--steps", "3", "--log-every", "1", "--weight-sum"]
+SCRIPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "6", "--n-embd", "256", "--batch-size",
+          "16", "--seq-len", "256", "--steps", "3", "--log-every", "1", "--weight-sum"]
 HETERO = [sys.executable, "-m", "hetero"]
 WEIGHTS = re.compile(r"^weight sum (\S+)  abs sum (\S+)$", re.MULTILINE)
 
