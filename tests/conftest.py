@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+CUDA_REPORTED = REPO / "tests" / "cuda_reported"  # its sitecustomize.py reports one CUDA device
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,6 +52,37 @@ def cuda_hidden(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@dataclass(frozen=True)
+class CudaReported:
+    real: bool  # this machine has CUDA of its own
+    log: Path  # where a process that ended with CUDA initialized writes its command line
+
+
+@contextlib.contextmanager
+def cuda_reported_in(log: Path) -> Iterator[CudaReported]:
+    """As on a GPU machine: this process and every one it starts (PYTHONPATH carries tests/cuda_reported/) are told
+    one CUDA device exists. Where there is none, whatever then starts CUDA raises; where there is one, each process
+    that started it is logged: either fails the test, which is to stay on the CPU."""
+    import torch
+
+    real = torch.cuda.is_available()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "device_count", lambda: 1)
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(CUDA_REPORTED), os.environ.get("PYTHONPATH")])))
+        patch.setenv("HETERO_CUDA_LOG", str(log))
+        yield CudaReported(real=real, log=log)
+    started = log.read_text().splitlines() if log.exists() else []
+    assert not started, f"these processes of a CPU test started CUDA: {started}"
+
+
+@pytest.fixture
+def cuda_reported(tmp_path_factory) -> Iterator[CudaReported]:
+    """`cuda_reported_in` for one test: the example-script tests run so, and pass on the CPU."""
+    with cuda_reported_in(tmp_path_factory.mktemp("cuda") / "started.log") as reported:
+        yield reported
 
 
 @pytest.fixture(scope="module")

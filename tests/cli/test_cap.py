@@ -52,7 +52,7 @@ def weights(text: str) -> tuple[float, float]:
 
 
 @needs_cgroups
-def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path):
+def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
     plain = subprocess.run([sys.executable, *SCRIPT], cwd=tmp_path, capture_output=True, text=True, check=True)
     reference = weights(plain.stdout)
 

@@ -14,7 +14,7 @@ from hetero.run import process_memory
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
-from tests.conftest import REPO
+from tests.conftest import REPO, cuda_reported_in
 from tests.profile import scripts
 
 ADAMW, CLIP = torch.optim.AdamW, clip_grad.clip_grad_norm_
@@ -30,8 +30,9 @@ def positive(x: float) -> bool:
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("p")
     nvme = out / "disk"
-    code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
-                 *SMALL_GPT])
+    with cuda_reported_in(out / "cuda.log"):  # as on a GPU machine: the example stays on the CPU it was given
+        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
+                     *SMALL_GPT])
     return code, out, nvme
 
 
@@ -60,7 +61,7 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
 
 
-def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path):
+def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path, cuda_reported):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
                  "20GiB", "-o", str(out), *SMALL_GPT]) == 0
@@ -116,7 +117,7 @@ def test_a_disk_directory_that_cannot_be_used_is_refused_before_the_script_runs(
     assert sorted(os.listdir(tmp_path)) == ["file", "train.py"]
 
 
-def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path):
+def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path, cuda_reported):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
                  "64MiB", "-o", str(out), *SMALL_GPT]) == 0

@@ -16,9 +16,10 @@ from hetero.cli.main import main
 from hetero.run.recorder import _sweep, own_segments
 from hetero.schema import files
 from hetero.schema.run import Run
-from tests.conftest import REPO
+from tests.conftest import REPO, cuda_reported_in
 
 STEPS = 4  # 1 warm-up + 3 recorded
+PLAN = "plans/gpt-tiny-cpu.plan.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,11 @@ def traced(tmp_path_factory):
     repo = REPO
     out = tmp_path_factory.mktemp("trace")
     script = [str(repo / "examples/train_gpt.py"), "--device", "cpu", "--steps", str(STEPS), "--log-every", "1"]
-    result = subprocess.run([sys.executable, "-m", "hetero", "run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"),
-                             "--trace", str(out / "run.json"), *script], cwd=repo, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    plain = subprocess.run([sys.executable, *script], cwd=repo, capture_output=True, text=True, timeout=300)
+    with cuda_reported_in(out / "cuda.log"):  # as on a GPU machine: the example stays on the CPU it was given
+        result = subprocess.run([sys.executable, "-m", "hetero", "run", "--plan", str(repo / PLAN), "--trace",
+                                 str(out / "run.json"), *script], cwd=repo, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        plain = subprocess.run([sys.executable, *script], cwd=repo, capture_output=True, text=True)
     trace = json.loads((out / "run.json").read_text())
     return trace, files.load(out / "run.yaml", expect=Run), result, plain
 
@@ -96,7 +97,7 @@ def test_run_yaml_has_every_layer_and_the_activation_measurement(traced, repo):
     assert run.peak_bytes["nvme0"] > 0
 
 
-def test_no_trace_when_the_script_ends_before_the_window(tmp_path, capfd, repo):
+def test_no_trace_when_the_script_ends_before_the_window(tmp_path, capfd, repo, cuda_reported):
     trace = tmp_path / "run.json"
     code = main(["run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"), "--trace", str(trace),
                  str(repo / "examples/train_gpt.py"), "--device", "cpu", "--steps", "1", "--n-layer", "4"])
