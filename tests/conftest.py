@@ -98,5 +98,16 @@ def without_malloc_runs():
 
 
 @pytest.fixture
+def bundled_machine(monkeypatch):
+    """`hetero profile` takes the machine from the bundled CPU profile instead of measuring this one (tens of
+    seconds, and nothing a test of the script's side looks at)."""
+    from hetero.profile import machine
+    from hetero.schema import files
+
+    bundled = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml").machine
+    monkeypatch.setattr(machine, "measure", lambda *args, **kwargs: bundled)
+
+
+@pytest.fixture
 def repo() -> Path:
     return REPO
