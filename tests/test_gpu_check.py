@@ -51,13 +51,14 @@ def test_the_runner_records_each_outcome_with_its_output():
     assert failed.status == "failed (exit 3)" and "why" in failed.output and "never" not in failed.output
     slow = gpu_all.run_piece(gpu_all.Piece("slow", "slow", ((python, "-c", "import time; time.sleep(30)"),),
                                            limit_s=1))
-    assert slow.status == "timed out after 1 s" and slow.seconds < 30
+    assert slow.status == "timed out after 1 s"
 
 
-def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path):
+def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path, cuda_hidden):
     path = tmp_path / "gpu-results.md"
     path.write_text("# GPU results\n\nHow to run it.\n")
-    env = gpu_all.environment()
+    env = gpu_all.environment()  # asking a GPU its name starts CUDA: this test stays on the CPU
+    assert env["device"] == "none (no CUDA device)"
     assert env["torch"] == torch.__version__ and set(env) == {"device", "driver", "torch", "CUDA (torch's)", "date"}
     piece = gpu_all.Piece("ok", "A table", ((sys.executable, "-c", "print(1)"),))
     first = gpu_all.Outcome(piece, "ok", 1.0, "first ```table```")

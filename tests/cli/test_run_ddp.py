@@ -1,6 +1,7 @@
 """Data parallel through torchrun: the launch command, routed training, failing workers, bad plans, and profiling
 the links between ranks. Each spawning test starts torchrun with 2 gloo workers on loopback (~10 s here)."""
 
+import math
 import subprocess
 import sys
 
@@ -118,7 +119,7 @@ def test_profile_with_two_workers_measures_the_link_between_them(workdir):
     [peer] = profile.machine.peers
     assert (peer.src, peer.dst, peer.backend) == (0, 1, "gloo")
     assert [p.size_bytes for p in peer.transfer] == [4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20, 64 * 2**20]
-    assert peer.transfer[-1].time_s > peer.transfer[0].time_s > 0
+    assert all(math.isfinite(p.time_s) and p.time_s > 0 for p in peer.transfer)  # how fast: bench/routing.py
     assert profile.training.steps_measured == 1
 
 

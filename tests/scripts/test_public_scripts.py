@@ -18,6 +18,8 @@ from tests.run.plans import optimizer_plan
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
+pytestmark = pytest.mark.usefixtures("without_malloc_runs")  # no budget here: plans never use what those runs measure
+
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
@@ -57,7 +59,8 @@ def test_multihead_attention_parameters_used_functionally_belong_to_their_layer(
     assert result["hooks"] == 0  # torch.save(model) under hetero: the loaded model carries none of hetero's hooks
 
 
-def test_a_compiled_model_trains_with_the_offloaded_optimizer_and_its_plan_says_why_not_tiering(workdir, capfd):
+def test_a_compiled_model_trains_with_the_offloaded_optimizer_and_its_plan_says_why_not_tiering(workdir, capfd,
+                                                                                                  cuda_hidden):
     profile = harness.profile("compiled", workdir)
     prof = files.load(profile, expect=Profile)
     assert len(prof.layers) == 2 and prof.training.grad_accumulation == 1  # not "0 layers"
@@ -123,7 +126,7 @@ def test_a_second_models_optimizer_stays_torchs_own_under_a_plan_for_the_first(w
     assert_trains_as_plain(result, reference)
 
 
-def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd):
+def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd, cuda_hidden):
     """The plan's relative profile path is the plan's directory's, not the current directory's."""
     (workdir / "a").mkdir()
     harness.profile("compiled", workdir / "a")
