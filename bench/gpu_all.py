@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for everything the pieces make [default: $OUT, else a temporary folder]")
     a = p.parse_args(argv)
     artifacts = a.artifacts or Path(tempfile.gettempdir()) / f"hetero-gpu-check-{os.getpid()}"
-    work = artifacts / "work"  # made only when something runs
+    # made only when something runs; outside the artifacts folder, which gets its archive (a device call brings back
+    # a few files, not a tree)
+    work = Path(tempfile.gettempdir()) / f"hetero-gpu-check-work-{os.getpid()}"
     chosen = pieces(sys.executable, work)
     if a.only:
         names = a.only.split(",")
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
     work.mkdir(parents=True, exist_ok=True)
+    artifacts.mkdir(parents=True, exist_ok=True)
     env, outcomes = environment(), []
     for x in chosen:
         print(f"gpu-check: {x.name} (up to {x.limit_s:.0f} s) ...", flush=True)
