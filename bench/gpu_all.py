@@ -40,6 +40,7 @@ class Piece:
     title: str
     commands: tuple[tuple[str, ...], ...]  # run in order, in the repository root, sharing the piece's limit
     limit_s: float = 60.0
+    env: tuple[tuple[str, str], ...] = ()  # set for its commands
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,15 @@ def pieces(python: str, work: Path) -> list[Piece]:
     """The pieces, in the order they run, their limits summing to TOTAL_S; `work` holds what they make."""
     gpt = ("examples/train_gpt.py", "--device", "cuda", "--n-layer", "8", "--n-embd", "512", "--n-head", "8",
            "--batch-size", "8", "--seq-len", "256", "--steps", "30", "--log-every", "15", "--weight-sum")
-    suite = (python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "not gpu",
-             f"--junitxml={work / 'suite.xml'}", *(("-n", "12") if importlib.util.find_spec("xdist") else ()))
+    # -v: each test's outcome as it ends, so a suite cut at its limit still names what failed
+    suite = (python, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-m", "not gpu",
+             f"--junitxml={work / 'suite.xml'}", *(("-n", "14") if importlib.util.find_spec("xdist") else ()))
     return [
         Piece("tests", "GPU tests (pytest -m gpu)",
               ((python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu",
                 f"--junitxml={work / 'gpu-tests.xml'}"),), limit_s=55),
-        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=115),
+        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=115,
+              env=(("OMP_NUM_THREADS", "1"),)),  # 14 workers of torch's 16 threads each would only thrash
         Piece("fits", "A model that fits: plain against the default plan (examples/train_gpt.py, 27M parameters)",
               ((python, "bench/gpu_e2e.py", "--out", str(work / "fits"), "--timeout", "45", "--", *gpt),),
               limit_s=95),
@@ -82,7 +85,7 @@ def run_piece(piece: Piece, cwd: Path = REPO) -> Outcome:
         output.append("$ " + shown(command))
         try:
             done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=max(left, 1),
-                                  env=os.environ | {"PYTHONPATH": str(REPO)})  # no install needed on the GPU machine
+                                  env=os.environ | {"PYTHONPATH": str(REPO)} | dict(piece.env))  # no install needed
         except subprocess.TimeoutExpired as e:
             output.append(_text(e.stdout) + _text(e.stderr))
             status = f"timed out after {piece.limit_s:.0f} s"
@@ -122,7 +125,8 @@ def _driver() -> str:
 
 def failing(output: str) -> list[str]:
     """The tests pytest's short summary names as failed or in error (`-rfE`)."""
-    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+    return list(dict.fromkeys(re.findall(r"^(?:\[gw\d+\] \[ *\d+%\] )?(?:FAILED|ERROR) (\S+::\S+)", output,
+                                         flags=re.M)))
 
 
 def section(env: dict[str, str], outcomes: list[Outcome], tail: int = 60) -> str:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetero.units import SIZE  # noqa: E402
 
-RESERVED = re.compile(r"gpu peak reserved (\S+).*; allocated (\S+)")
+RESERVED = re.compile(r"gpu peak reserved ([0-9.]+[KMGT]?i?B)\b.*; allocated ([0-9.]+[KMGT]?i?B)")
 LOSS = re.compile(r"(?:final loss|loss) ([-+0-9.e]+)")
 WEIGHTS = re.compile(r"weight sum ([-+0-9.e]+)")
 STEADY = re.compile(r"steady ([0-9.]+) ms/step")

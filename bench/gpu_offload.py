@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -183,7 +184,17 @@ def planned(a, n_layer: int):
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return plan(profile, PlanOptions(optimizer_device="host", gpu_memory_bytes=a.budget, reserve=a.reserve))
+    from hetero.errors import HeteroError
+    from hetero.units import SIZE
+
+    options = PlanOptions(optimizer_device="host", gpu_memory_bytes=a.budget, reserve=a.reserve)
+    try:
+        return plan(profile, options)
+    except HeteroError as e:  # below what hetero can plan: run at the least it can, and say so in the table
+        least = SIZE.parse(re.search(r"--gpu-memory (\S+)", e.hint).group(1))
+        print(json.dumps({"budget": least, "note": f"zero's peak is below hetero's least plan: {e.message}"}))
+        options.gpu_memory_bytes = least
+        return plan(profile, options)
 
 
 def policy_plan(a, n_layer: int):
@@ -238,6 +249,7 @@ def measure(a: argparse.Namespace, method: str, n_layer: int, budget: int | None
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         result = {"ok": False, "error": " / ".join(tail) or f"exit {done.returncode}"}
     result.update(next((x for x in lines if "plan" in x), {}))
+    result.update(next((x for x in lines if "note" in x), {}))
     print(f"  {method:7} {n_layer:4d} blocks: " + (f"{result['step_s'] * 1e3:8.1f} ms/step, peak "
           f"{SIZE.format_short(result['peak'])}" if result["ok"] else result["error"]), flush=True)
     return result
@@ -308,6 +320,8 @@ def report(a, name: str, n_layer: int, rows: dict, capacity: dict) -> None:
         for method, blocks in capacity.items():
             vs = f"{blocks / capacity['zero']:7.2f}x" if capacity.get("zero") else ""
             print(f"{method:8} {blocks:7d} {params_of(a, blocks) / 1e6:9.0f}M {vs}")
+    if rows.get("hetero", {}).get("note"):
+        print(f"hetero: {rows['hetero']['note']}; planned at {SIZE.format_short(rows['hetero']['budget'])} instead")
     print("goals (MemFerry): hetero >= 1.3x zero's speed at <= its GPU memory; a >= 1.5x larger model than zero")
     hetero = rows.get("hetero", {})
     if hetero.get("ok") and zero.get("ok"):

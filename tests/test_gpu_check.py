@@ -68,3 +68,9 @@ def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path,
     assert text.startswith("# GPU results\n\nHow to run it.\n")
     assert text.count(gpu_all.BEGIN) == 1 and "second" in text and "first" not in text
     assert f"| torch | {torch.__version__} |" in text and "### A table" in text and "`ok`: ok, 2 s" in text
+
+
+def test_failing_tests_are_named_from_the_summary_and_from_each_outcome_as_it_ends():
+    output = ("[gw3] [ 12%] FAILED tests/a.py::test_b\n[gw1] [ 13%] PASSED tests/a.py::test_c\n"
+              "FAILED tests/a.py::test_b - AssertionError\nERROR tests/c.py::test_d[1] - OSError\n")
+    assert gpu_all.failing(output) == ["tests/a.py::test_b", "tests/c.py::test_d[1]"]

@@ -26,6 +26,7 @@ HETERO_STATES = "hetero's adam states on the gpu"
 PARAMS = "parameters read from host memory (dha)"
 GRADS = "gradients written to host memory"
 ACTIVATIONS = "activations evicted to host memory"
+TRANSIENT_GRAD = "a host gradient made on the gpu first (the largest, briefly)"
 
 
 def plain_of(plan: Plan) -> Plan:
@@ -57,9 +58,18 @@ def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result
     by_name = {x.name: x.params_bytes for x in profile.layers}
     out[PARAMS] = -sum(by_name.get(e.name, 0) for e in plan.layers if e.mode == "dha") if offloaded else 0
     out[GRADS] = -sum(by_name.get(e.name, 0) for e in plan.layers if e.grad == "host") if offloaded else 0
+    out[TRANSIENT_GRAD] = _transient_grad_bytes(profile, plan) if offloaded else 0
     fast_is_gpu = plan.activations is None or plan.activations.fast == GPU
     out[ACTIVATIONS] = result.act_peak_bytes - plain.act_peak_bytes if fast_is_gpu else 0
     return {what: b for what, b in out.items() if b}
+
+
+def _transient_grad_bytes(profile: Profile, plan: Plan) -> int:
+    """Backward writes a Linear layer's gradients into host memory itself (hetero.run.grad_offload); any other
+    layer's host gradient is made on the GPU and copied down, one parameter at a time."""
+    host = {e.name for e in plan.layers if e.grad == "host"}
+    return max((b for x in profile.layers if x.name in host and x.type != "Linear" for b in x.params.values()),
+               default=0)
 
 
 def anchored_iteration_s(profile: Profile, simulated_s: float, plain_simulated_s: float) -> float:

@@ -250,13 +250,26 @@ def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: froz
     out = []
     for rule in ("paper", "packed"):
         decisions = tiering.schedule(windows, evict, prefetch, ctx.options.stay_time_s, min_tensor, pinned, rule)
+        keyed = ctx.gpu is not None  # see _trigger
         schedule = [Eviction(layer=layers[d.layer].name, evict_bytes=d.evict_bytes, prefetch_at_s=_ns(d.prefetch_at_s),
-                             prefetch_after=None if d.prefetch_after is None else layers[d.prefetch_after].name,
-                             pinned=d.outcome == "pinned", why=d.why) for d in decisions]
+                             prefetch_after=layers[d.prefetch_after].name if d.prefetch_after is not None else
+                             _trigger(layers, d.prefetch_at_s) if keyed and d.outcome != "pinned" and d.evict_bytes
+                             else None, pinned=d.outcome == "pinned", why=d.why) for d in decisions]
         out.append(ActivationPlan(fast=ctx.fast, slow=ctx.slow, slow_path=_tier_path(ctx.profile, ctx.slow),
                                   stay_time_s=ctx.options.stay_time_s,
                                   min_tensor_bytes=min_tensor, schedule=schedule, why=rule))
     return out
+
+
+def _trigger(layers, at_s: float) -> str:
+    """On a GPU, the layer whose backward start (as profiled) comes last at or before `at_s`: the prefetch is keyed
+    to it instead of the clock. A GPU runs behind the thread that issues its work, and memory is allocated and freed
+    in the order the work is issued: a clock-timed prefetch would be issued as soon as that thread reached backward,
+    bringing every evicted tensor back at once, while one keyed to a layer's backward start is issued between the
+    backward layers the plan put it between."""
+    started = [x for x in layers if x.bp_start_s <= at_s]
+    first = min(layers, key=lambda x: x.bp_start_s)
+    return max(started, key=lambda x: x.bp_start_s, default=first).name
 
 
 def _tiering_saves_nothing(ctx: Context) -> str:
@@ -328,7 +341,8 @@ def _check_dram(ctx: Context, out: Plan) -> None:
 
 def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     """The plan's `predicted` section from its simulated iteration."""
-    peak = {tier.name: 0 for tier in profile.machine.tiers} | ({GPU: 0} if profile.machine.gpu else {})
+    # the GPU's own memory is `gpu` (what torch reserves), not its profile tier
+    peak = {t.name: 0 for t in profile.machine.tiers if t.kind != "hbm"} | ({GPU: 0} if profile.machine.gpu else {})
     for tier, used in result.peak_bytes.items():
         peak[tier] = peak.get(tier, 0) + used
     dram: dict[str, int] = {}

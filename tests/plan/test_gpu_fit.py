@@ -120,3 +120,12 @@ def test_the_runtimes_host_work_is_counted_where_the_profile_measured_it(profile
     layers = len(profile.layers)  # each layer's boundary hooks, at least; and every saved storage's trip
     assert after >= before + layers * 1e-4 - 1e-9
     assert plan(costly, PlanOptions()).predicted.iteration_s == STEP  # plain training runs none of it
+
+
+def test_on_a_gpu_every_prefetch_is_keyed_to_backward_progress_not_the_clock(profile):
+    """The thread issuing a GPU's work runs ahead of it: a clock would bring every evicted tensor back at once."""
+    tiered = plan(profile, PlanOptions(tier_activations=True))
+    moved = [e for e in tiered.activations.schedule if e.evict_bytes]
+    assert moved and all(e.prefetch_after is not None for e in moved)
+    starts = {x.name: x.bp_start_s for x in profile.layers}
+    assert all(starts[e.prefetch_after] <= max(e.prefetch_at_s, min(starts.values())) for e in moved)
