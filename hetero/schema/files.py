@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import os
@@ -159,8 +161,28 @@ def to_data(obj: Any) -> Any:
 
 
 def content_sha256(obj: Any) -> str:
-    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale."""
-    data = json.dumps(to_data(obj), sort_keys=True, separators=(",", ":"))
+    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, and
+    neither does a field a later hetero added, while it holds its default (the file says what it said before)."""
+    data = json.dumps(_said(obj), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(data.encode()).hexdigest()
+
+
+def _said(obj: Any) -> Any:
+    """`to_data(obj)` without the fields that hold their defaults."""
+    if is_schema(type(obj)):
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(obj)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        out = {}
+        for s in specs(type(obj)):
+            value = getattr(obj, s.name)
+            if not s.comment and not (s.name in defaults and value == defaults[s.name]):
+                out[s.name] = _said(value)
+        return out
+    if isinstance(obj, list):
+        return [_said(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _said(v) for k, v in obj.items()}
+    return obj
 
 

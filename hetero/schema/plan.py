@@ -22,12 +22,23 @@ SECTIONS = ("layers", "optimizer", "activations", "routing")
 
 
 @dataclass(kw_only=True, slots=True)
+class PlannedModel:
+    """One of several models the plan is for."""
+
+    name: str = doc("The script's name for it, as in the profile.")
+    fingerprint: str = doc("Its own fingerprint.")
+
+
+@dataclass(kw_only=True, slots=True)
 class Source:
     """The profile this plan was solved from; `hetero run` refuses the plan when either hash no longer matches."""
 
     profile: str = doc("Path of the profile, as given to `hetero plan`.")
     profile_sha256: str = doc("Hash of the profile's content (not its formatting).")
     model_fingerprint: str = doc("The profiled model's fingerprint (`model.fingerprint` of the profile).")
+    models: list[PlannedModel] = doc("The models, where the script trains several (`model.models` of the profile): "
+                                     "`hetero run` finds each by its fingerprint, and layer and parameter names "
+                                     "start with its name. Empty: one model.", default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,6 +9,9 @@ forced by hand so that hetero's mechanisms really run (the default plan on a mac
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -17,7 +20,18 @@ from hetero.cli.main import main
 from hetero.harness.script import run_script
 from hetero.profile.profiler import ProfileOptions, assemble, measure_script
 from hetero.schema import files
-from hetero.schema.plan import ActivationPlan, Budget, Eviction, OptimizerPlan, Plan, Predicted, Source, StatePlacement
+from hetero.schema.plan import (
+    ActivationPlan,
+    AllocatorPlan,
+    Budget,
+    Eviction,
+    OptimizerPlan,
+    Plan,
+    PlannedModel,
+    Predicted,
+    Source,
+    StatePlacement,
+)
 from hetero.schema.profile import Profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,9 +60,11 @@ def plan(profile_path: Path, *flags: str) -> Plan:
     return files.load(out, expect=Plan)
 
 
-def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool = True) -> Path:
+def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool = True,
+           budget_bytes: int | None = None) -> Path:
     """A plan made by hand, the way a user edits one: every optimizer state on `optimizer` (host, or the emulated
-    AXDIMM), and every layer's saved activations evicted to disk (the smallest tensors too)."""
+    AXDIMM), every layer's saved activations evicted to disk (the smallest tensors too), and with `budget_bytes` a
+    DRAM budget kept by returning freed memory from the start (and watched)."""
     prof = files.load(profile_path, expect=Profile)
     t = prof.training
     names = [n for layer in prof.layers for n in layer.param_names()]
@@ -65,11 +81,16 @@ def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool 
                           min_tensor_bytes=0, schedule=schedule) if tiering else None
     out = profile_path.parent / "forced.yaml"
     files.save(Plan(source=Source(profile=profile_path.name, profile_sha256=files.content_sha256(prof),
-                                  model_fingerprint=prof.model.fingerprint),
-                    budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None, reserve=1.0), layers=[],
+                                  model_fingerprint=prof.model.fingerprint,
+                                  models=[PlannedModel(name=m.name, fingerprint=m.fingerprint)
+                                          for m in prof.model.models]),
+                    budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=budget_bytes, reserve=1.0), layers=[],
                     optimizer=opt, activations=acts, routing=None, predicted=Predicted(iteration_s=0.0, peak_bytes={}),
                     omitted={"layers": "test", "routing": "test"} | ({} if opt else {"optimizer": "test"}) |
-                            ({} if acts else {"activations": "test"})), out)
+                            ({} if acts else {"activations": "test"}),
+                    allocator=AllocatorPlan(mmap_threshold_bytes=AllocatorPlan.RETURNING,
+                                            trim_threshold_bytes=AllocatorPlan.RETURNING) if budget_bytes else None),
+               out)
     return out
 
 
@@ -93,3 +114,18 @@ def assert_trains_as_plain(result: dict, reference: dict) -> None:
     assert result["state"].keys() == reference["state"].keys()
     for key, value in reference["state"].items():
         torch.testing.assert_close(result["state"][key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def torchrun(*argv: str, cwd: Path) -> None:
+    """`torchrun --standalone --nproc-per-node 2 ARGV` (python -m torch.distributed.run), which must succeed."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *argv], cwd=cwd, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def profile_ranks(name: str, workdir: Path) -> Path:
+    """`hetero profile --nproc-per-node 2` of the script, as its workers measure it, on the bundled machine."""
+    path = workdir / "profile.yaml"
+    torchrun(str(Path(__file__).parent / "ranks_profile.py"), str(path), script(name),
+             str(workdir / "profiled.pt"), STEPS, cwd=workdir)
+    return path

@@ -1,0 +1,55 @@
+"""An FSDP2 script (`fully_shard`, gloo, 2 ranks) through `hetero profile`, `hetero plan` and `hetero run
+--nproc-per-node 2`, against plain torchrun: what composes with sharding (activation tiering, a DRAM budget) runs,
+and the optimizer and the gradient reduction stay the script's (FSDP2's), with a why. About a minute: four torchrun
+jobs (plain, the profile, two plans)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from hetero.cli.main import main
+from hetero.schema import files
+from hetero.schema.profile import Profile
+from tests.scripts import harness
+from tests.scripts.harness import assert_trains_as_plain
+
+
+
+def _fully_shard() -> bool:
+    """torch.distributed.fsdp.fully_shard (FSDP2) is public from torch 2.6; torch 2.4 and 2.5 had it in
+    torch.distributed._composable.fsdp, which the script falls back to."""
+    if not torch.distributed.is_available() or importlib.util.find_spec("torch.distributed.fsdp") is None:
+        return False
+    return hasattr(importlib.import_module("torch.distributed.fsdp"), "fully_shard") or \
+        importlib.util.find_spec("torch.distributed._composable.fsdp") is not None
+
+
+pytestmark = pytest.mark.skipif(not _fully_shard(), reason="FSDP2 (fully_shard) needs torch 2.4 or later")
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_trains_as_plain_torchrun_under_its_default_plan_and_with_activations_tiered_under_a_budget(tmp_path,
+                                                                                                             capfd):
+    harness.torchrun(harness.script("fsdp2"), str(tmp_path / "plain.pt"), harness.STEPS, cwd=tmp_path)
+    reference = torch.load(tmp_path / "plain.pt")
+    profile = harness.profile_ranks("fsdp2", tmp_path)
+    prof = files.load(profile, expect=Profile)
+    assert prof.model.sharded and prof.training.optimizer == "other" and len(prof.machine.peers) == 1
+    assert [x.name for x in prof.layers] == ["0", "2", "4"] and all(x.fp_s > 0 for x in prof.layers)
+    assert sum(x.saved_bytes for x in prof.layers) > 0  # the unsharded weights FSDP2 saves are not counted
+    planned = harness.plan(profile)
+    assert planned.optimizer is None and "sharded" in planned.omitted["optimizer"]
+    assert planned.routing is None and "FSDP2" in planned.omitted["routing"]
+    code, result = harness.run("fsdp2", tmp_path / "plan.yaml", tmp_path / "default.pt", "--nproc-per-node", "2")
+    assert code == 0, capfd.readouterr().err
+    assert_trains_as_plain(result, reference)
+    forced = harness.forced(profile, optimizer=None, budget_bytes=prof.memory.dram_peak_bytes * 4)
+    code, result = harness.run("fsdp2", forced, tmp_path / "forced.pt", "--nproc-per-node", "2")
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert_trains_as_plain(result, reference)
+    assert "evictions to nvme0" in err  # rank 0's summary: the activations went through the disk
+    assert not list(tmp_path.glob("hetero-*"))
