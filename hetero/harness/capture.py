@@ -285,6 +285,7 @@ class OtherOptimizers:
     def __init__(self, optimizers: list[torch.optim.Optimizer], model: nn.Module, chosen: bool):
         self.optimizers, self.model, self.chosen = optimizers, model, chosen
         self.params = {id(p) for p in model.parameters()}
+        self.others_stepped = False  # with --model: another model's optimizer stepped
         self.handle = register_optimizer_step_pre_hook(self._step)
 
     def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -292,6 +293,7 @@ class OtherOptimizers:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if self.chosen and not any(id(p) in self.params for p in params):
+            self.others_stepped = True
             return
         self.close()
         count = sum(p.numel() for p in params)

@@ -111,6 +111,7 @@ class LayerProfiler:
         self.current: PassTokens | None = None  # the micro-batch whose forward is running
         self.last_forward: dict[int, PassTokens] = {}  # by root: the one whose backward runs next
         self.pending: list[PassTokens] = []  # forwards ended whose backward call has not returned
+        self.backward_calls = 0  # that returned while attached (0: not counted, a compiled model)
         self.stack: list[list] = []  # [layer, start token, child count] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
         # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
@@ -226,6 +227,7 @@ class LayerProfiler:
     def _backward_returned(self) -> None:
         """A backward call returned: it ended every micro-batch it reached whose end no gradient hook marked (FSDP2
         accumulates into unsharded parameters and hands the shards their gradients itself)."""
+        self.backward_calls += 1
         reached = [mb for mb in self.pending if mb.grad_ready or mb.first_unpack]
         self.pending = [mb for mb in self.pending if not (mb.grad_ready or mb.first_unpack)]
         if any(mb.backward_end is None for mb in reached):

@@ -122,8 +122,8 @@ def _in_backward_refused(ctx) -> str:
         return "the script updates its parameters itself, without a torch.optim optimizer"
     if training.optimizer == "other":
         return "the script's optimizer is not Adam(W)"
-    if len(training.optimizers) > 1:
-        return f"the script steps {len(training.optimizers)} optimizers"
+    if training.updates_wait:
+        return training.updates_wait
     if training.clips_grad:
         return "the script clips gradients, which needs them all"
     if training.grad_accumulation > 1:

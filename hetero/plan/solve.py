@@ -138,11 +138,9 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
         return None
     if pins.optimizer is not None:
         return pins.optimizer
-    several = len(training.optimizers) > 1  # a GAN's: their gradients accumulate across each other's steps
-    overlap, micro = not training.clips_grad and not several, training.grad_accumulation
+    overlap, micro = not training.clips_grad and not training.updates_wait, training.grad_accumulation
     overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if training.clips_grad
-                   else f"updates wait for the whole backward: the script steps {len(training.optimizers)} "
-                        "optimizers, whose models' gradients also accumulate in each other's backward" if several else
+                   else f"updates wait for the whole backward: {training.updates_wait}" if training.updates_wait else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
     if "states" in levers:

@@ -155,6 +155,7 @@ class _Session:
         self.options, self.progress = options, progress
         self.model: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []  # the models' optimizers, the first to step first
+        self.optimizer_names: list[str] = []
         self.profiler: LayerProfiler | None = None
         self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
         self.device = torch.device("cpu")
@@ -181,6 +182,7 @@ class _Session:
         if self.conservative is not None:
             self.conservative.bind(model)
         self.model, self.optimizers = model, optimizers
+        self.optimizer_names = names(optimizers, self.capture.script)  # now: the script's frames are alive
         self.device = next(model.parameters()).device
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" and len(roots(model)) == 1 else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
@@ -276,14 +278,24 @@ class _Session:
     def training(self, summary: Summary, clips_grad: bool) -> Training:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
+        backwards = self.profiler.backward_calls / steps or micro  # several models: forwards outnumber them
         step_s = sum(clock.seconds(s, e) for _, _, spans in self.step_marks for s, e in spans) / steps
         return Training(
-            optimizer=self._kind(), grad_accumulation=max(1, round(micro)),
+            optimizer=self._kind(), grad_accumulation=max(1, round(backwards)),
             clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
             optimizer_step_s=measured(step_s), overhead=round(self.profiler.hook_s / (iteration * steps), 4),
-            steps_from=self.steps_from, optimizers=self._optimizers())
+            steps_from=self.steps_from, updates_wait=self._updates_wait(), optimizers=self._optimizers())
+
+    def _updates_wait(self) -> str | None:
+        if len(self.optimizers) > 1:
+            return (f"the script steps {len(self.optimizers)} optimizers, and each model's gradients also "
+                    "accumulate in the backward of another's loss")
+        if self.others.others_stepped:
+            return ("another model's optimizer steps too, and the backward of its loss also reaches this model's "
+                    "gradients")
+        return None
 
     def _kind(self) -> str:
         """`none`; `other` where hetero's Adam cannot take every optimizer's place; else the first one's class."""
@@ -292,9 +304,8 @@ class _Session:
         return "other" if self.kept else _optimizer_kind(self.optimizers[0])
 
     def _optimizers(self) -> list[ScriptOptimizer]:
-        found = names(self.optimizers, self.capture.script)
         out = []
-        for opt, name in zip(self.optimizers, found):
+        for opt, name in zip(self.optimizers, self.optimizer_names):
             params = [p for g in opt.param_groups for p in g["params"]]
             part = next((x for x in roots(self.model) if any(p is q for q in x.parameters() for p in params[:1])),
                         self.model)

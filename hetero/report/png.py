@@ -75,7 +75,7 @@ def _pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise HeteroError("--png needs matplotlib, which is not installed",
-                          hint="pip install 'hetero[viz]' (or: pip install matplotlib)", exit_code=USAGE) from None
+                          hint="pip install matplotlib (or, in hetero's checkout: pip install -e '.[viz]')", exit_code=USAGE) from None
     return plt
 
 

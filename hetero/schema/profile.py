@@ -102,6 +102,9 @@ class Training:
                                 "`backward`, the end of a backward call (a script without a torch.optim optimizer: "
                                 "its own update is then part of the iteration, and `optimizer_step` is 0).",
                                 default="optimizer")
+    updates_wait: str | None = doc("Why the updates must wait for the whole backward, besides clipping (several "
+                                   "optimizers: each model's gradients also accumulate in another's backward); "
+                                   "null: nothing else makes them wait.", default=None)
     optimizers: list[ScriptOptimizer] = doc("Every optimizer of the model(s) the script steps, the first to step "
                                             "first. Empty: none, or a profile made before hetero listed them.",
                                             default_factory=list)

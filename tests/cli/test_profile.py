@@ -1,5 +1,7 @@
 """`hetero profile` end to end: the example script into a profile `hetero check` accepts."""
 
+import contextlib
+import io
 import json
 import os
 
@@ -25,8 +27,11 @@ SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--n-layer", "2", "--n-embd", 
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("p")
     nvme = out / "disk"
-    code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
-                 *SMALL_GPT])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
+                     *SMALL_GPT])
+    (out / "summary.txt").write_text(printed.getvalue())
     return code, out, nvme
 
 
@@ -52,6 +57,8 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert 100 * 2**20 < profile.memory.dram_peak_returned_bytes and profile.memory.returned_step_s > 0
     assert profile.memory.default_step_s > 0
     assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
+    summary = (out / "summary.txt").read_text()  # plain's peak: the number a user needs to choose --dram-budget
+    assert f"plain peak │ {SIZE.format_short(profile.memory.dram_peak_bytes)} resident" in " ".join(summary.split())
 
 
 def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path):

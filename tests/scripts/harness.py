@@ -43,9 +43,10 @@ def script(name: str) -> str:
     return str(PUBLIC / f"{name}.py")
 
 
-def profile(name: str, workdir: Path) -> Path:
+def profile(name: str, workdir: Path, model: str | None = None) -> Path:
     """`hetero profile` of the script (1 warm-up and 2 measured steps) on the bundled machine; the profile's path."""
-    run = measure_script(script(name), [str(workdir / "profiled.pt"), STEPS], ProfileOptions(steps=2, warmup=1))
+    run = measure_script(script(name), [str(workdir / "profiled.pt"), STEPS],
+                         ProfileOptions(steps=2, warmup=1, model_name=model))
     bundled = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile).machine
     tiers = [dataclasses.replace(t, path=str(workdir)) if t.path else t for t in bundled.tiers]
     path = workdir / "profile.yaml"
@@ -71,7 +72,8 @@ def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool 
     states = [StatePlacement(param=n, tier=optimizer, channel=i % 2 if optimizer == "axdimm" else None)
               for i, n in enumerate(names)]
     opt = OptimizerPlan(kind=t.optimizer, device=optimizer, backend="emulated" if optimizer == "axdimm" else None,
-                        channels=2 if optimizer == "axdimm" else None, overlap_backward=not t.clips_grad,
+                        channels=2 if optimizer == "axdimm" else None,
+                        overlap_backward=not t.clips_grad and not t.updates_wait,  # as hetero plan decides
                         micro_batches=t.grad_accumulation, states=states) if optimizer else None
     layers = [x for x in prof.layers if x.saved_bytes > 0]
     schedule = [Eviction(layer=x.name, evict_bytes=x.saved_bytes, prefetch_at_s=0.0,
