@@ -109,7 +109,8 @@ class LayerProfiler:
         self.param_storages = set(self.own_storages)
         self.micro_batches: list[PassTokens] = []
         self.current: PassTokens | None = None  # the micro-batch whose forward is running
-        self.last_forward: dict[int, PassTokens] = {}  # by root: the one whose backward runs next
+        self.last_forward: PassTokens | None = None  # the one whose forward ended last
+        self.last_of_root: dict[int, PassTokens] = {}  # by root: the one whose backward runs next
         self.pending: list[PassTokens] = []  # forwards ended whose backward call has not returned
         self.backward_calls = 0  # that returned while attached (0: not counted, a compiled model)
         self.stack: list[list] = []  # [layer, start token, child count] of layers running
@@ -159,7 +160,8 @@ class LayerProfiler:
         self.saved_hooks.__exit__(None, None, None)
         self.current.forward_end = self.clock.mark()
         self.pending.append(self.current)
-        self.last_forward[self.current.root], self.current = self.current, None
+        self.last_forward = self.last_of_root[self.current.root] = self.current
+        self.current = None
 
     def _layer_start(self, module, args) -> None:
         mb = self.current
@@ -220,7 +222,7 @@ class LayerProfiler:
         return hook
 
     def _grad_accumulated(self, param: nn.Parameter) -> None:
-        last = self.last_forward.get(self.root_of.get(id(param), 0))
+        last = self.last_of_root.get(self.root_of.get(id(param), 0))
         if last is not None:
             last.backward_end = self.clock.mark()
 

@@ -138,6 +138,33 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
         return None
     if pins.optimizer is not None:
         return pins.optimizer
+    ctx, theirs = _placeable(ctx)
+    out = _placed(ctx, pins, omitted, levers)
+    if not theirs:
+        return out
+    if out is None:
+        omitted["optimizer"] = f"{omitted['optimizer']}; {theirs}"
+        return None
+    return replace(out, why=f"{out.why}; {theirs}")
+
+
+def _placeable(ctx: Context) -> tuple[Context, str]:
+    """The context with only the parameters of models whose optimizers hetero's Adam can replace (several models:
+    each optimizer is placed, or left to the script), and why the others stay the script's ('' for none)."""
+    training = ctx.profile.training
+    kept = [o for o in training.optimizers if o.kept]
+    if not kept:
+        return ctx, ""
+    theirs = {o.model for o in kept}
+    params = [p for p in ctx.params if ctx.profile.layers[p.layer].model not in theirs]
+    why = "; ".join(f"{o.name} stays the script's ({o.kept})" if o.kept else
+                    f"{o.name} too (it updates {o.model}, whose states the plan does not place)"
+                    for o in training.optimizers if o.model in theirs)
+    return replace(ctx, params=params, update_order=axdimm.update_order(ctx.profile, params)), why
+
+
+def _placed(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
+    training = ctx.profile.training
     overlap, micro = not training.clips_grad and not training.updates_wait, training.grad_accumulation
     overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if training.clips_grad
                    else f"updates wait for the whole backward: {training.updates_wait}" if training.updates_wait else
@@ -183,8 +210,7 @@ def _scripts_own(training) -> str:
         return ("the script's optimizer is not Adam or AdamW of the model's parameters without amsgrad (what "
                 "hetero's Adam replaces): it stays as the script built it")
     whys = "; ".join(o.kept if len(training.optimizers) == 1 else f"{o.name}: {o.kept}" for o in kept)
-    every = "it stays" if len(training.optimizers) == 1 else "the plan places all of them or none, so every one stays"
-    return f"{whys}: {every} as the script built it"
+    return f"{whys}: {'it stays' if len(kept) == 1 else 'they stay'} as the script built it"
 
 
 def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:

@@ -298,10 +298,11 @@ class _Session:
         return None
 
     def _kind(self) -> str:
-        """`none`; `other` where hetero's Adam cannot take every optimizer's place; else the first one's class."""
+        """`none`; `other` where hetero's Adam can take no optimizer's place; else the first such one's class."""
         if not self.optimizers:
             return "none"
-        return "other" if self.kept else _optimizer_kind(self.optimizers[0])
+        placed = [opt for opt in self.optimizers if id(opt) not in self.kept]
+        return _optimizer_kind(placed[0]) if placed else "other"
 
     def _optimizers(self) -> list[ScriptOptimizer]:
         out = []

@@ -59,7 +59,7 @@ class Budget:
 class LayerPlan:
     """How one layer's parameters and gradients are placed on a GPU (MemFerry)."""
 
-    name: str = doc("Layer name from the profile.")
+    name: str = doc("Layer name from the profile (of several models: it starts with its model's name, `netD.0`).")
     mode: Mode = doc("`gfgb`: copied to the GPU before forward; `dha`: the GPU reads it from pinned host memory; "
                      "`dfgb`: forward from host memory, copied to the GPU before backward.")
     grad: GradPlace = doc("Where backward writes the layer's gradients: `gpu`, or `host` (pinned, GO-MemFerry).")
@@ -71,7 +71,8 @@ class LayerPlan:
 class StatePlacement:
     """Where one parameter's fp32 master copy, gradient and Adam states live."""
 
-    param: str = doc("Qualified parameter name, as in `model.named_parameters()`.")
+    param: str = doc("Qualified parameter name, as in `model.named_parameters()` (of several models: it starts with "
+                     "its model's name, `netD.0.weight`; an optimizer of models without any here stays the script's).")
     tier: StateTier = doc("Device holding the states.")
     channel: int | None = doc("AXDIMM channel; null unless `tier: axdimm`.", ge=0, le=MAX_CHANNELS - 1, default=None)
 
@@ -141,7 +142,7 @@ class OptimizerPlan:
 class Eviction:
     """TierTrain's decision for one layer's saved tensors (§5.3)."""
 
-    layer: str = doc("Layer name from the profile.")
+    layer: str = doc("Layer name from the profile (of several models: it starts with its model's name).")
     evict_bytes: int = doc("Saved bytes moved to the slow tier when the layer's forward ends (Eq. 6-7, 10).",
                            unit=SIZE)
     prefetch_at_s: float = doc("When to start bringing them back, from the iteration start (Eq. 8).", unit=TIME)

@@ -43,9 +43,9 @@ def script(name: str) -> str:
     return str(PUBLIC / f"{name}.py")
 
 
-def profile(name: str, workdir: Path, model: str | None = None) -> Path:
+def profile(name: str, workdir: Path, model: str | None = None, args: tuple[str, ...] = ()) -> Path:
     """`hetero profile` of the script (1 warm-up and 2 measured steps) on the bundled machine; the profile's path."""
-    run = measure_script(script(name), [str(workdir / "profiled.pt"), STEPS],
+    run = measure_script(script(name), [str(workdir / "profiled.pt"), STEPS, *args],
                          ProfileOptions(steps=2, warmup=1, model_name=model))
     bundled = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile).machine
     tiers = [dataclasses.replace(t, path=str(workdir)) if t.path else t for t in bundled.tiers]
@@ -96,15 +96,15 @@ def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool 
     return out
 
 
-def run(name: str, plan_path: Path, out: Path, *flags: str) -> tuple[int, dict | None]:
+def run(name: str, plan_path: Path, out: Path, *flags: str, args: tuple[str, ...] = ()) -> tuple[int, dict | None]:
     """`hetero run` of the script under the plan: its exit code and what it saved."""
-    code = main(["run", "--plan", str(plan_path), *flags, script(name), str(out), STEPS])
+    code = main(["run", "--plan", str(plan_path), *flags, script(name), str(out), STEPS, *args])
     return code, torch.load(out, weights_only=False) if out.is_file() else None
 
 
-def plain(name: str, out: Path) -> dict:
+def plain(name: str, out: Path, args: tuple[str, ...] = ()) -> dict:
     """The script under plain PyTorch, in this process, as `python script.py OUT STEPS` runs it."""
-    assert run_script(script(name), [str(out), STEPS]).exit_code == 0
+    assert run_script(script(name), [str(out), STEPS, *args]).exit_code == 0
     return torch.load(out, weights_only=False)
 
 

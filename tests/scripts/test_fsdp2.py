@@ -6,11 +6,12 @@ jobs (plain, the profile, two plans)."""
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import pytest
 import torch
 
-from hetero.cli.main import main
+from hetero.errors import UNSUPPORTED_SCRIPT
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from tests.scripts import harness
@@ -53,3 +54,29 @@ def test_fsdp2_trains_as_plain_torchrun_under_its_default_plan_and_with_activati
     assert_trains_as_plain(result, reference)
     assert "evictions to nvme0" in err  # rank 0's summary: the activations went through the disk
     assert not list(tmp_path.glob("hetero-*"))
+
+
+def test_a_plan_that_offloads_an_fsdp2_models_optimizer_is_refused_with_exit_5(tmp_path, monkeypatch, capfd):
+    """One rank, in this process: FSDP2 shards over a world of 1 all the same (its parameters are DTensors)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    profile = harness.profile("fsdp2", tmp_path)  # stops the script before it destroys its process group
+    torch.distributed.destroy_process_group()
+    prof = files.load(profile, expect=Profile)
+    assert prof.model.sharded and prof.training.optimizer == "other"
+    prof.training.optimizer = "adamw"  # a plan made by hand that offloads it anyway
+    files.save(prof, profile)
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    code, _ = harness.run("fsdp2", harness.forced(profile, tiering=False), tmp_path / "forced.pt")
+    err = capfd.readouterr().err
+    assert code == UNSUPPORTED_SCRIPT and "FSDP2 shards the model's parameters" in err and "Traceback" not in err
+    if torch.distributed.is_initialized():  # the refused run stopped the script before it destroyed its group
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

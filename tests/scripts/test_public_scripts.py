@@ -115,6 +115,25 @@ def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed
     assert not hosted.optimizer.overlap_backward and "steps 2 optimizers" in hosted.optimizer.why
 
 
+def test_a_gans_adam_with_amsgrad_stays_the_scripts_while_the_other_adams_states_are_placed(workdir, capfd):
+    amsgrad = ("amsgrad",)
+    profile = harness.profile("gan", workdir, args=amsgrad)
+    prof = files.load(profile, expect=Profile)
+    [d, g] = prof.training.optimizers
+    assert (d.name, d.kept, g.name) == ("optimizerD", None, "optimizerG") and "amsgrad" in g.kept
+    default = harness.plan(profile)
+    assert "optimizerG stays the script's (amsgrad" in default.omitted["optimizer"]
+    planned = harness.plan(profile, "--optimizer-device", "host")
+    assert {s.param.split(".")[0] for s in planned.optimizer.states} == {"netD"}
+    assert "optimizerG stays the script's (amsgrad" in planned.optimizer.why
+    reference = harness.plain("gan", workdir / "plain.pt", amsgrad)
+    code, result = harness.run("gan", workdir / "plan.yaml", workdir / "planned.pt", args=amsgrad)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert_trains_as_plain(result, reference)
+    assert "optimizer states: 35.5KiB on host" in err  # netD's 2,272 parameters only
+
+
 def test_model_option_profiles_one_of_a_gans_models_and_the_other_optimizer_stays_torchs(workdir, capfd):
     profile = harness.profile("gan", workdir, model="netD")
     prof = files.load(profile, expect=Profile)

@@ -2,7 +2,7 @@
 discriminator with batch norm, each with its own Adam (betas 0.5, 0.999), trained in DCGAN's order (D on real,
 D on detached fakes, step D; G through D, step G).
 
-    python gan.py OUT [STEPS]
+    python gan.py OUT [STEPS] [amsgrad]     (amsgrad: the generator's Adam with amsgrad=True)
 """
 
 import sys
@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 out, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
+amsgrad = sys.argv[3:] == ["amsgrad"]
 nz, ngf, ndf, batch = 8, 8, 8, 4
 torch.manual_seed(0)
 
@@ -34,7 +35,7 @@ netG.apply(weights_init)
 netD.apply(weights_init)
 criterion = nn.BCELoss()
 optimizerD = torch.optim.Adam(netD.parameters(), lr=2e-4, betas=(0.5, 0.999))
-optimizerG = torch.optim.Adam(netG.parameters(), lr=2e-4, betas=(0.5, 0.999))
+optimizerG = torch.optim.Adam(netG.parameters(), lr=2e-4, betas=(0.5, 0.999), amsgrad=amsgrad)
 losses = []
 for i in range(steps):
     real = torch.tanh(torch.randn(batch, 1, 8, 8))
