@@ -146,7 +146,8 @@ class LayerProfiler:
         if not torch.is_grad_enabled() or self.current is not None:
             return  # evaluation forwards are not training micro-batches; a model called inside another is a layer
         t = time.perf_counter()
-        self.current = PassTokens(start=self.clock.mark(), root=next(k for k, r in enumerate(self.roots) if r is module))
+        root = next(k for k, r in enumerate(self.roots) if r is module)
+        self.current = PassTokens(start=self.clock.mark(), root=root)
         self.micro_batches.append(self.current)
         self.stack, self.last_ended = [], -2
         if self.sharded:

@@ -13,8 +13,8 @@ Two ways, one per case:
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
   measured: the profile writes the measured one as an estimate (a lower bound) and says so.
 
-`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward SCRIPT [ARGS]` is the fresh process (started with
-`hetero run`'s modules loaded first); it writes `OUT` (JSON).
+`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward SCRIPT [ARGS]` is the fresh process
+(started with `hetero run`'s modules loaded first); it writes `OUT` (JSON).
 """
 
 from __future__ import annotations
