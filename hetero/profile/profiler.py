@@ -2,9 +2,9 @@
 
 Phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without a torch.optim
 optimizer: at the end of its first backward call, and its steps are counted from backward calls); run the warm-up
-steps untouched; attach
-the layer profiler for the measured steps; on a machine without a GPU, time the disk for a few more steps as the
-runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine; assemble the Profile.
+steps untouched; attach the layer profiler for the measured steps; on a machine without a GPU, time the disk for a
+few more steps as the runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine;
+assemble the Profile.
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ class _Session:
         # an optimizer of no model found now stepping ends the profile
         self.others = capture.OtherOptimizers(optimizers, model, chosen=self.options.model_name is not None)
         if not optimizers:  # steps are backward calls; this one was the first
-            self.handles.append(watch.backward_calls(self._backward_step))
-            self._backward_step()
+            self.handles.append(watch.backward_calls(self._step_ended))
+            self._step_ended()
 
     def _step_start(self, optimizer, args, kwargs) -> None:
         self._start = self.profiler.clock.mark()
@@ -211,9 +211,6 @@ class _Session:
         self.spans.append((self._start, self.profiler.clock.mark()))
         if optimizer is self.optimizers[0]:
             self._step_ended()
-
-    def _backward_step(self) -> None:
-        self._step_ended()
 
     def _step_ended(self) -> None:
         if self.tier_steps is not None:

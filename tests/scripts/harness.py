@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -118,16 +119,19 @@ def assert_trains_as_plain(result: dict, reference: dict) -> None:
         torch.testing.assert_close(result["state"][key], value, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def torchrun(*argv: str, cwd: Path) -> None:
-    """`torchrun --standalone --nproc-per-node 2 ARGV` (python -m torch.distributed.run), which must succeed."""
+def ranks(name: str, *jobs: str, cwd: Path) -> str:
+    """`jobs` (tests/scripts/ranks.py) one after the other in one torchrun job of 2 ranks; its stderr. Each job gets
+    a free port for its process group."""
+    ports = []
+    sockets = [socket.socket() for _ in jobs]
+    for s in sockets:  # held together, so that no two jobs get one port
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *argv], cwd=cwd, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
+                           str(Path(__file__).parent / "ranks.py"), script(name), STEPS,
+                           *(f"{job}={port}" for job, port in zip(jobs, ports))],
+                          cwd=cwd, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-def profile_ranks(name: str, workdir: Path) -> Path:
-    """`hetero profile --nproc-per-node 2` of the script, as its workers measure it, on the bundled machine."""
-    path = workdir / "profile.yaml"
-    torchrun(str(Path(__file__).parent / "ranks_profile.py"), str(path), script(name),
-             str(workdir / "profiled.pt"), STEPS, cwd=workdir)
-    return path
+    return done.stderr

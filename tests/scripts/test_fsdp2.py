@@ -1,7 +1,7 @@
 """An FSDP2 script (`fully_shard`, gloo, 2 ranks) through `hetero profile`, `hetero plan` and `hetero run
---nproc-per-node 2`, against plain torchrun: what composes with sharding (activation tiering, a DRAM budget) runs,
-and the optimizer and the gradient reduction stay the script's (FSDP2's), with a why. About a minute: four torchrun
-jobs (plain, the profile, two plans)."""
+--nproc-per-node 2` (as their torchrun workers run it: tests/scripts/ranks.py), against plain torchrun: what composes
+with sharding (activation tiering, a DRAM budget) runs, and the optimizer and the gradient reduction stay the
+script's (FSDP2's), with a why. Two torchrun jobs, about 30 s on a quiet machine."""
 
 from __future__ import annotations
 
@@ -32,11 +32,9 @@ pytestmark = pytest.mark.skipif(not _fully_shard(), reason="FSDP2 (fully_shard) 
 
 
 @pytest.mark.timeout(240)
-def test_fsdp2_trains_as_plain_torchrun_under_its_default_plan_and_with_activations_tiered_under_a_budget(tmp_path,
-                                                                                                             capfd):
-    harness.torchrun(harness.script("fsdp2"), str(tmp_path / "plain.pt"), harness.STEPS, cwd=tmp_path)
-    reference = torch.load(tmp_path / "plain.pt")
-    profile = harness.profile_ranks("fsdp2", tmp_path)
+def test_fsdp2_trains_as_plain_torchrun_under_its_default_plan_and_with_activations_tiered_under_a_budget(tmp_path):
+    profile, plain = tmp_path / "profile.yaml", tmp_path / "plain.pt"
+    harness.ranks("fsdp2", f"plain={plain}", f"profile={profile}", cwd=tmp_path)
     prof = files.load(profile, expect=Profile)
     assert prof.model.sharded and prof.training.optimizer == "other" and len(prof.machine.peers) == 1
     assert [x.name for x in prof.layers] == ["0", "2", "4"] and all(x.fp_s > 0 for x in prof.layers)
@@ -44,14 +42,12 @@ def test_fsdp2_trains_as_plain_torchrun_under_its_default_plan_and_with_activati
     planned = harness.plan(profile)
     assert planned.optimizer is None and "sharded" in planned.omitted["optimizer"]
     assert planned.routing is None and "FSDP2" in planned.omitted["routing"]
-    code, result = harness.run("fsdp2", tmp_path / "plan.yaml", tmp_path / "default.pt", "--nproc-per-node", "2")
-    assert code == 0, capfd.readouterr().err
-    assert_trains_as_plain(result, reference)
     forced = harness.forced(profile, optimizer=None, budget_bytes=prof.memory.dram_peak_bytes * 4)
-    code, result = harness.run("fsdp2", forced, tmp_path / "forced.pt", "--nproc-per-node", "2")
-    err = capfd.readouterr().err
-    assert code == 0, err
-    assert_trains_as_plain(result, reference)
+    err = harness.ranks("fsdp2", f"run={tmp_path / 'plan.yaml'}={tmp_path / 'default.pt'}",
+                        f"run={forced}={tmp_path / 'forced.pt'}", cwd=tmp_path)
+    reference = torch.load(plain)
+    for out in ("default.pt", "forced.pt"):
+        assert_trains_as_plain(torch.load(tmp_path / out), reference)
     assert "evictions to nvme0" in err  # rank 0's summary: the activations went through the disk
     assert not list(tmp_path.glob("hetero-*"))
 
