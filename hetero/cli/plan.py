@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from hetero import __version__
-from hetero.cli.usage import quantity
+from hetero.cli.usage import console, quantity
 from hetero.errors import USAGE, HeteroError
 from hetero.plan.solve import PlanOptions
 from hetero.plan.solve import plan as solve
@@ -135,7 +133,7 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
             out.update_in_backward):
         table.add_row("plan", "plain training: nothing hetero can do here saves memory or time (`hetero run` "
                               "runs the script as it is)")
-    (Console() if sys.stdout.isatty() else Console(width=160)).print(table)
+    console(widest=120).print(table)
 
 
 def _reduction(a: ActivationPrediction | None) -> str:

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hetero.cli.run import MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC, RDZV, torchrun
+from hetero.cli.usage import console
 from hetero.launch import launcher as launch
 from hetero.schema import files
 from hetero.schema.profile import Profile
@@ -74,9 +75,9 @@ def profile(
 @contextlib.contextmanager
 def _progress():
     """A progress bar per phase on stderr; silent when stderr is not a terminal."""
-    console = Console(stderr=True)
+    err = Console(stderr=True)
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not console.is_terminal, transient=True) as bar:
+                  console=err, disable=not err.is_terminal, transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def report(phase: str, done: int, total: int) -> None:
@@ -99,7 +100,9 @@ def _summary(profile, output: Path) -> None:
                           f"{TIME.format_short(t.optimizer_step_s)})")
     table.add_row("saved activations", "not measured: " + untimed if untimed else
                   SIZE.format_short(sum(layer.saved_bytes for layer in profile.layers)))
-    table.add_row("training", f"{t.optimizer}, {t.grad_accumulation} micro-batch(es) per step, "
+    optimizers = ", ".join(f"{o.name} ({o.kind}, {o.model})" for o in t.optimizers) if len(t.optimizers) > 1 \
+        else "no torch.optim optimizer (steps counted from backward calls)" if t.optimizer == "none" else t.optimizer
+    table.add_row("training", f"{optimizers}, {t.grad_accumulation} backward pass(es) per step, "
                               f"clips gradients: {'yes' if t.clips_grad else 'no'}")
     table.add_row("tiers", ", ".join(f"{tier.name} ({tier.kind}, {SIZE.format_short(tier.capacity_bytes)})"
                                      for tier in profile.machine.tiers))
@@ -109,8 +112,21 @@ def _summary(profile, output: Path) -> None:
                                for p in tier.write_beside_compute)
             table.add_row(f"{tier.name} beside compute", f"writes {writes}; its workers slow training "
                                                          f"{_interference(tier.write_cpu)}")
+    if profile.memory is not None:
+        table.add_row("plain peak", _plain_peak(profile.memory))
     table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
-    Console().print(table)
+    console(widest=100).print(table)
+
+
+def _plain_peak(memory) -> str:
+    """The whole process's peak under plain training: where a `--dram-budget` starts to mean something."""
+    peak = SIZE.format_short(memory.dram_peak_bytes)
+    if memory.dram_peak_estimated:
+        return f"{peak} estimated, not measured ({memory.profiled_under})"
+    returned = "" if memory.dram_peak_returned_bytes is None else \
+        f", {SIZE.format_short(memory.dram_peak_returned_bytes)} with freed memory returned"
+    return (f"{peak} resident (the process's high-water mark){returned}: a --dram-budget above it keeps plain "
+            "training, one below it has hetero make room")
 
 
 def _interference(share: float) -> str:

@@ -67,6 +67,24 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def storages(params) -> set[int]:
+    """Addresses of the storages these parameters own in this process. A sharded parameter (FSDP2's DTensor) owns
+    none here: during its module's forward FSDP2 puts an unsharded parameter in its place, which does, so a hook that
+    must know parameters' storages then reads them again at each layer's forward start (`sharded`)."""
+    out = set()
+    for p in params:
+        try:
+            out.add(p.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+            pass
+    return out
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether some parameter of `model` is a tensor subclass sharded across ranks (FSDP2's `fully_shard`)."""
+    return any(type(p) not in (nn.Parameter, torch.Tensor) and not storages([p]) for p in model.parameters())
+
+
 def tensors(output: Any) -> list[torch.Tensor]:
     """Every tensor in a module's output (nested tuples, lists and dicts)."""
     if isinstance(output, torch.Tensor):

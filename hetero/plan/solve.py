@@ -27,6 +27,7 @@ from hetero.schema.plan import (
     NvmeOverflow,
     OptimizerPlan,
     Plan,
+    PlannedModel,
     Predicted,
     RoutingPlan,
     Source,
@@ -69,7 +70,9 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str]) -> Plan:
     route = _routing(ctx, pins, omitted)
     budget = ctx.dram_bytes if ctx.budget_source is not None else None
     draft = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
-                               model_fingerprint=ctx.profile.model.fingerprint),
+                               model_fingerprint=ctx.profile.model.fingerprint,
+                               models=[PlannedModel(name=m.name, fingerprint=m.fingerprint)
+                                       for m in ctx.profile.model.models]),
                  budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
                                reserve=ctx.options.reserve),
                  layers=[], optimizer=optimizer, activations=None, routing=route, predicted=UNPREDICTED,
@@ -139,14 +142,41 @@ def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:
 
 def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
     training = ctx.profile.training
-    if training.optimizer == "other":
-        omitted["optimizer"] = ("the script's optimizer is not Adam or AdamW of the model's parameters without "
-                                "amsgrad (what hetero's Adam replaces): it stays as the script built it")
+    if training.optimizer in ("other", "none"):
+        omitted["optimizer"] = _scripts_own(training)
         return None
     if pins.optimizer is not None:
         return pins.optimizer
-    overlap, micro = not training.clips_grad, training.grad_accumulation
-    overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if not overlap else
+    ctx, theirs = _placeable(ctx)
+    out = _placed(ctx, pins, omitted, levers)
+    if not theirs:
+        return out
+    if out is None:
+        omitted["optimizer"] = f"{omitted['optimizer']}; {theirs}"
+        return None
+    return replace(out, why=f"{out.why}; {theirs}")
+
+
+def _placeable(ctx: Context) -> tuple[Context, str]:
+    """The context with only the parameters of models whose optimizers hetero's Adam can replace (several models:
+    each optimizer is placed, or left to the script), and why the others stay the script's ('' for none)."""
+    training = ctx.profile.training
+    kept = [o for o in training.optimizers if o.kept]
+    if not kept:
+        return ctx, ""
+    theirs = {o.model for o in kept}
+    params = [p for p in ctx.params if ctx.profile.layers[p.layer].model not in theirs]
+    why = "; ".join(f"{o.name} stays the script's ({o.kept})" if o.kept else
+                    f"{o.name} too (it updates {o.model}, whose states the plan does not place)"
+                    for o in training.optimizers if o.model in theirs)
+    return replace(ctx, params=params, update_order=axdimm.update_order(ctx.profile, params)), why
+
+
+def _placed(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
+    training = ctx.profile.training
+    overlap, micro = not training.clips_grad and not training.updates_wait, training.grad_accumulation
+    overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if training.clips_grad
+                   else f"updates wait for the whole backward: {training.updates_wait}" if training.updates_wait else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
     if "states" in levers:
@@ -179,6 +209,19 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
                                 f"{SIZE.format_short(added)} more there than plain training, for tests and "
                                 "demonstrations")
     return out
+
+
+def _scripts_own(training) -> str:
+    """Why the plan leaves the script's optimizer(s) as they are."""
+    if training.optimizer == "none":
+        return ("the script updates its parameters itself, without a torch.optim optimizer: there is no optimizer "
+                "for hetero's Adam to replace")
+    kept = [o for o in training.optimizers if o.kept]
+    if not kept:
+        return ("the script's optimizer is not Adam or AdamW of the model's parameters without amsgrad (what "
+                "hetero's Adam replaces): it stays as the script built it")
+    whys = "; ".join(o.kept if len(training.optimizers) == 1 else f"{o.name}: {o.kept}" for o in kept)
+    return f"{whys}: {'it stays' if len(kept) == 1 else 'they stay'} as the script built it"
 
 
 def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:
@@ -317,6 +360,10 @@ def _ns(seconds: float) -> float:
 def _routing(ctx: Context, pins: Pins, omitted: dict[str, str]) -> RoutingPlan | None:
     if not ctx.links:
         omitted["routing"] = ONE_PROCESS
+        return None
+    if ctx.profile.model.sharded:
+        omitted["routing"] = ("FSDP2 reduce-scatters the gradients of the sharded parameters itself: there is no "
+                              "DDP all-reduce to route")
         return None
     if pins.routing is not None:
         return pins.routing

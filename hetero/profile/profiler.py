@@ -1,8 +1,10 @@
 """`hetero profile`: run the user's script for warm-up plus measured steps, then measure the machine.
 
-Phases: capture the model and optimizer at the first `optimizer.step()`; run the warm-up steps untouched; attach
-the layer profiler for the measured steps; on a machine without a GPU, time the disk for a few more steps as the
-runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine; assemble the Profile.
+Phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without a torch.optim
+optimizer: at the end of its first backward call, and its steps are counted from backward calls); run the warm-up
+steps untouched; attach the layer profiler for the measured steps; on a machine without a GPU, time the disk for a
+few more steps as the runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine;
+assemble the Profile.
 """
 
 from __future__ import annotations
@@ -22,17 +24,18 @@ import torch
 from torch import nn
 
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.harness import capture
+from hetero.harness import capture, watch
 from hetero.harness.capture import Capture, fingerprint
 from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
-from hetero.harness.layers import select_layers
+from hetero.harness.layers import select_layers, sharded
+from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, returned, tier_steps
 from hetero.profile.conservative import Conservative
 from hetero.run import process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
-from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, Training
+from hetero.schema.profile import Layer, Machine, Memory, ModelInfo, Profile, ScriptOptimizer, TrainedModel, Training
 from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -132,14 +135,14 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         disk_beside = session.close()
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
         if result.exit_code == 0 and session.model is None:
-            raise capture.no_optimizer()
+            raise capture.no_training()
         raise _ended_early(result.exit_code, session.steps_done, options.warmup_on(session.device), options.steps)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
         session.progress("malloc's settings", 0, 1)
-        found = returned.measure(script, args, options.warmup_on(session.device))
+        found = returned.measure(script, args, options.warmup_on(session.device), session.steps_from)
         session.progress("malloc's settings", 1, 1)
         if found is not None:
             session.memory.dram_peak_returned_bytes = found.peak_bytes
@@ -147,7 +150,8 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
             session.memory.default_step_s = measured(found.default_step_s)
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
-    return ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
+    layers = [replace(x, model=part_of(session.model, x.name)) for x in layers]
+    return ScriptMeasurement(model=_model_info(session.model, session.optimizers, script),
                              training=session.training(summary, clips_grad=clips["calls"] > 0),
                              layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
                              compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
@@ -155,12 +159,13 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
 
 
 class _Session:
-    """The hooks that follow the script's optimizer steps and switch the layer profiler on and off."""
+    """The hooks that follow the script's steps and switch the layer profiler on and off."""
 
     def __init__(self, options: ProfileOptions, progress: Progress):
         self.options, self.progress = options, progress
         self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []  # the models' optimizers, the first to step first
+        self.optimizer_names: list[str] = []
         self.profiler: LayerProfiler | None = None
         self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
         self.device = torch.device("cpu")
@@ -173,36 +178,54 @@ class _Session:
         self.others: capture.OtherOptimizers | None = None
         self.capture: Capture | None = None
         self.compiled = False  # the script calls the model through torch.compile
-        self.kept: str | None = None  # why hetero's Adam cannot take the optimizer's place (it stays the script's)
-        self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
+        self.kept: dict[int, str] = {}  # optimizer id -> why hetero's Adam cannot take its place
+        self.step_marks: list[tuple] = []  # (end, previous step's end, [(start, end) of each optimizer step])
+        self.spans: list[tuple] = []  # this step's optimizer steps so far
+        self.handles: list = []
         self.warm_ends: list = []  # clock tokens at the end of each warm-up step (no profiler hooks then)
         self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
         self._start = self._previous_end = None
 
-    def found(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    @property
+    def steps_from(self) -> str:
+        return "optimizer" if self.optimizers or self.model is None else "backward"
+
+    def found(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.conservative is not None:
             self.conservative.bind(model)
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizers = model, optimizers
+        self.optimizer_names = names(optimizers, self.capture.script)  # now: the script's frames are alive
         self.device = next(model.parameters()).device
         self.warmup = self.options.warmup_on(self.device)
-        self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
+        self.replay = dha.RootInputs(model) if self.device.type == "cuda" and len(roots(model)) == 1 else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.compiled = capture.compiled(model, self.capture.roots)
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
                                       compiled=self.compiled)
-        if self.compiled:
+        if self.compiled and peers.rank() == 0:
             print(f"hetero: note: {COMPILED}; the plan leaves activations in place", file=sys.stderr)
-        optimizer.register_step_pre_hook(self._step_start)
-        optimizer.register_step_post_hook(self._step_end)
-        self.kept = capture.offloadable(optimizer, model)
-        if self.kept is not None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            print(f"hetero: note: {self.kept}: the plan leaves the optimizer to the script", file=sys.stderr)
-        self.others = capture.OtherOptimizers(optimizer, model)  # a second optimizer stepping ends the profile
+        for opt in optimizers:
+            self.handles += [opt.register_step_pre_hook(self._step_start), opt.register_step_post_hook(self._step_end)]
+            kept = capture.offloadable(opt, model)
+            if kept is not None:
+                self.kept[id(opt)] = kept
+                if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and peers.rank() == 0:
+                    print(f"hetero: note: {kept}: the plan leaves the optimizer to the script", file=sys.stderr)
+        # an optimizer of no model found now stepping ends the profile
+        self.others = capture.OtherOptimizers(optimizers, model, chosen=self.options.model_name is not None)
+        if not optimizers:  # steps are backward calls; this one was the first
+            self.handles.append(watch.backward_calls(self._step_ended))
+            self._step_ended()
 
     def _step_start(self, optimizer, args, kwargs) -> None:
         self._start = self.profiler.clock.mark()
 
     def _step_end(self, optimizer, args, kwargs) -> None:
+        self.spans.append((self._start, self.profiler.clock.mark()))
+        if optimizer is self.optimizers[0]:
+            self._step_ended()
+
+    def _step_ended(self) -> None:
         if self.tier_steps is not None:
             done = self.tier_steps.step_ended()
             self.progress("disk beside training", self.tier_steps.steps, tier_steps.STEPS)
@@ -215,8 +238,8 @@ class _Session:
         if self.steps_done <= warmup:
             self.warm_ends.append(end)
         else:
-            self.step_marks.append((self._start, end, self._previous_end))
-        self._previous_end = end
+            self.step_marks.append((end, self._previous_end, self.spans))
+        self._previous_end, self.spans = end, []
         self.progress("warm-up steps" if self.steps_done <= warmup else "measured steps",
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
@@ -249,6 +272,9 @@ class _Session:
             self.budgeted.close()
         if self.others is not None:
             self.others.close()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
         if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind
             self.profiler.detach()
         if self.tier_steps is None:
@@ -259,21 +285,47 @@ class _Session:
     def _iteration_s(self) -> float:
         """The measured steps' mean, from one step's end to the next one's."""
         clock = self.profiler.clock
-        return sum(clock.seconds(prev, end) for _, end, prev in self.step_marks) / len(self.step_marks)
+        return sum(clock.seconds(prev, end) for end, prev, _ in self.step_marks) / len(self.step_marks)
 
     def training(self, summary: Summary, clips_grad: bool) -> Training:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
+        backwards = self.profiler.backward_calls / steps or micro  # several models: forwards outnumber them
+        step_s = sum(clock.seconds(s, e) for _, _, spans in self.step_marks for s, e in spans) / steps
         return Training(
-            optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other",
-            grad_accumulation=max(1, round(micro)),
+            optimizer=self._kind(), grad_accumulation=max(1, round(backwards)),
             clips_grad=clips_grad, warmup_steps=self.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
-            optimizer_step_s=measured(sum(clock.seconds(s, e) for s, e, _ in self.step_marks) / steps),
-            overhead=round(self.profiler.hook_s / (iteration * steps), 4),
-            plain_iteration_s=self._plain_iteration_s(),
-        )
+            optimizer_step_s=measured(step_s), overhead=round(self.profiler.hook_s / (iteration * steps), 4),
+            steps_from=self.steps_from, updates_wait=self._updates_wait(), optimizers=self._optimizers(),
+            plain_iteration_s=self._plain_iteration_s())
+
+    def _updates_wait(self) -> str | None:
+        if len(self.optimizers) > 1:
+            return (f"the script steps {len(self.optimizers)} optimizers, and each model's gradients also "
+                    "accumulate in the backward of another's loss")
+        if self.others.others_stepped:
+            return ("another model's optimizer steps too, and the backward of its loss also reaches this model's "
+                    "gradients")
+        return None
+
+    def _kind(self) -> str:
+        """`none`; `other` where hetero's Adam can take no optimizer's place; else the first such one's class."""
+        if not self.optimizers:
+            return "none"
+        placed = [opt for opt in self.optimizers if id(opt) not in self.kept]
+        return _optimizer_kind(placed[0]) if placed else "other"
+
+    def _optimizers(self) -> list[ScriptOptimizer]:
+        out = []
+        for opt, name in zip(self.optimizers, self.optimizer_names):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            part = next((x for x in roots(self.model) if any(p is q for q in x.parameters() for p in params[:1])),
+                        self.model)
+            out.append(ScriptOptimizer(name=name, kind=_optimizer_kind(opt), model=part_name(self.model, part),
+                                       num_params=sum(p.numel() for p in params), kept=self.kept.get(id(opt))))
+        return out
 
     def _plain_iteration_s(self) -> float | None:
         """On a GPU, the median of the warm-up steps after the first, end to end, without the profiler's hooks:
@@ -308,11 +360,16 @@ def _plain_step(training: Training, tensors: int, params: int, measured_machine:
                    iteration_s=measured(max(step, training.iteration_s - training.optimizer_step_s + step)))
 
 
-def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:
-    owned = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+def _model_info(model: nn.Module, optimizers: list[torch.optim.Optimizer], script: str) -> ModelInfo:
+    owned = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]} if optimizers \
+        else {id(p): p for p in model.parameters() if p.requires_grad}  # updated by hand: what gets gradients
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
+    parts = [TrainedModel(name=name, type=type(part).__name__, fingerprint=fingerprint(part),
+                          num_params=sum(p.numel() for p in part.parameters()))
+             for name, part in model.named_children()] if len(roots(model)) > 1 else []
     return ModelInfo(fingerprint=fingerprint(model), script=script,
-                     num_params=sum(p.numel() for p in owned.values()), dtype=dtypes.most_common(1)[0][0])
+                     num_params=sum(p.numel() for p in owned.values()), dtype=dtypes.most_common(1)[0][0],
+                     models=parts, sharded=sharded(model))
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:

@@ -97,6 +97,24 @@ def _layers(run: Run, result: Result, profile: Profile, iteration_s: float) -> l
     return rows
 
 
+def folded(rows: list[Row]) -> tuple[list[Row], int]:
+    """The rows to print: the layer times too short to compare one by one (under `NEGLIGIBLE` of the iteration, where
+    a few microseconds of timer and hook noise are tens of percent) summed into one row per phase, checked like any
+    other where the sum is long enough; and how many were summed."""
+    small = [r for r in rows if not r.checked and r.entry[:3] in ("fp ", "bp ")]
+    out = [r for r in rows if r not in small]
+    for what, phase in (("fp", "forward"), ("bp", "backward")):
+        mine = [r for r in small if r.entry.startswith(f"{what} ")]
+        if not mine:
+            continue
+        predicted = sum(r.predicted or 0.0 for r in mine)
+        measured = sum(r.measured or 0.0 for r in mine)
+        big = max(predicted, measured) >= NEGLIGIBLE * next((r.predicted for r in rows if r.entry == "iteration"), 0.0)
+        out.append(Row(f"{what} of {len(mine)} short layers, summed ({phase})", predicted, measured, TIME,
+                       checked=big))
+    return out, len(small)
+
+
 def warnings(rows: list[Row]) -> list[str]:
     return [f"{r.entry}: measured {r.unit.format_short(r.measured)}, predicted {r.unit.format_short(r.predicted)} "
             f"({r.error:+.0%})" for r in rows if r.off]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
+from hetero.harness.layers import sharded
 from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.ddp_sync import DdpSync
@@ -66,31 +67,34 @@ class Offloaded:
         self._homes: Homes | None = None
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
+        self._unplaceable: str | None = None  # why hetero's Adam cannot take its place (amsgrad, bad constants)
         for group in self.param_groups:
-            try:  # amsgrad and bad constants fail here, not mid-training
+            try:
                 Hyperparameters.from_param_group(group)
             except HeteroError as e:
-                if not self.strict:
-                    self._own = True
-                    continue
-                raise HeteroError(f"{e.message}, but the plan offloads the script's {type(self).__name__}",
-                                  hint="plan again from a profile of this script: hetero plan leaves such an "
-                                       "optimizer to the script", exit_code=UNSUPPORTED_SCRIPT) from None
+                self._own = not self.strict
+                self._unplaceable = e.message
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and (self.overlap or self.keep_grads):
                     p.register_post_accumulate_grad_hook(self._grad_final)
 
     def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
-        """Give the states their homes; called by the runtime once it knows the model. An optimizer none of whose
-        parameters belong to the model (a second model's, e.g. a GAN's other half) stays torch's own; one that
-        mixes the model's parameters with others cannot be placed by the plan and is refused."""
+        """Give the states their homes; called by the runtime once it knows the model. `names`: the parameters whose
+        states the plan places. An optimizer none of whose parameters are among them (a model the plan leaves to
+        the script, e.g. a GAN's other half) stays torch's own; one that mixes them with others cannot be placed
+        and is refused, as is one hetero's Adam cannot take the place of (amsgrad)."""
         if self._homes is not None or self._own:
             return
         order = [p for group in self.param_groups for p in group["params"]]
         if not updates_the_model(self, order, names):
             self._own = True
             return
+        if self._unplaceable is not None:
+            raise StopScript(HeteroError(
+                f"{self._unplaceable}, but the plan offloads the script's {type(self).__name__}",
+                hint="plan again from a profile of this script: hetero plan leaves such an optimizer to the script",
+                exit_code=UNSUPPORTED_SCRIPT))
         self._homes = self.homes_for()
         self._params = self._homes.build([(names[p], p) for p in order])
         self._group_of = {p: group for group in self.param_groups for p in group["params"]}
@@ -356,7 +360,13 @@ class OptimizerOffload:
             opt.bucket_synced(params, grads)
 
     def bind(self, model: torch.nn.Module) -> None:
-        self.names = {p: name for name, p in model.named_parameters()}
+        placed = {s.param for s in self.plan.states}  # several models: some optimizers may stay the script's
+        if placed and sharded(model):
+            raise HeteroError("the plan offloads the script's optimizer, but FSDP2 shards the model's parameters "
+                              "across ranks (hetero's Adam places whole parameters)", exit_code=UNSUPPORTED_SCRIPT,
+                              hint="plan again from a profile of this script: hetero plan leaves an FSDP2 model's "
+                                   "optimizer to the script")
+        self.names = {p: name for name, p in model.named_parameters() if name in placed}
         for opt in self.optimizers:
             opt.bind(self.names)
 

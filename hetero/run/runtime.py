@@ -77,7 +77,8 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
 class Runtime:
     def __init__(self, plan: Plan, *, script: str, allow_stale: bool = False, record: Outputs | None = None):
         self.plan, self.allow_stale = plan, allow_stale
-        self.capture = Capture(self._found, script, fingerprint=plan.source.model_fingerprint)
+        self.capture = Capture(self._found, script, fingerprint=plan.source.model_fingerprint,
+                               parts=[(m.name, m.fingerprint) for m in plan.source.models])
         self.mechanisms = mechanisms(plan)
         if record is not None:  # last: it reads the others' bytes
             self.mechanisms.append(Recorder(plan, record, list(self.mechanisms)))

@@ -37,7 +37,8 @@ from torch import nn
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness import hooks
 from hetero.harness.capture import calling
-from hetero.harness.layers import LayerSpec, before_backward, layers_named
+from hetero.harness.layers import LayerSpec, before_backward, layers_named, sharded, storages
+from hetero.harness.models import roots
 from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
 from hetero.kernels import dha
@@ -115,10 +116,12 @@ class ActivationTiering:
         self.handles: list = []
         self.names: dict[int, str] = {}
         self.current: TieredPass | None = None  # the micro-batch whose forward is running
+        self.root: nn.Module | None = None  # the module whose call it is (one of several models')
         self.last: TieredPass | None = None  # the last one whose forward ended
         self.stack: list[str] = []
         self.last_ended: str | None = None
         self.param_storages: set[int] = set()
+        self.sharded = False  # FSDP2: the parameters' storages are read again at each layer's start
         self.unpacked = None  # the recorder's callback: a layer's saved tensor was read back (its backward start)
 
     # -- phases ------------------------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ class ActivationTiering:
 
     def bind(self, model: nn.Module) -> None:
         layers = self._layers(model)
-        self.model = model
+        self.model, self.sharded = model, sharded(model)
         tier, self.note = open_tier(self.plan, _gpu(self.plan, model))
         self.mover, self.device = Mover(tier, self.ledger), tier.device
         for spec in layers:
@@ -136,14 +139,16 @@ class ActivationTiering:
             self.handles += [hooks.forward_pre(spec.module, self._layer_start),
                              hooks.forward(spec.module, self._layer_end, always_call=True)]
         # The model's hooks go around the layers' (the root may be a layer itself): its pre-hook first, its
-        # post-hook last.
-        self.handles += [hooks.forward_pre(model, self._forward_start, prepend=True),
-                         hooks.forward(model, self._forward_end, always_call=True)]
+        # post-hook last. Of several models, each one's calls are the model's forwards.
+        for root in roots(model):
+            self.handles += [hooks.forward_pre(root, self._forward_start, prepend=True),
+                             hooks.forward(root, self._forward_end, always_call=True)]
         chain.join(self, TIERING)
-        if calling(model):  # bound at the model's first forward, whose pre-hooks have already run
-            self._forward_start(model, ())
-            if id(model) in self.names:
-                self._layer_start(model, ())
+        for root in roots(model):
+            if calling(root):  # bound at the model's first forward, whose pre-hooks have already run
+                self._forward_start(root, ())
+                if id(root) in self.names:
+                    self._layer_start(root, ())
 
     def close(self) -> None:
         self.current = None  # the script may have ended inside the model's forward
@@ -188,14 +193,15 @@ class ActivationTiering:
     def _forward_start(self, module, args) -> None:
         if self.current is not None or not torch.is_grad_enabled():
             return  # evaluation forwards save nothing
-        self.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.param_storages = storages(self.model.parameters())
         self.current = TieredPass(start=perf_counter(), timed=list(self.timed))
+        self.root = module
         self.stack, self.last_ended = [], None
         chain.open(self)
 
     def _forward_end(self, module, args, output) -> None:
         mb = self.current
-        if mb is None:
+        if mb is None or module is not self.root:
             return
         chain.close(self)
         self.current, self.last = None, mb
@@ -208,6 +214,8 @@ class ActivationTiering:
             return
         name = self.names[id(module)]
         self.stack.append(name)
+        if self.sharded:  # FSDP2 has just unsharded the layer's parameters into storages of their own
+            self.param_storages |= storages(module.parameters(recurse=False))
         for record in mb.pending:
             self._own(mb, record, name)
         mb.pending.clear()

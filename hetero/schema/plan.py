@@ -22,12 +22,23 @@ SECTIONS = ("layers", "optimizer", "activations", "routing")
 
 
 @dataclass(kw_only=True, slots=True)
+class PlannedModel:
+    """One of several models the plan is for."""
+
+    name: str = doc("The script's name for it, as in the profile.")
+    fingerprint: str = doc("Its own fingerprint.")
+
+
+@dataclass(kw_only=True, slots=True)
 class Source:
     """The profile this plan was solved from; `hetero run` refuses the plan when either hash no longer matches."""
 
     profile: str = doc("Path of the profile, as given to `hetero plan`.")
     profile_sha256: str = doc("Hash of the profile's content (not its formatting).")
     model_fingerprint: str = doc("The profiled model's fingerprint (`model.fingerprint` of the profile).")
+    models: list[PlannedModel] = doc("The models, where the script trains several (`model.models` of the profile): "
+                                     "`hetero run` finds each by its fingerprint, and layer and parameter names "
+                                     "start with its name. Empty: one model.", default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +59,7 @@ class Budget:
 class LayerPlan:
     """How one layer's parameters and gradients are placed on a GPU (MemFerry)."""
 
-    name: str = doc("Layer name from the profile.")
+    name: str = doc("Layer name from the profile (of several models: it starts with its model's name, `netD.0`).")
     mode: Mode = doc("`gfgb`: copied to the GPU before forward; `dha`: the GPU reads it from pinned host memory; "
                      "`dfgb`: forward from host memory, copied to the GPU before backward.")
     grad: GradPlace = doc("Where backward writes the layer's gradients: `gpu`, or `host` (pinned, GO-MemFerry).")
@@ -60,7 +71,8 @@ class LayerPlan:
 class StatePlacement:
     """Where one parameter's fp32 master copy, gradient and Adam states live."""
 
-    param: str = doc("Qualified parameter name, as in `model.named_parameters()`.")
+    param: str = doc("Qualified parameter name, as in `model.named_parameters()` (of several models: it starts with "
+                     "its model's name, `netD.0.weight`; an optimizer of models without any here stays the script's).")
     tier: StateTier = doc("Device holding the states.")
     channel: int | None = doc("AXDIMM channel; null unless `tier: axdimm`.", ge=0, le=MAX_CHANNELS - 1, default=None)
 
@@ -130,7 +142,7 @@ class OptimizerPlan:
 class Eviction:
     """TierTrain's decision for one layer's saved tensors (§5.3)."""
 
-    layer: str = doc("Layer name from the profile.")
+    layer: str = doc("Layer name from the profile (of several models: it starts with its model's name).")
     evict_bytes: int = doc("Saved bytes moved to the slow tier when the layer's forward ends (Eq. 6-7, 10).",
                            unit=SIZE)
     prefetch_at_s: float = doc("When to start bringing them back, from the iteration start (Eq. 8).", unit=TIME)

@@ -28,7 +28,8 @@ Granularity = Literal["module", "block"]
 TierKind = Literal["hbm", "dram", "numa", "cxl", "nvme"]
 Backend = Literal["emulated", "hardware"]
 CommBackend = Literal["gloo", "nccl"]
-OptimizerKind = Literal["adam", "adamw", "other"]
+OptimizerKind = Literal["adam", "adamw", "other", "none"]
+StepsFrom = Literal["optimizer", "backward"]
 ROOT_LAYER = "(model)"  # the layer of parameters the model's root module owns directly
 
 
@@ -41,6 +42,17 @@ class CurvePoint:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrainedModel:
+    """One of several models a script trains (a GAN's generator and discriminator)."""
+
+    name: str = doc("The script's name for it (its variable), or its class name; its layers' and parameters' names "
+                    "start with it (`netD.0.weight`).")
+    type: str = doc("Module class.")
+    fingerprint: str = doc("Its own fingerprint, as `model.fingerprint` of a profile of it alone.")
+    num_params: int = doc("Its parameters.", unit=COUNT)
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelInfo:
     """Which model was profiled; `hetero run` refuses a plan made for another one."""
 
@@ -48,13 +60,33 @@ class ModelInfo:
     script: str = doc("The training script, as given to `hetero profile`.")
     num_params: int = doc("Parameters the optimizer owns.", unit=COUNT)
     dtype: str = doc("Parameter dtype, e.g. `float32` (the most common one when mixed).")
+    models: list[TrainedModel] = doc("The models, where the script trains several (each with its own optimizer): "
+                                     "`fingerprint` and `num_params` are then over all of them, and each layer "
+                                     "names its model. Empty: one model.", default_factory=list)
+    sharded: bool = doc("The model's parameters are sharded across ranks (FSDP2's `fully_shard`, DTensor): the "
+                        "optimizer and the gradient reduction stay the script's (FSDP2's).", default=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class ScriptOptimizer:
+    """One optimizer the script steps."""
+
+    name: str = doc("The script's name for it (its variable), or its class name.")
+    kind: OptimizerKind = doc("Its class: `adam`, `adamw`, or `other`.")
+    model: str = doc("The model whose parameters it updates (a name of `model.models`).")
+    num_params: int = doc("Parameters it updates.", unit=COUNT)
+    kept: str | None = doc("Why hetero's Adam cannot take its place, so that it stays the script's; null: it can.",
+                           default=None)
 
 
 @dataclass(kw_only=True, slots=True)
 class Training:
     """How the script trains, and the mean cost of one optimizer step."""
 
-    optimizer: OptimizerKind = doc("The optimizer class the script built; only Adam and AdamW can be offloaded.")
+    optimizer: OptimizerKind = doc("The optimizer class the script built; only Adam and AdamW can be offloaded. "
+                                   "`other`: another class, or one hetero's Adam cannot take the place of; `none`: "
+                                   "the script updates its parameters without a torch.optim optimizer. Several "
+                                   "optimizers: the class of those that can be offloaded, if they share one.")
     grad_accumulation: int = doc("Backward passes per optimizer step.", ge=1, le=MAX_MICRO_BATCHES)
     clips_grad: bool = doc("Whether the script calls `clip_grad_norm_` between backward and step.")
     warmup_steps: int = doc("Steps run before measuring.", ge=0, le=MAX_STEPS)
@@ -71,6 +103,16 @@ class Training:
         "without the profiler's hooks (on a GPU they leave launch gaps that `iteration` includes). The planner "
         "predicts a GPU plan's iteration as this plus what the plan changes in simulation; null: not measured "
         "(a CPU, or one warm-up step).", unit=TIME, default=None)
+    steps_from: StepsFrom = doc("What marks a step: `optimizer`, the end of `step()` of the first optimizer to step; "
+                                "`backward`, the end of a backward call (a script without a torch.optim optimizer: "
+                                "its own update is then part of the iteration, and `optimizer_step` is 0).",
+                                default="optimizer")
+    updates_wait: str | None = doc("Why the updates must wait for the whole backward, besides clipping (several "
+                                   "optimizers: each model's gradients also accumulate in another's backward); "
+                                   "null: nothing else makes them wait.", default=None)
+    optimizers: list[ScriptOptimizer] = doc("Every optimizer of the model(s) the script steps, the first to step "
+                                            "first. Empty: none, or a profile made before hetero listed them.",
+                                            default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,8 +267,11 @@ class Machine:
 class Layer:
     """One layer, in forward order: its parameters, its times and its saved activations."""
 
-    name: str = doc("Qualified module name, as in `model.named_modules()`; `(model)` for the root module.")
+    name: str = doc("Qualified module name, as in `model.named_modules()`; `(model)` for the root module. Where "
+                    "the script trains several models, it starts with the model's name (`netD.0`).")
     type: str = doc("Module class, e.g. `Linear`.")
+    model: str | None = doc("The model the layer belongs to (a name of `model.models`); null: the only one.",
+                            default=None)
     num_params: int = doc("Parameters this layer owns directly.", unit=COUNT)
     params: dict[str, int] = doc("Bytes of each parameter the layer owns, by local name (`weight`).", unit=SIZE)
     fp_s: float = doc("Forward time of the layer itself (nested layers excluded), parameters in fast memory "

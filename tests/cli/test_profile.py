@@ -1,5 +1,7 @@
 """`hetero profile` end to end: the example script into a profile `hetero check` accepts."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -30,9 +32,11 @@ def positive(x: float) -> bool:
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("p")
     nvme = out / "disk"
-    with cuda_reported_in(out / "cuda.log"):  # as on a GPU machine: the example stays on the CPU it was given
-        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
-                     *SMALL_GPT])
+    printed = io.StringIO()
+    with cuda_reported_in(out / "cuda.log"), contextlib.redirect_stdout(printed):  # as on a GPU machine: the
+        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o",  # example stays on
+                     str(out / "profile.yaml"), *SMALL_GPT])  # the CPU it was given
+    (out / "summary.txt").write_text(printed.getvalue())
     return code, out, nvme
 
 
@@ -59,6 +63,8 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert 100 * 2**20 < profile.memory.dram_peak_returned_bytes and profile.memory.returned_step_s > 0
     assert profile.memory.default_step_s > 0
     assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
+    summary = (out / "summary.txt").read_text()  # plain's peak: the number a user needs to choose --dram-budget
+    assert f"plain peak │ {SIZE.format_short(profile.memory.dram_peak_bytes)} resident" in " ".join(summary.split())
 
 
 def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path, cuda_reported):
