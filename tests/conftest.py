@@ -93,7 +93,7 @@ def without_malloc_runs():
     from hetero.profile import returned
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(returned, "measure", lambda script, args, warmup: None)
+        patch.setattr(returned, "measure", lambda script, args, warmup, steps_from="optimizer": None)
         yield
 
 
