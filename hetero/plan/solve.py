@@ -161,10 +161,9 @@ def _placeable(ctx: Context) -> tuple[Context, str]:
     """The context with only the parameters of models whose optimizers hetero's Adam can replace (several models:
     each optimizer is placed, or left to the script), and why the others stay the script's ('' for none)."""
     training = ctx.profile.training
-    kept = [o for o in training.optimizers if o.kept]
-    if not kept:
+    theirs = ctx.profile.kept_models()
+    if not theirs:
         return ctx, ""
-    theirs = {o.model for o in kept}
     params = [p for p in ctx.params if ctx.profile.layers[p.layer].model not in theirs]
     why = "; ".join(f"{o.name} stays the script's ({o.kept})" if o.kept else
                     f"{o.name} too (it updates {o.model}, whose states the plan does not place)"

@@ -355,6 +355,11 @@ class Profile:
     unmeasured: dict[str, str] = doc("Why each null field is null, by path (`machine.gpu`, `layers.*.fp_dha`).",
                                      default_factory=dict)
 
+    def kept_models(self) -> set[str]:
+        """The models whose optimizer stays the script's (hetero's Adam cannot take its place): a plan places no
+        state of their parameters, and `hetero run` looks none up."""
+        return {o.model for o in self.training.optimizers if o.kept}
+
     def problems(self) -> list[tuple[str, str]]:
         too_many = [("layers", f"{len(self.layers)} entries, at most {MAX_LAYERS}")] if len(self.layers) > MAX_LAYERS \
             else []

@@ -55,7 +55,8 @@ def against_profile(plan: Plan, profile: Profile) -> list[Finding]:
     """What `hetero run` would refuse or ignore in `plan`, found from its (unchanged) profile alone: names the model
     does not have, parameters with no state placement, GPU sections on a machine without a GPU. Pure."""
     placed = {s.param for s in plan.optimizer.states} if plan.optimizer is not None else set()
-    owned = [name for layer in profile.layers for name in layer.param_names()]
+    kept = profile.kept_models()
+    owned = [name for layer in profile.layers if layer.model not in kept for name in layer.param_names()]
     offloaded = plan.optimizer is not None and plan.optimizer.device != "gpu"
     unplaced = [name for name in owned if name not in placed] if offloaded else []
     out = []

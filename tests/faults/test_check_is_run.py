@@ -106,8 +106,8 @@ def test_a_damaged_profile_is_refused_by_check_plan_and_run(planned, capfd, dama
     if damage == "a layer line deleted":
         text = "".join(x for x in text.splitlines(keepends=True) if "name: norm," not in x)
     else:
-        text = text.replace("{name: norm, type: LayerNorm, num_params: 64, params: {weight:",
-                            "{name: norm, type: LayerNorm, num_params: 64, params: {\ufeffweight:")
+        text = "".join(x.replace("params: {weight:", "params: {\ufeffweight:") if "name: norm," in x else x
+                       for x in text.splitlines(keepends=True))
     assert text != Path("profile.yaml").read_text()
     Path("profile.yaml").write_text(text)
     assert main(["check", "profile.yaml"]) == 3

@@ -17,7 +17,7 @@ from tests.waits import until
 
 # The profile's phase on its own, in a process we can kill: the fresh process runs a script that says its pid, then
 # would train for a minute.
-PROFILE = "import sys; from hetero.profile import returned; returned._run(sys.argv[1], [], 1, 'default')"
+PROFILE = "import sys; from hetero.profile import returned; returned.measure(sys.argv[1], [], 1)"
 SCRIPT = "import os, sys, time\nopen(sys.argv[0] + '.pid', 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
 
 
