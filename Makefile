@@ -22,9 +22,10 @@ test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py
 
-# Every GPU test and benchmark, results into docs/gpu-results.md; refuses (exit 2) without CUDA.
-gpu-check: $(VENV)/.installed
-	$(BIN)/python bench/gpu_all.py
+# Every GPU test and benchmark within 8 minutes on one H100, results into docs/gpu-results.md and $$OUT (or a temp
+# folder); refuses (exit 2) without CUDA. No install: the GPU machine's own python3 and torch, offline.
+gpu-check:
+	PYTHONPATH=. $(PYTHON) bench/gpu_all.py
 
 docs: $(VENV)/.installed
 	$(BIN)/python -m hetero.docs docs/plan-format.md

@@ -1,22 +1,27 @@
-"""Every GPU result in one command (`make gpu-check`): the `gpu` tests, then every GPU benchmark, each piece in its
-own processes under a 10-minute limit, and their tables written into docs/gpu-results.md with the device, driver,
-torch version and date. Without CUDA it runs nothing, writes nothing, and exits 2 with one line.
+"""Every GPU result in one command (`make gpu-check`), sized for a rented GPU: within 8 minutes on one H100, each
+piece under its own limit in its own processes. Pieces: the `gpu` tests, the whole CPU suite on the GPU machine
+(CUDA present, so nothing of it may start CUDA), a model that fits (examples/train_gpt.py: plain against the default
+plan, which must be plain), a held-out LM end to end (bench/lm_heldout.py: plain, the default plan, and a plan for
+half of plain's reserved GPU peak run under that budget), and training beyond a GPU budget beside ZeRO-Offload-style
+and FSDP2 CPU offload (bench/gpu_offload.py). Everything each piece made (logs, profiles, plans, JUnit files) is
+kept in one folder (--artifacts; default $OUT where set), with the results section and the names of failing tests.
+Without CUDA it runs nothing, writes nothing, and exits 2 with one line.
 
-    .venv/bin/python bench/gpu_all.py                       # everything, into docs/gpu-results.md
-    .venv/bin/python bench/gpu_all.py --only tests,tiering  # some pieces
-    .venv/bin/python bench/gpu_all.py --list                # the pieces and their commands
+    python bench/gpu_all.py                       # everything, into docs/gpu-results.md and --artifacts
+    python bench/gpu_all.py --only tests,fits     # some pieces
+    python bench/gpu_all.py --list                # the pieces and their commands
 
-Pieces (`--only` names): tests (pytest -m gpu), offload-compare and offload-capacity (bench/gpu_offload.py: plain,
-ZeRO-Offload-style, FSDP2 CPUOffloadPolicy, hetero; the largest model under the cap), tiering (bench/tiering.py:
-against save_on_cpu), peak-memory (profile, plan, traced run and `hetero report` of examples/train_gpt.py on the
-GPU: predicted against measured peak GPU memory). A piece that fails or runs out of time is recorded as such, with
-its output, and the others still run. The results go between two markers in the file, replacing the last ones.
+A piece that fails or runs out of time is recorded as such, with its output, and the others still run. The results
+go between two markers in docs/gpu-results.md (and into the artifacts folder), replacing the last ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,17 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LIMIT_S = 590  # per piece: under the 10 minutes a device call may take
 BEGIN, END = "<!-- gpu-check: begin -->", "<!-- gpu-check: end -->"
 NO_CUDA = "gpu-check: no CUDA device here (torch.cuda.is_available() is False); nothing was run or written"
-
+TOTAL_S = 480  # the whole check: 8 minutes on one H100
 
 @dataclass(frozen=True)
 class Piece:
     name: str
     title: str
     commands: tuple[tuple[str, ...], ...]  # run in order, in the repository root, sharing the piece's limit
-    limit_s: float = LIMIT_S
+    limit_s: float = 60.0
+    env: tuple[tuple[str, str], ...] = ()  # set for its commands
 
 
 @dataclass(frozen=True)
@@ -47,25 +52,27 @@ class Outcome:
 
 
 def pieces(python: str, work: Path) -> list[Piece]:
-    """The pieces, in the order they run; `work` holds the files the peak-memory piece makes."""
-    hetero = (python, "-m", "hetero")
+    """The pieces, in the order they run, their limits summing to TOTAL_S; `work` holds what they make."""
     gpt = ("examples/train_gpt.py", "--device", "cuda", "--n-layer", "8", "--n-embd", "512", "--n-head", "8",
-           "--batch-size", "8", "--seq-len", "256")
-    profile, plan, trace = str(work / "profile.yaml"), str(work / "plan.yaml"), str(work / "run.json")
+           "--batch-size", "8", "--seq-len", "256", "--steps", "30", "--log-every", "15", "--weight-sum")
+    # -v: each test's outcome as it ends, so a suite cut at its limit still names what failed
+    suite = (python, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-m", "not gpu",
+             f"--junitxml={work / 'suite.xml'}", *(("-n", "14") if importlib.util.find_spec("xdist") else ()))
     return [
-        Piece("tests", "GPU tests (pytest -m gpu)", ((python, "-m", "pytest", "-q", "-m", "gpu", "-rs"),)),
-        Piece("offload-compare", "Step time and peak GPU memory at one model size: plain, ZeRO-Offload-style, "
-              "FSDP2 CPUOffloadPolicy, hetero", ((python, "bench/gpu_offload.py", "--only", "compare",
-                                                  "--timeout", "150"),)),
-        Piece("offload-capacity", "The largest model each method trains under the GPU memory cap",
-              ((python, "bench/gpu_offload.py", "--only", "capacity", "--timeout", "120", "--max-layers", "96"),)),
-        Piece("tiering", "Activation tiering against save_on_cpu(pin_memory=True)",
-              ((python, "bench/tiering.py", "--rounds", "2", "--", *gpt, "--steps", "5"),)),
-        Piece("peak-memory", "Predicted against measured peak GPU memory (hetero report of a traced run)",
-              ((*hetero, "profile", "-o", profile, *gpt),
-               (*hetero, "plan", "--profile", profile, "-o", plan),
-               (*hetero, "run", "--plan", plan, "--trace", trace, *gpt, "--steps", "12"),
-               (*hetero, "report", str(work / "run.yaml"), "--plan", plan))),
+        Piece("tests", "GPU tests (pytest -m gpu)",
+              ((python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu",
+                f"--junitxml={work / 'gpu-tests.xml'}"),), limit_s=55),
+        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=115,
+              env=(("OMP_NUM_THREADS", "1"),)),  # 14 workers of torch's 16 threads each would only thrash
+        Piece("fits", "A model that fits: plain against the default plan (examples/train_gpt.py, 27M parameters)",
+              ((python, "bench/gpu_e2e.py", "--out", str(work / "fits"), "--timeout", "45", "--", *gpt),),
+              limit_s=95),
+        Piece("heldout", "A held-out LM end to end: plain, the default plan, and half of plain's reserved GPU peak",
+              ((python, "bench/gpu_e2e.py", "--out", str(work / "heldout"), "--half", "--rounds", "1", "--timeout",
+                "50", "--", "bench/lm_heldout.py", "--steps", "30"),), limit_s=115),
+        Piece("offload", "Beyond a GPU budget: plain, ZeRO-Offload-style, FSDP2 CPUOffloadPolicy, hetero",
+              ((python, "bench/gpu_offload.py", "--only", "compare", "--n-layer", "14", "--steps", "6",
+                "--timeout", "70"),), limit_s=100),
     ]
 
 
@@ -77,7 +84,8 @@ def run_piece(piece: Piece, cwd: Path = REPO) -> Outcome:
         left = piece.limit_s - (time.monotonic() - start)
         output.append("$ " + shown(command))
         try:
-            done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=max(left, 1))
+            done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=max(left, 1),
+                                  env=os.environ | {"PYTHONPATH": str(REPO)} | dict(piece.env))  # no install needed
         except subprocess.TimeoutExpired as e:
             output.append(_text(e.stdout) + _text(e.stderr))
             status = f"timed out after {piece.limit_s:.0f} s"
@@ -115,13 +123,23 @@ def _driver() -> str:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
-def section(env: dict[str, str], outcomes: list[Outcome]) -> str:
-    """The Markdown written into the results file: the environment, then each piece's status and output."""
+def failing(output: str) -> list[str]:
+    """The tests pytest's short summary names as failed or in error (`-rfE`)."""
+    return list(dict.fromkeys(re.findall(r"^(?:\[gw\d+\] \[ *\d+%\] )?(?:FAILED|ERROR) (\S+::\S+)", output,
+                                         flags=re.M)))
+
+
+def section(env: dict[str, str], outcomes: list[Outcome], tail: int = 60) -> str:
+    """The Markdown written into the results file: the environment, then each piece's status, the tests it failed
+    and the last `tail` lines of its output (the whole output is in the artifacts)."""
     lines = [BEGIN, f"## make gpu-check, {env['date']}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
     for o in outcomes:
-        lines += ["", f"### {o.piece.title}", "", f"`{o.piece.name}`: {o.status}, {o.seconds:.0f} s", "", "```",
-                  o.output.replace("```", "'''"), "```"]
+        failed = failing(o.output)
+        shown_lines = o.output.splitlines()[-tail:]
+        lines += ["", f"### {o.piece.title}", "", f"`{o.piece.name}`: {o.status}, {o.seconds:.0f} s", ""]
+        lines += [f"Failing tests ({len(failed)}): " + ", ".join(f"`{t}`" for t in failed), ""] if failed else []
+        lines += ["```", "\n".join(shown_lines).replace("```", "'''"), "```"]
     return "\n".join(lines + [END]) + "\n"
 
 
@@ -141,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated piece names")
     p.add_argument("--list", action="store_true", help="print the pieces and their commands, run nothing")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "gpu-results.md")
+    p.add_argument("--artifacts", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                   help="folder for everything the pieces make [default: $OUT, else a temporary folder]")
     a = p.parse_args(argv)
-    work = Path(tempfile.gettempdir()) / f"hetero-gpu-check-{os.getpid()}"  # made only when something runs
+    artifacts = a.artifacts or Path(tempfile.gettempdir()) / f"hetero-gpu-check-{os.getpid()}"
+    # made only when something runs; outside the artifacts folder, which gets its archive (a device call brings back
+    # a few files, not a tree)
+    work = Path(tempfile.gettempdir()) / f"hetero-gpu-check-work-{os.getpid()}"
     chosen = pieces(sys.executable, work)
     if a.only:
         names = a.only.split(",")
@@ -152,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [x for x in chosen if x.name in names]
     if a.list:
         for x in chosen:
-            print(f"{x.name}: " + " && ".join(shown(c) for c in x.commands))
+            print(f"{x.name} (up to {x.limit_s:.0f} s): " + " && ".join(shown(c) for c in x.commands))
         return 0
     import torch
 
@@ -160,12 +183,21 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
     work.mkdir(parents=True, exist_ok=True)
+    artifacts.mkdir(parents=True, exist_ok=True)
     env, outcomes = environment(), []
     for x in chosen:
-        print(f"gpu-check: {x.name} ...", flush=True)
+        print(f"gpu-check: {x.name} (up to {x.limit_s:.0f} s) ...", flush=True)
         outcomes.append(run_piece(x))
-        print(f"gpu-check: {x.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.0f} s)", flush=True)
-        write(a.out, section(env, outcomes))  # after each piece: what ran is kept if a later one hangs the machine
+        o = outcomes[-1]
+        (work / f"{x.name}.log").write_text(o.output)
+        print(f"gpu-check: {x.name}: {o.status} ({o.seconds:.0f} s)"
+              + "".join(f"\n  failed: {t}" for t in failing(o.output)), flush=True)
+        text = section(env, outcomes)
+        # after each piece: what ran is kept if a later one hangs the machine or the call is cut
+        write(a.out, text)
+        (artifacts / "gpu-results-section.md").write_text(text)
+        shutil.make_archive(str(artifacts / "gpu-check-work"), "gztar", work)
+    print(f"gpu-check: artifacts in {artifacts} (gpu-results-section.md, gpu-check-work.tar.gz)")
     return 0 if all(o.status == "ok" for o in outcomes) else 1
 
 

@@ -13,7 +13,8 @@ Methods (each one step = forward, backward, AdamW update of fp32 weights):
   hetero   hetero run's runtime: for the comparison, profiled and planned (hetero plan --optimizer-device host
            --gpu-memory <zero's peak>); for capacity, the least-GPU-memory plan (every layer DHA, gradients to host)
 Phases: (1) the model size: the most blocks at which plain training fits under --gpu-memory (plain barely fits);
-(2) compare at that size: median step time after warm-up, peak GPU memory, ratios to zero; (3) capacity: the
+(2) compare at that size: median step time after warm-up, peak GPU memory (torch's reserved peak: what the process
+holds; allocated beside it), ratios to zero; (3) capacity: the
 most blocks each method trains under the same cap. Every measurement runs in its own process (`--worker`), the
 cap set with torch.cuda.set_per_process_memory_fraction, so an out-of-memory run ends cleanly.
 MemFerry's goals: hetero at least 1.3x faster than zero at no more GPU memory, and a model at least 1.5x larger.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -178,11 +180,21 @@ def planned(a, n_layer: int):
 
     with tempfile.TemporaryDirectory() as nvme:
         profile = profile_script(str(ROOT / "examples/train_gpt.py"), script_args(a, n_layer) + ["--steps", "100"],
-                                 ProfileOptions(steps=3, warmup=2, nvme_dir=nvme))
+                                 ProfileOptions(steps=3, nvme_dir=nvme))
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return plan(profile, PlanOptions(optimizer_device="host", gpu_memory_bytes=a.budget, reserve=a.reserve))
+    from hetero.errors import HeteroError
+    from hetero.units import SIZE
+
+    options = PlanOptions(optimizer_device="host", gpu_memory_bytes=a.budget, reserve=a.reserve)
+    try:
+        return plan(profile, options)
+    except HeteroError as e:  # below what hetero can plan: run at the least it can, and say so in the table
+        least = SIZE.parse(re.search(r"--gpu-memory (\S+)", e.hint).group(1))
+        print(json.dumps({"budget": least, "note": f"zero's peak is below hetero's least plan: {e.message}"}))
+        options.gpu_memory_bytes = least
+        return plan(profile, options)
 
 
 def policy_plan(a, n_layer: int):
@@ -211,7 +223,8 @@ def worker(a: argparse.Namespace) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_memory / total))
     try:
         times = run(a, n_layer)
-        print(json.dumps({"ok": True, "step_s": statistics.median(times), "peak": torch.cuda.max_memory_allocated()}))
+        print(json.dumps({"ok": True, "step_s": statistics.median(times), "peak": torch.cuda.max_memory_reserved(),
+                          "allocated": torch.cuda.max_memory_allocated()}))
     except torch.OutOfMemoryError:
         print(json.dumps({"ok": False, "error": "out of GPU memory"}))
 
@@ -236,6 +249,7 @@ def measure(a: argparse.Namespace, method: str, n_layer: int, budget: int | None
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         result = {"ok": False, "error": " / ".join(tail) or f"exit {done.returncode}"}
     result.update(next((x for x in lines if "plan" in x), {}))
+    result.update(next((x for x in lines if "note" in x), {}))
     print(f"  {method:7} {n_layer:4d} blocks: " + (f"{result['step_s'] * 1e3:8.1f} ms/step, peak "
           f"{SIZE.format_short(result['peak'])}" if result["ok"] else result["error"]), flush=True)
     return result
@@ -291,19 +305,23 @@ def report(a, name: str, n_layer: int, rows: dict, capacity: dict) -> None:
     print(f"\n{name}, GPU memory cap {SIZE.format_short(a.gpu_memory)}, {time.strftime('%Y-%m-%d')}")
     zero = rows.get("zero", {})
     if rows:
-        print(f"{'method':8} {'ms/step':>9} {'peak GPU':>10} {'speed vs zero':>14} {'memory vs zero':>15}")
+        print(f"{'method':8} {'ms/step':>9} {'reserved':>10} {'allocated':>10} {'speed vs zero':>14} "
+              f"{'memory vs zero':>15}")
         for method, r in rows.items():
             if not r["ok"]:
                 print(f"{method:8} {r['error']}")
                 continue
             ratio = (f"{zero['step_s'] / r['step_s']:13.2f}x {r['peak'] / zero['peak']:14.2f}x" if zero.get("ok")
                      else "")
-            print(f"{method:8} {r['step_s'] * 1e3:9.1f} {SIZE.format_short(r['peak']):>10} {ratio}")
+            print(f"{method:8} {r['step_s'] * 1e3:9.1f} {SIZE.format_short(r['peak']):>10} "
+                  f"{SIZE.format_short(r.get('allocated', 0)):>10} {ratio}")
     if capacity:
         print(f"{'method':8} {'blocks':>7} {'params':>10} {'vs zero':>8}")
         for method, blocks in capacity.items():
             vs = f"{blocks / capacity['zero']:7.2f}x" if capacity.get("zero") else ""
             print(f"{method:8} {blocks:7d} {params_of(a, blocks) / 1e6:9.0f}M {vs}")
+    if rows.get("hetero", {}).get("note"):
+        print(f"hetero: {rows['hetero']['note']}; planned at {SIZE.format_short(rows['hetero']['budget'])} instead")
     print("goals (MemFerry): hetero >= 1.3x zero's speed at <= its GPU memory; a >= 1.5x larger model than zero")
     hetero = rows.get("hetero", {})
     if hetero.get("ok") and zero.get("ok"):

@@ -102,8 +102,10 @@ def main() -> None:
     table.add_row("final loss", f"{loss_hetero:.4f} under the forced plan, {last_step(as_planned.stdout)[1]:.4f} "
                                 f"under the default plan, {loss_plain:.4f} plain PyTorch")
     ratio = statistics.median(times_hetero) / statistics.median(times_plain)
+    load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"  # contended cores favour more threads
     table.add_row(f"step time, {PAIRS} interleaved pairs", f"{spread(times_hetero)} under the forced plan, "
-                                                            f"{spread(times_plain)} plain: {ratio:.2f}x of medians")
+                                                            f"{spread(times_plain)} plain: {ratio:.2f}x of medians "
+                                                            f"({load})")
     for line in hetero.stderr.splitlines():
         if line.startswith("hetero: ") and not line.startswith("hetero: trace of"):
             table.add_row("forced plan", line.removeprefix("hetero: "))

@@ -116,7 +116,10 @@ def main():
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {args.device}")
 
     start = time.perf_counter()
+    steady = None  # (step, time) from which the steady step time is measured: the second half of the run
     for step in range(1, args.steps + 1):
+        if step == args.steps // 2 + 1:
+            steady = (step, _synchronized(args.device))
         optimizer.zero_grad(set_to_none=True)
         for _ in range(args.grad_accum):
             x, y = next(data)
@@ -128,11 +131,21 @@ def main():
         if step % args.log_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - start
             print(f"step {step:4d}  loss {loss.item() * args.grad_accum:.4f}  {elapsed / step * 1e3:.0f} ms/step")
+    if steady is not None and steady[0] <= args.steps:
+        done = args.steps - steady[0] + 1
+        print(f"steady {(_synchronized(args.device) - steady[1]) / done * 1e3:.2f} ms/step over the last {done} steps")
     if args.weight_sum:  # in float64, one parameter at a time (a copy of the whole model would not fit where it must)
         with torch.no_grad():
             total = sum(p.double().sum().item() for p in model.parameters())
             absolute = sum(p.double().abs().sum().item() for p in model.parameters())
         print(f"weight sum {total!r}  abs sum {absolute!r}")
+
+
+def _synchronized(device: str) -> float:
+    """The time once every kernel issued so far has run (a GPU computes asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 if __name__ == "__main__":

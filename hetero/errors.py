@@ -1,4 +1,4 @@
-"""User-facing errors and the exit codes every hetero command shares."""
+"""User-facing errors and the exit codes every hetero command shares (the table in docs/plan-format.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ USAGE = 2
 INVALID_FILE = 3
 STALE_PLAN = 4
 UNSUPPORTED_SCRIPT = 5  # the script trains in a way hetero cannot carry out (found by `hetero profile`)
+DAMAGED = 6  # a work file hetero keeps training data in was changed or removed behind its back (run/devices/nvme.py)
 INTERRUPTED = 130  # Ctrl-C; SIGTERM ends a run with 143 and SIGHUP with 129 (128 + the signal)
 
 
@@ -50,6 +51,15 @@ class FileProblems(HeteroError):
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         super().__init__(f"{first}{more}", hint=hint, exit_code=INVALID_FILE)
         self.problems = problems
+
+
+class Damaged(HeteroError):
+    """A file hetero wrote (optimizer states, evicted activations) no longer holds what was written: it was changed,
+    cut short or removed by something other than hetero. The run cannot go on without training on wrong numbers,
+    so it ends with exit code 6, naming the file and what it held."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message, hint=hint, exit_code=DAMAGED)
 
 
 class Interrupted(BaseException):

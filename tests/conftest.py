@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+CUDA_REPORTED = REPO / "tests" / "cuda_reported"  # its sitecustomize.py reports one CUDA device
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +28,84 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def cpu_tests_leave_cuda_alone(request):
+    """A test not marked `gpu` runs on the CPU wherever CUDA exists, and never starts CUDA: a context per pytest
+    process costs GPU memory and seconds, and a CPU test that reaches the GPU checks what it does not name."""
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    import torch
+
+    before = torch.cuda.is_initialized()
+    yield
+    if not before and torch.cuda.is_initialized():
+        pytest.fail("this CPU test started CUDA: keep it on the CPU (--device cpu, cuda_hidden) or mark it `gpu`")
+
+
+@pytest.fixture
+def cuda_hidden(monkeypatch):
+    """torch.cuda.is_available() is False for this test, for what torch itself would start CUDA for where it exists
+    (torch.compile saves the CUDA RNG state; a GPU's name is asked of the GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@dataclass(frozen=True)
+class CudaReported:
+    real: bool  # this machine has CUDA of its own
+    log: Path  # where a process that ended with CUDA initialized writes its command line
+
+
+@contextlib.contextmanager
+def cuda_reported_in(log: Path) -> Iterator[CudaReported]:
+    """As on a GPU machine: this process and every one it starts (PYTHONPATH carries tests/cuda_reported/) are told
+    one CUDA device exists. Where there is none, whatever then starts CUDA raises; where there is one, each process
+    that started it is logged: either fails the test, which is to stay on the CPU."""
+    import torch
+
+    real = torch.cuda.is_available()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "device_count", lambda: 1)
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(CUDA_REPORTED), os.environ.get("PYTHONPATH")])))
+        patch.setenv("HETERO_CUDA_LOG", str(log))
+        yield CudaReported(real=real, log=log)
+    started = log.read_text().splitlines() if log.exists() else []
+    assert not started, f"these processes of a CPU test started CUDA: {started}"
+
+
+@pytest.fixture
+def cuda_reported(tmp_path_factory) -> Iterator[CudaReported]:
+    """`cuda_reported_in` for one test: the example-script tests run so, and pass on the CPU."""
+    with cuda_reported_in(tmp_path_factory.mktemp("cuda") / "started.log") as reported:
+        yield reported
+
+
+@pytest.fixture(scope="module")
+def without_malloc_runs():
+    """`hetero profile` on a CPU runs the script twice more, each time in a fresh process (seconds each), for its peak
+    and step with freed memory returned (hetero.profile.returned). Tests of something else leave those runs out;
+    tests/profile/test_returned.py and tests/cli/test_profile.py check them."""
+    from hetero.profile import returned
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(returned, "measure", lambda script, args, warmup, steps_from="optimizer": None)
+        yield
+
+
+@pytest.fixture
+def bundled_machine(monkeypatch):
+    """`hetero profile` takes the machine from the bundled CPU profile instead of measuring this one (tens of
+    seconds, and nothing a test of the script's side looks at)."""
+    from hetero.profile import machine
+    from hetero.schema import files
+
+    bundled = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml").machine
+    monkeypatch.setattr(machine, "measure", lambda *args, **kwargs: bundled)
 
 
 @pytest.fixture

@@ -29,8 +29,8 @@ def test_without_cuda_nothing_runs_and_nothing_is_written(tmp_path, capsys):
 
 def test_every_piece_fits_a_device_call_and_its_benchmarks_accept_their_arguments(tmp_path):
     pieces = gpu_all.pieces(sys.executable, tmp_path)
-    assert [p.name for p in pieces] == ["tests", "offload-compare", "offload-capacity", "tiering", "peak-memory"]
-    assert all(p.limit_s < 600 for p in pieces)
+    assert [p.name for p in pieces] == ["tests", "suite", "fits", "heldout", "offload"]
+    assert sum(p.limit_s for p in pieces) <= gpu_all.TOTAL_S == 480  # 8 minutes on one H100
     for piece in pieces:
         for command in piece.commands:
             if command[1].startswith("bench/"):
@@ -51,13 +51,14 @@ def test_the_runner_records_each_outcome_with_its_output():
     assert failed.status == "failed (exit 3)" and "why" in failed.output and "never" not in failed.output
     slow = gpu_all.run_piece(gpu_all.Piece("slow", "slow", ((python, "-c", "import time; time.sleep(30)"),),
                                            limit_s=1))
-    assert slow.status == "timed out after 1 s" and slow.seconds < 30
+    assert slow.status == "timed out after 1 s"
 
 
-def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path):
+def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path, cuda_hidden):
     path = tmp_path / "gpu-results.md"
     path.write_text("# GPU results\n\nHow to run it.\n")
-    env = gpu_all.environment()
+    env = gpu_all.environment()  # asking a GPU its name starts CUDA: this test stays on the CPU
+    assert env["device"] == "none (no CUDA device)"
     assert env["torch"] == torch.__version__ and set(env) == {"device", "driver", "torch", "CUDA (torch's)", "date"}
     piece = gpu_all.Piece("ok", "A table", ((sys.executable, "-c", "print(1)"),))
     first = gpu_all.Outcome(piece, "ok", 1.0, "first ```table```")
@@ -67,3 +68,9 @@ def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path)
     assert text.startswith("# GPU results\n\nHow to run it.\n")
     assert text.count(gpu_all.BEGIN) == 1 and "second" in text and "first" not in text
     assert f"| torch | {torch.__version__} |" in text and "### A table" in text and "`ok`: ok, 2 s" in text
+
+
+def test_failing_tests_are_named_from_the_summary_and_from_each_outcome_as_it_ends():
+    output = ("[gw3] [ 12%] FAILED tests/a.py::test_b\n[gw1] [ 13%] PASSED tests/a.py::test_c\n"
+              "FAILED tests/a.py::test_b - AssertionError\nERROR tests/c.py::test_d[1] - OSError\n")
+    assert gpu_all.failing(output) == ["tests/a.py::test_b", "tests/c.py::test_d[1]"]

@@ -1,4 +1,5 @@
-"""`hetero check FILE...`: validate profiles and plans, printing every problem."""
+"""`hetero check FILE...`: validate profiles and plans, printing every problem; a plan gets every check `hetero run`
+makes before its script starts (hetero.launch.preflight), so the two agree."""
 
 from __future__ import annotations
 
@@ -7,29 +8,41 @@ from pathlib import Path
 
 import typer
 
-from hetero.errors import INVALID_FILE, FileProblems
-from hetero.schema import files, sources
+from hetero.errors import FileProblems, HeteroError
+from hetero.launch.preflight import check_plan
+from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 
 
-def check(files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile or plan files.")) -> None:
-    """Validate profile and plan files; print every problem with file:line:col and exit 3 if any. A plan is also
-    checked against its profile when that is found: every layer and parameter it names must be there."""
-    bad = 0
+def check(
+    files_: list[Path] = typer.Argument(..., metavar="FILE", help="Profile or plan files."),
+    allow_stale: bool = typer.Option(False, "--allow-stale", help="Pass a plan made for another profile or model, "
+                                     "as `hetero run --allow-stale` runs it."),
+    skip_profile_check: bool = typer.Option(False, "--skip-profile-check", help="Pass a plan whose profile cannot "
+                                            "be found or read, unchecked against it, as `hetero run "
+                                            "--skip-profile-check` runs it."),
+) -> None:
+    """Validate profile and plan files; print every problem with file:line:col. A plan is checked as `hetero run`
+    checks it before the script starts: against its profile (which must be found, valid and unchanged), and the
+    directories it names. Exit 3 for an invalid file, 4 for a stale plan (the first failing file's code)."""
+    code = 0
     for path in files_:
         try:
             obj = files.load(path)
-            if isinstance(obj, Plan) and (problems := sources.name_problems(obj, path)):
-                raise FileProblems(problems)
-        except FileProblems as e:
-            bad += 1
-            for problem in e.problems:
-                print(f"error: {problem}", file=sys.stderr)
+            warnings = check_plan(path, allow_stale, skip_profile_check).warnings if isinstance(obj, Plan) else []
+        except HeteroError as e:
+            code = code or e.exit_code
+            for line in [str(p) for p in e.problems] if isinstance(e, FileProblems) else [e.message]:
+                print(f"error: {line}", file=sys.stderr)
+            if e.hint:
+                print(f"hint: {e.hint}", file=sys.stderr)
         else:
+            for warning in warnings:
+                print(f"warning: {warning}", file=sys.stderr)
             print(f"{path}: ok ({summary(obj)})")
-    if bad:
-        raise typer.Exit(INVALID_FILE)
+    if code:
+        raise typer.Exit(code)
 
 
 def summary(obj: Plan | Profile) -> str:

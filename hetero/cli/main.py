@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     try:
-        app(args=argv, prog_name="hetero")
+        # argv None: hetero is this process's command, which `hetero run` may replace with the script itself
+        app(args=argv, prog_name="hetero", obj={"own_process": argv is None})
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except HeteroError as e:

@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from hetero import __version__
-from hetero.cli.usage import quantity
+from hetero.cli.usage import console, quantity
 from hetero.errors import USAGE, HeteroError
 from hetero.plan.solve import PlanOptions
 from hetero.plan.solve import plan as solve
@@ -76,6 +75,9 @@ def plan(
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
                           stay_time_s=quantity(TIME, stay_time, "--stay-time"), previous=old)
     result = solve(prof, options)
+    unhonoured = _unhonoured(optimizer_device, emulate == "axdimm", result)
+    if unhonoured:
+        print(f"hetero: warning: {unhonoured}", file=sys.stderr)
     header = (f"hetero plan of {profile} ({prof.model.script}), hetero {__version__}.",
               "Edit freely: `hetero check` validates it; entries marked `pinned: true` survive `hetero plan --from`.")
     try:
@@ -86,6 +88,19 @@ def plan(
         print(json.dumps(files.to_data(result), indent=2))
         return
     _summary(prof, result, output)
+
+
+def _unhonoured(optimizer_device: str | None, emulate: bool, out: Plan) -> str | None:
+    """What the plan says instead of an optimizer option the user gave (never dropped in silence); None: honoured."""
+    asked = "--emulate axdimm" if emulate else f"--optimizer-device {optimizer_device}" if optimizer_device else None
+    wanted = "axdimm" if emulate else optimizer_device
+    if asked is None or wanted == "none":
+        return None
+    if out.optimizer is None:
+        return f"{asked} not applied: {out.omitted.get('optimizer', 'the plan has no optimizer section')}"
+    if out.optimizer.device != wanted:
+        return f"{asked} not applied: the plan's optimizer runs on {out.optimizer.device}: {out.optimizer.why}"
+    return None
 
 
 def _summary(profile: Profile, out: Plan, path: Path) -> None:
@@ -126,7 +141,7 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
             out.update_in_backward or out.recompute):
         table.add_row("plan", "plain training: nothing hetero can do here saves memory or time (`hetero run` "
                               "runs the script as it is)")
-    (Console() if sys.stdout.isatty() else Console(width=160)).print(table)
+    console(widest=120).print(table)
 
 
 def _reduction(a: ActivationPrediction | None) -> str:

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hetero.cli.run import MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC, RDZV, torchrun
+from hetero.cli.usage import console
 from hetero.launch import launcher as launch
 from hetero.schema import files
 from hetero.schema.profile import Profile
@@ -26,7 +27,8 @@ def profile(
     script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
     args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
     steps: int = typer.Option(5, help="Optimizer steps to measure."),
-    warmup: int = typer.Option(2, help="Optimizer steps to run first, unmeasured."),
+    warmup: int | None = typer.Option(None, help="Optimizer steps to run first, unmeasured [default: 2; 6 on a GPU, "
+                                                 "whose last 5 time plain training's step]."),
     granularity: str = typer.Option("module", help="module: a layer per module owning parameters; block: per "
                                                    "repeated transformer block."),
     nvme: str = typer.Option(None, "--nvme", metavar="DIR", help="Directory for the disk tier [default: a temp dir]."),
@@ -51,6 +53,7 @@ def profile(
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
                              dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"))
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
+    launch.sweep_earlier([nvme])  # what killed runs and profiles left there and in the temp directory
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:
             options.check()
@@ -72,9 +75,9 @@ def profile(
 @contextlib.contextmanager
 def _progress():
     """A progress bar per phase on stderr; silent when stderr is not a terminal."""
-    console = Console(stderr=True)
+    err = Console(stderr=True)
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not console.is_terminal, transient=True) as bar:
+                  console=err, disable=not err.is_terminal, transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def report(phase: str, done: int, total: int) -> None:
@@ -97,7 +100,9 @@ def _summary(profile, output: Path) -> None:
                           f"{TIME.format_short(t.optimizer_step_s)})")
     table.add_row("saved activations", "not measured: " + untimed if untimed else
                   SIZE.format_short(sum(layer.saved_bytes for layer in profile.layers)))
-    table.add_row("training", f"{t.optimizer}, {t.grad_accumulation} micro-batch(es) per step, "
+    optimizers = ", ".join(f"{o.name} ({o.kind}, {o.model})" for o in t.optimizers) if len(t.optimizers) > 1 \
+        else "no torch.optim optimizer (steps counted from backward calls)" if t.optimizer == "none" else t.optimizer
+    table.add_row("training", f"{optimizers}, {t.grad_accumulation} backward pass(es) per step, "
                               f"clips gradients: {'yes' if t.clips_grad else 'no'}")
     table.add_row("tiers", ", ".join(f"{tier.name} ({tier.kind}, {SIZE.format_short(tier.capacity_bytes)})"
                                      for tier in profile.machine.tiers))
@@ -107,19 +112,27 @@ def _summary(profile, output: Path) -> None:
                                for p in tier.write_beside_compute)
             table.add_row(f"{tier.name} beside compute", f"writes {writes}; its workers slow training "
                                                          f"{_interference(tier.write_cpu)}")
+    if profile.memory is not None:
+        table.add_row("plain peak", _plain_peak(profile.memory))
     table.add_row("profiling overhead", f"{t.overhead:.1%} of step time")
-    m = profile.memory
-    if m is not None:
-        how = f"estimated, profiled under a budget: {m.profiled_under}" if m.dram_peak_estimated else \
-            "a fresh process with malloc's defaults, once its peak settled"
-        table.add_row("host memory", f"plain training peaks at {SIZE.format_short(m.dram_peak_bytes)} ({how})")
     if profile.blocks:
         refused = [b for b in profile.blocks if not b.recomputable]
         why = f"; not {', '.join(b.name for b in refused[:3])}{'...' * (len(refused) > 3)}: {refused[0].why}" \
             if refused else ""
         table.add_row("blocks", f"{len(profile.blocks) - len(refused)} of {len(profile.blocks)} repeated blocks can "
                                 f"be recomputed in backward{why}")
-    Console().print(table)
+    console(widest=100).print(table)
+
+
+def _plain_peak(memory) -> str:
+    """The whole process's peak under plain training: where a `--dram-budget` starts to mean something."""
+    peak = SIZE.format_short(memory.dram_peak_bytes)
+    if memory.dram_peak_estimated:
+        return f"{peak} estimated, not measured (profiled under a budget: {memory.profiled_under})"
+    returned = "" if memory.dram_peak_returned_bytes is None else \
+        f", {SIZE.format_short(memory.dram_peak_returned_bytes)} with freed memory returned"
+    return (f"{peak} resident (a fresh process with malloc's defaults, once its peak settled){returned}: a "
+            "--dram-budget above it keeps plain training, one below it has hetero make room")
 
 
 def _interference(share: float) -> str:

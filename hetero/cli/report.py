@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from hetero.cli import usage
 from hetero.errors import USAGE, HeteroError
-from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, grouped_warnings, headline
+from hetero.report.compare import NEGLIGIBLE, TOLERANCE, Row, compare, folded, grouped_warnings, headline
 from hetero.report.png import draw_run
 from hetero.schema import files
 from hetero.schema.plan import Plan
@@ -24,7 +23,7 @@ def report(
     plan_path: Path | None = typer.Option(None, "--plan", metavar="FILE", help="The plan to compare with "
                                           "[default: the one the run carried out]."),
     png: Path | None = typer.Option(None, "--png", metavar="FILE", help="Also draw memory per tier over one step "
-                                    "(needs matplotlib: pip install 'hetero[viz]')."),
+                                    "(needs matplotlib: pip install matplotlib)."),
 ) -> None:
     """Predicted against measured: the iteration and peak memory first, then every layer, then what is off by more
     than 15% (the layers' entries in one line) and how to re-plan from the run. Layers need the plan's profile;
@@ -54,7 +53,7 @@ def _profile(plan: Plan, plan_path: Path):
 
 
 def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str | None) -> None:
-    console = Console(width=min(Console().width, 100)) if sys.stdout.isatty() else Console(width=100)
+    console = usage.console(widest=100)
     t = run.timing
     for line in headline(rows):
         console.print(escape(line), style="bold")
@@ -62,16 +61,20 @@ def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str
                   title_justify="left")
     for name in ("entry", "predicted", "measured", "error"):
         table.add_column(name, justify="left" if name == "entry" else "right")
-    for r in rows:
-        error = "" if r.error is None else f"{r.error:+.0%}"
+    shown, summed = folded(rows)
+    for r in shown:
+        error = "" if r.error is None or not r.checked else f"{r.error:+.0%}"
         style = "red" if r.off else ("dim" if not r.checked else None)
         table.add_row(escape(r.entry), r.unit.format_short(r.predicted), r.unit.format_short(r.measured), error,
                       style=style)
     console.print(table)
-    unchecked = sum(not r.checked for r in rows)
+    if summed:
+        console.print(f"{summed} layer times under {NEGLIGIBLE:.0%} of the predicted iteration each are summed in "
+                      "the 'short layers' rows: one by one they are as short as the timer and hook noise around them")
+    unchecked = sum(not r.checked for r in shown)
     if unchecked:
-        console.print(f"{unchecked} entries under {NEGLIGIBLE:.0%} of the predicted iteration are shown dim and not "
-                      f"checked (timer noise)")
+        console.print(f"{unchecked} entries under {NEGLIGIBLE:.0%} of the predicted iteration are shown dim, without "
+                      "an error, and not checked")
     if note:
         console.print(f"note: {escape(note)}")
     off = grouped_warnings(rows)

@@ -1,5 +1,5 @@
-"""`hetero run [--plan plan.yaml] [--allow-stale] [--nproc-per-node N ...] SCRIPT [ARGS]...`: run a script under a
-plan, in this process or in one torchrun worker per rank."""
+"""`hetero run [--plan plan.yaml] [--allow-stale] [--skip-profile-check] [--nproc-per-node N ...] SCRIPT [ARGS]...`:
+run a script under a plan, in this process or in one torchrun worker per rank."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ def torchrun(nproc: int | None, nnodes: str, node_rank: int | None, master_addr:
 
 
 def run(
+    ctx: typer.Context,
     script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
     args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
     plan: str = typer.Option(None, "--plan", metavar="FILE", help="The plan to enforce [default: plan.yaml]."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run a plan made for another profile or model."),
+    skip_profile_check: bool = typer.Option(False, "--skip-profile-check", help="Run a plan whose profile cannot be "
+                                            "found or read, unchecked against it (refused otherwise)."),
     trace: Path = typer.Option(None, "--trace", metavar="FILE.json", help="Record steps into a Chrome/Perfetto "
                                "trace, with a summary (FILE.yaml) for `hetero report`; rank 0 only."),
     trace_steps: int = typer.Option(10, "--trace-steps", metavar="N", help="Steps to record, after the first."),
@@ -44,7 +47,9 @@ def run(
     The script's exit code passes through; with several workers, that of the first one to fail."""
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     traced = launch.Trace(trace, trace_steps) if trace is not None else None
-    code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks, trace=traced)
+    own = bool(ctx.obj and ctx.obj.get("own_process"))
+    code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks, trace=traced,
+                      skip_profile_check=skip_profile_check, replace_process=own)
     raise typer.Exit(code)
 
 

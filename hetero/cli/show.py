@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from hetero.cli.usage import console
 from hetero.schema import files
 from hetero.schema.fields import FieldSpec, is_schema, specs, strip_optional
 from hetero.schema.profile import CurvePoint
@@ -35,13 +35,13 @@ def show(
     if as_json:
         print(json.dumps(files.to_data(obj), indent=2))
         return
-    # 100 columns at most, a terminal or not: long cells (why, storages) wrap inside their column
-    console = Console(width=min(Console().width, 100)) if sys.stdout.isatty() else Console(width=100)
-    console.print(f"[bold]{type(obj).__name__}[/bold] {path}")
+    # 100 columns at most unless COLUMNS says otherwise: long cells (why, storages) wrap inside their column
+    out = console(widest=100)
+    out.print(f"[bold]{type(obj).__name__}[/bold] {path}")
     # Plans say why a section is absent, profiles why a field is null: show it where the section would be.
     reasons = getattr(obj, "omitted", None) or getattr(obj, "unmeasured", None) or {}
     for spec in specs(type(obj)):
-        _section(console, spec.key, getattr(obj, spec.name), spec, reasons)
+        _section(out, spec.key, getattr(obj, spec.name), spec, reasons)
 
 
 def _section(console: Console, title: str, value: Any, spec: FieldSpec, reasons: dict[str, str]) -> None:

@@ -7,8 +7,10 @@ mean nothing to a user. `Command` rewrites its help and usage text; `main` gives
 
 from __future__ import annotations
 
+import os
 import re
 
+from rich.console import Console
 from typer.core import TyperCommand
 
 from hetero.errors import USAGE, HeteroError
@@ -43,3 +45,13 @@ def quantity(unit: Unit, text: str | None, flag: str):
         return unit.parse(text)
     except ValueError as e:
         raise HeteroError(f"{flag}: {e}", hint=f"write it like {flag} {unit.example()}", exit_code=USAGE) from None
+
+
+def console(widest: int, stderr: bool = False) -> Console:
+    """A console as wide as `COLUMNS` says where it is set, else the terminal's width up to `widest`, else (piped)
+    `widest`: long cells wrap inside their column."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return Console(width=int(columns), stderr=stderr)
+    probe = Console(stderr=stderr)
+    return Console(width=min(probe.width, widest) if probe.is_terminal else widest, stderr=stderr)

@@ -1,14 +1,16 @@
-"""Find the model and its optimizer inside a script we did not write.
+"""Find the model(s) and their optimizers inside a script we did not write.
 
 The model is the root module (one called outside any other module's forward) whose parameters the first
 optimizer to step owns. Roots are seen through global module hooks until that first `optimizer.step()`; DDP,
-FSDP and `torch.compile` wrappers are unwrapped. Several candidates are an error that lists them by the names the
-script gives them, so `--model NAME` can choose.
+FSDP and `torch.compile` wrappers are unwrapped. Several candidates for one optimizer are an error that lists them
+by the names the script gives them, so `--model NAME` can choose. Several optimizers each owning one root (a GAN's
+generator and discriminator, each with its Adam) make several models, seen as one (hetero.harness.models). A script
+that builds no optimizer of what it trains (a hand-written update loop) is found at the end of its first backward.
 
 What hetero cannot carry out is found here, at profile time, so that `hetero run` never meets it first (exit code
-UNSUPPORTED_SCRIPT): a script that never steps a `torch.optim` optimizer, or a second optimizer stepping. An
-optimizer hetero's Adam cannot replace (amsgrad, or parameters outside the model) is not refused: it stays the
-script's own (`offloadable`), and the plan says why.
+UNSUPPORTED_SCRIPT): a script that ends without training, or an optimizer stepping that owns parameters of no
+model found by the first step. An optimizer hetero's Adam cannot replace (amsgrad, parameters outside the model,
+sharded parameters) is not refused: it stays the script's own (`offloadable`), and the plan says why.
 """
 
 from __future__ import annotations
@@ -17,20 +19,29 @@ import contextlib
 import hashlib
 import os
 import re
-import sys
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from hetero.errors import UNSUPPORTED_SCRIPT, USAGE, HeteroError
+from hetero.harness import watch
+from hetero.harness.layers import sharded
+from hetero.harness.models import combine, names, roots, script_values
 from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+_binding: list[nn.Module] = []  # the modules whose call found the model, while it is being bound
+
+
+def calling(model: nn.Module) -> bool:
+    """Whether `model` is being bound from inside its own call: its forward pre-hooks are running, so a pre-hook
+    registered now misses this call, while a forward hook registered now sees it end."""
+    return any(m is model for m in _binding)
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -56,24 +67,35 @@ def fingerprint(model: nn.Module) -> str:
 
 
 class Capture:
-    """Watches the script until its first optimizer step, then calls `on_found(model, optimizer)` once.
+    """Watches the script until it knows the model(s), then calls `on_found(model, optimizers)` once.
 
-    With `fingerprint` (hetero run: the plan's model), a root module with that fingerprint is taken as soon as its
-    first forward with gradients enabled starts (an evaluation of an EMA copy with the same fingerprint does not
-    count), before anything runs on it, and `on_found(model, None)` is called then.
+    `hetero profile` (no `fingerprint`): decided at the first `optimizer.step()`, among the root modules called so
+    far and the optimizers built so far. Each optimizer whose parameters one root owns makes that root a model;
+    several models (a GAN's generator and discriminator) are one `Models` view, named by the script's variables.
+    `optimizers` lists theirs, the stepping one first. A script that ends a backward call having built no optimizer
+    of the roots that got gradients (a hand-written update loop) is decided there: those roots are the model(s),
+    and `optimizers` is empty.
+
+    `hetero run` (`fingerprint`; `parts`, the plan's (name, fingerprint) of each model, where several): a root with
+    the plan's fingerprint (or a part's) is taken as soon as its first forward with gradients enabled starts (an
+    evaluation of an EMA copy with the same fingerprint does not count), before anything runs on it, with the other
+    parts found among the roots seen and the modules the script's variables hold; `on_found(model, [])` then.
     """
 
-    def __init__(self, on_found: Callable[[nn.Module, torch.optim.Optimizer | None], None], script: str,
-                 model_name: str | None = None, fingerprint: str | None = None):
+    def __init__(self, on_found: Callable[[nn.Module, list[torch.optim.Optimizer]], None], script: str,
+                 model_name: str | None = None, fingerprint: str | None = None,
+                 parts: list[tuple[str, str]] | None = None):
         self.on_found = on_found
         self.script = os.path.abspath(script)
         self.model_name = model_name
         self.fingerprint = fingerprint
+        self.parts = parts or []
         self.checked: set[int] = set()  # roots whose fingerprint was compared already
         self.roots: list[nn.Module] = []  # modules called at depth 0, in order of first call
         self.depth = 0
         self.found = False
-        self.handles: list[RemovableHandle] = []
+        self.built: list[weakref.ref] = []  # optimizers built while watching (hetero profile)
+        self.handles: list = []
 
     def __enter__(self) -> Capture:
         # torch warns that global hooks fire once more for a compiled wrapper: ours do, and `unwrap` sees through it.
@@ -84,6 +106,8 @@ class Capture:
             nn.modules.module.register_module_forward_hook(self._post, always_call=True),
             register_optimizer_step_pre_hook(self._step),
         ]
+        if self.fingerprint is None:
+            self.handles += [watch.optimizers_built(self._built), watch.backward_calls(self._backward_ended)]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,9 +124,11 @@ class Capture:
         # an evaluation forward (an EMA copy, which has the model's fingerprint) does not pick the trained model
         if self.fingerprint and self.depth == 1 and id(module) not in self.checked and torch.is_grad_enabled():
             self.checked.add(id(module))
-            model = unwrap(module)
-            if fingerprint(model) == self.fingerprint:
-                self._found(model, None)
+            _binding.append(module)  # a wrapper's (DDP, torch.compile): the model's own call is still to come
+            try:
+                self._planned(unwrap(module))
+            finally:
+                _binding.pop()
 
     def _post(self, module: nn.Module, args, output) -> None:
         self.depth = max(0, self.depth - 1)
@@ -110,31 +136,103 @@ class Capture:
     def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         self.resolve(optimizer)
 
+    def _built(self, optimizer: torch.optim.Optimizer) -> None:
+        self.built.append(weakref.ref(optimizer))
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers built so far, in order."""
+        return [opt for opt in (ref() for ref in self.built) if opt is not None]
+
+    def _planned(self, model: nn.Module) -> None:
+        """A root's first training forward: the plan's model, or one of its parts (then with all the others)."""
+        if not self.parts:
+            if fingerprint(model) == self.fingerprint:
+                self._found(lambda: (model, []))
+        elif any(fingerprint(model) == wanted for _, wanted in self.parts):
+            found = self.planned_parts(model)
+            if found is not None:
+                self._found(lambda: (combine(found), []))
+
+    def planned_parts(self, first: nn.Module | None) -> dict[str, nn.Module] | None:
+        """The plan's models by name, found among `first`, the roots seen and the script's variables (where several
+        have a part's fingerprint, e.g. an EMA copy, the variable of the part's name, then the first called);
+        None while one is missing."""
+        pool = [("", m) for m in ([first] if first is not None else []) + [unwrap(r) for r in self.roots]]
+        pool += script_values(self.script, nn.Module, unwrap)
+        prints: dict[int, str] = {}
+        out: dict[str, nn.Module] = {}
+        for name, wanted in self.parts:
+            matches = [(var, m) for var, m in pool if not any(m is o for o in out.values())
+                       and prints.setdefault(id(m), fingerprint(m)) == wanted]
+            if not matches:
+                return None
+            out[name] = next((m for var, m in matches if var == name), matches[0][1])
+        return out
+
+    def _backward_ended(self) -> None:
+        """A backward call returned: where no optimizer built so far updates what got gradients, the script updates
+        its parameters by hand, and its models are known now."""
+        if self.found:
+            return
+        graded = []
+        for root in map(unwrap, self.roots):
+            if any(p.grad is not None for p in root.parameters()) and not any(root is g for g in graded):
+                graded.append(root)
+        owned = {id(p) for opt in self.optimizers() for group in opt.param_groups for p in group["params"]}
+        if graded and not any(id(p) in owned for root in graded for p in root.parameters()):
+            self._found(lambda: (self._named([self.chosen(graded)] if self.model_name else graded), []))
+
     def resolve(self, optimizer: torch.optim.Optimizer) -> None:
         """Decide now (the first step, or hetero needs the model earlier), among the roots seen so far."""
-        if not self.found:
-            self._found(None, optimizer)
+        if self.found:
+            return
+        if self.fingerprint is None:
+            self._found(lambda: self.models(optimizer))
+            return
+        parts = self.planned_parts(None) if self.parts else None  # the plan's: whatever was called so far
+        self._found(lambda: (combine(parts) if parts else self.choose(optimizer), []))
 
-    def _found(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
+    def _found(self, decide: Callable[[], tuple[nn.Module, list[torch.optim.Optimizer]]]) -> None:
+        """`decide()` gives the model(s) and their optimizers; then `on_found` is called with them."""
         self.found = True
         self.__exit__()  # global hooks cost every module call: drop them as soon as the model is known
         try:
-            self.on_found(model if model is not None else self.choose(optimizer), optimizer)
+            self.on_found(*decide())
         except HeteroError as e:
             raise StopScript(e) from None  # an Exception here could be swallowed by the script
 
-    def choose(self, optimizer: torch.optim.Optimizer) -> nn.Module:
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        candidates = []
-        for root in map(unwrap, self.roots):
-            if any(id(p) in owned for p in root.parameters()) and not any(root is c for c in candidates):
-                candidates.append(root)
-        names = _names(candidates, self.script)
+    def models(self, stepping: torch.optim.Optimizer) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        """The model(s) and their optimizers, `stepping` first: every optimizer built so far whose parameters one
+        root seen so far owns makes that root a model (`--model` keeps the one it names)."""
+        owners = [(stepping, self.choose(stepping))]
+        for opt in self.optimizers():
+            candidates = self.candidates(opt)
+            if opt is not stepping and len(candidates) == 1:  # others have no model yet: refused if they step
+                owners.append((opt, candidates[0]))
         if self.model_name is not None:
-            chosen = [c for c, n in zip(candidates, names) if self.model_name in (n, type(c).__name__)]
-            if len(chosen) != 1:
-                raise _error(f"--model {self.model_name} matches {len(chosen)} of the candidates", names, candidates)
-            return chosen[0]
+            owners = [(opt, m) for opt, m in owners if m is owners[0][1]]
+        parts: list[nn.Module] = []
+        for root in map(unwrap, self.roots):  # in the order the script first called them
+            if any(m is root for _, m in owners) and not any(root is p for p in parts):
+                parts.append(root)
+        return self._named(parts), [opt for opt, _ in owners]
+
+    def _named(self, parts: list[nn.Module]) -> nn.Module:
+        return combine(dict(zip(names(parts, self.script, unwrap), parts)))
+
+    def candidates(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:
+        """The roots seen so far (unwrapped) that own parameters `optimizer` updates, in order of first call."""
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        out: list[nn.Module] = []
+        for root in map(unwrap, self.roots):
+            if any(id(p) in owned for p in root.parameters()) and not any(root is c for c in out):
+                out.append(root)
+        return out
+
+    def choose(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        candidates = self.candidates(optimizer)
+        if self.model_name is not None:
+            return self.chosen(candidates)
         if len(candidates) == 1:
             return candidates[0]
         if not candidates:
@@ -143,35 +241,32 @@ class Capture:
                 "before that step",
                 hint="hetero needs the script to call the model (an nn.Module) before optimizer.step()",
             )
-        raise _error("several models own parameters of the optimizer", names, candidates)
+        raise _error("several models own parameters of the optimizer", candidates, self.script)
+
+    def chosen(self, candidates: list[nn.Module]) -> nn.Module:
+        """The candidate `--model` names."""
+        found = names(candidates, self.script, unwrap)
+        chosen = [c for c, n in zip(candidates, found) if self.model_name in (n, type(c).__name__)]
+        if len(chosen) != 1:
+            raise _error(f"--model {self.model_name} matches {len(chosen)} of the candidates", candidates,
+                         self.script)
+        return chosen[0]
 
 
-def _error(message: str, names: list[str], candidates: list[nn.Module]) -> HeteroError:
-    listed = ", ".join(f"{n} ({type(c).__name__})" for n, c in zip(names, candidates))
-    return HeteroError(f"{message}: {listed}", hint=f"choose one with --model NAME, e.g. --model {names[0]}",
+def _error(message: str, candidates: list[nn.Module], script: str) -> HeteroError:
+    found = names(candidates, script, unwrap)
+    listed = ", ".join(f"{n} ({type(c).__name__})" for n, c in zip(found, candidates))
+    return HeteroError(f"{message}: {listed}", hint=f"choose one with --model NAME, e.g. --model {found[0]}",
                        exit_code=USAGE)
-
-
-def _names(modules: list[nn.Module], script: str) -> list[str]:
-    """The variable name each module has in the script's frames (innermost first), else its class name."""
-    names = [type(m).__name__ for m in modules]
-    frame = sys._getframe()
-    while frame is not None:
-        if os.path.abspath(frame.f_code.co_filename) != script:
-            frame = frame.f_back
-            continue
-        for var, value in {**frame.f_globals, **frame.f_locals}.items():
-            for i, m in enumerate(modules):
-                if names[i] == type(m).__name__ and isinstance(value, nn.Module) and unwrap(value) is m:
-                    names[i] = var
-        frame = frame.f_back
-    return names
 
 
 def offloadable(optimizer: torch.optim.Optimizer, model: nn.Module) -> str | None:
     """None where hetero's offloaded Adam can take this optimizer's place; else why not (it stays the script's)."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return f"{type(optimizer).__name__} is not Adam or AdamW"
+    if sharded(model):
+        return (f"the model's parameters are sharded across ranks (FSDP2's fully_shard): hetero's Adam places whole "
+                f"parameters, so the {type(optimizer).__name__} steps the shards as the script built it")
     mine = {id(p) for p in model.parameters()}
     outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
     if outside:  # the plan places states by the model's parameter names
@@ -185,39 +280,53 @@ def offloadable(optimizer: torch.optim.Optimizer, model: nn.Module) -> str | Non
     return None
 
 
-def no_optimizer() -> HeteroError:
-    """The script ran to its end and never stepped a torch.optim optimizer (a hand-written update loop)."""
-    return HeteroError("the script ended without calling step() of a torch.optim optimizer: hetero finds the model "
-                       "and the training steps through it", exit_code=UNSUPPORTED_SCRIPT,
-                       hint="train with a torch.optim optimizer (e.g. torch.optim.SGD for a hand-written SGD loop)")
+def no_training() -> HeteroError:
+    """The script ran to its end without an optimizer step or a backward call of a module it called."""
+    return HeteroError("the script ended without training: no optimizer step and no backward call that gave a "
+                       "module's parameters gradients", exit_code=UNSUPPORTED_SCRIPT,
+                       hint="hetero profiles a training script: call the model, then loss.backward() (and, usually, "
+                            "optimizer.step())")
 
 
 class OtherOptimizers:
-    """Refuses a second optimizer stepping (a GAN's generator and discriminator): the profile, the plan and the
-    runtime follow one model and its one optimizer."""
+    """Refuses an optimizer stepping that is not one of the models' (an optimizer of a model the script had not yet
+    called by its first step, or any optimizer of a script that updates its parameters by hand): the profile, the
+    plan and the runtime follow the models found then. With `--model`, other models' optimizers step untouched."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
-        self.optimizer, self.model = optimizer, model
+    def __init__(self, optimizers: list[torch.optim.Optimizer], model: nn.Module, chosen: bool):
+        self.optimizers, self.model, self.chosen = optimizers, model, chosen
+        self.params = {id(p) for p in model.parameters()}
+        self.others_stepped = False  # with --model: another model's optimizer stepped
         self.handle = register_optimizer_step_pre_hook(self._step)
 
     def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if optimizer is self.optimizer:
+        if any(optimizer is o for o in self.optimizers):
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.chosen and not any(id(p) in self.params for p in params):
+            self.others_stepped = True
             return
         self.close()
-        count = lambda opt: sum(p.numel() for g in opt.param_groups for p in g["params"])  # noqa: E731
+        count = sum(p.numel() for p in params)
+        if not self.optimizers:
+            raise StopScript(HeteroError(
+                f"the script stepped a {type(optimizer).__name__} (over {count:,} values) after updating its "
+                f"parameters by hand: hetero counted its steps from backward calls", exit_code=UNSUPPORTED_SCRIPT,
+                hint="build the optimizer before the first backward call, or run this script without hetero"))
         raise StopScript(HeteroError(
-            f"the script steps a second optimizer ({type(optimizer).__name__} over {count(optimizer):,} values) "
-            f"besides the {type(self.optimizer).__name__} of its model {type(self.model).__name__} "
-            f"({count(self.optimizer):,} values): hetero profiles and runs scripts with one model and one optimizer",
+            f"the script steps an optimizer ({type(optimizer).__name__} over {count:,} values) whose model it had not "
+            f"called by its first optimizer step: hetero profiles and runs the models it finds then "
+            f"({', '.join(type(o).__name__ for o in self.optimizers)} over {len(self.params):,} tensors)",
             exit_code=UNSUPPORTED_SCRIPT,
-            hint="run this script without hetero, or train all its parameters with one optimizer "
-                 "(param groups may differ in lr and weight decay)"))
+            hint="call every model the script trains before the first optimizer step, or run this script without "
+                 "hetero"))
 
     def close(self) -> None:
         self.handle.remove()
 
 
-def compiled(model: nn.Module, roots: list[nn.Module]) -> bool:
-    """Whether the script calls `model` through torch.compile (a compiled wrapper, or `model.compile()`)."""
-    return getattr(model, "_compiled_call_impl", None) is not None or \
-        any(type(r).__name__ == "OptimizedModule" and unwrap(r) is model for r in roots)
+def compiled(model: nn.Module, called: list[nn.Module]) -> bool:
+    """Whether the script calls `model` (or a part of it) through torch.compile (a compiled wrapper, or
+    `model.compile()`)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None or
+               any(type(r).__name__ == "OptimizedModule" and unwrap(r) is m for r in called) for m in roots(model))

@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from hetero.harness import hooks
-from hetero.harness.layers import LayerSpec, adopt_unseen, tensors
+from hetero.harness import hooks, watch
+from hetero.harness.layers import LayerSpec, adopt_unseen, sharded, storages, tensors
+from hetero.harness.models import roots
 from hetero.schema.profile import Layer
 from hetero.units import measured
 
@@ -71,6 +72,7 @@ class PassTokens:
     list."""
 
     start: Any
+    root: int = 0  # which of the model's roots (hetero.harness.models) made it
     forward_end: Any = None
     intervals: list[Interval] = field(default_factory=list)  # in end order
     fp_end: dict[int, Any] = field(default_factory=dict)
@@ -89,6 +91,8 @@ COMPILED = ("the model is compiled (torch.compile): hetero's per-layer hooks wou
 
 class LayerProfiler:
     """Hooks on one model; every forward with grad enabled while attached is recorded as a PassTokens (one micro-batch).
+    Of several models (hetero.harness.models), every call of each is one, and a backward ends the last one of the
+    model whose parameters it reaches.
 
     `compiled`: the script calls the model through torch.compile. Module and saved-tensor hooks would be traced into
     the compiled graph (their clocks read once, at trace time), so none are registered; the parameters' gradient
@@ -99,12 +103,19 @@ class LayerProfiler:
     def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock,
                  saved_tensors: bool = True, compiled: bool = False):
         self.model, self.layers, self.clock, self.compiled = model, layers, clock, compiled
+        self.roots = roots(model)
+        self.root_of = {id(p): k for k, root in enumerate(self.roots) for p in root.parameters()}
         self.first_param = next((p for p in model.parameters() if p.requires_grad), None)
         self.index = {id(layer.module): i for i, layer in enumerate(layers)}
-        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.own_storages = storages(model.parameters())
+        self.sharded = sharded(model)  # FSDP2: parameters' storages are read again at each layer's start
+        self.param_storages = set(self.own_storages)
         self.micro_batches: list[PassTokens] = []
         self.current: PassTokens | None = None  # the micro-batch whose forward is running
-        self.last_forward: PassTokens | None = None  # the one whose backward runs next
+        self.last_forward: PassTokens | None = None  # the one whose forward ended last
+        self.last_of_root: dict[int, PassTokens] = {}  # by root: the one whose backward runs next
+        self.pending: list[PassTokens] = []  # forwards ended whose backward call has not returned
+        self.backward_calls = 0  # that returned while attached (0: not counted, a compiled model)
         self.stack: list[list] = []  # [layer, start token, depth, last nested layer ended] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
         # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
@@ -118,13 +129,14 @@ class LayerProfiler:
         if self.compiled:
             self.handles = [self.first_param.register_post_accumulate_grad_hook(self._backward_counted)]
             return
-        self.handles = [hooks.forward_pre(self.model, self._forward_start),
-                        hooks.forward(self.model, self._forward_end, always_call=True)]
+        self.handles = [handle for root in self.roots for handle in (
+            hooks.forward_pre(root, self._forward_start), hooks.forward(root, self._forward_end, always_call=True))]
         for layer in self.layers:
             self.handles += [hooks.forward_pre(layer.module, self._layer_start),
                              hooks.forward(layer.module, self._layer_end)]
         self.handles += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
                          for p in self.model.parameters() if p.requires_grad]
+        self.handles.append(watch.backward_calls(self._backward_returned))
 
     def detach(self) -> None:
         for h in self.handles:
@@ -134,21 +146,26 @@ class LayerProfiler:
     # -- forward ---------------------------------------------------------------------------------------------
 
     def _forward_start(self, module, args) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation forwards are not training micro-batches
+        if not torch.is_grad_enabled() or self.current is not None:
+            return  # evaluation forwards are not training micro-batches; a model called inside another is a layer
         t = time.perf_counter()
-        self.current = PassTokens(start=self.clock.mark())
+        root = next(k for k, r in enumerate(self.roots) if r is module)
+        self.current = PassTokens(start=self.clock.mark(), root=root)
         self.micro_batches.append(self.current)
         self.stack, self.last_ended = [], -2
+        if self.sharded:
+            self.param_storages = set(self.own_storages)
         self.saved_hooks.__enter__()
         self.hook_s += time.perf_counter() - t
 
     def _forward_end(self, module, args, output) -> None:
-        if self.current is None:
+        if self.current is None or self.roots[self.current.root] is not module:
             return
         self.saved_hooks.__exit__(None, None, None)
         self.current.forward_end = self.clock.mark()
-        self.last_forward, self.current = self.current, None
+        self.pending.append(self.current)
+        self.last_forward = self.last_of_root[self.current.root] = self.current
+        self.current = None
 
     def _layer_start(self, module, args) -> None:
         mb = self.current
@@ -156,6 +173,8 @@ class LayerProfiler:
             return
         t = time.perf_counter()
         i = self.index[id(module)]
+        if self.sharded:  # FSDP2 has just unsharded the layer's parameters into storages of their own
+            self.param_storages |= storages(module.parameters(recurse=False))
         if i not in mb.order:
             mb.order.append(i)
         self.stack.append([i, self.clock.mark(), len(self.stack), None])
@@ -210,8 +229,20 @@ class LayerProfiler:
         return hook
 
     def _grad_accumulated(self, param: nn.Parameter) -> None:
-        if self.last_forward is not None:
-            self.last_forward.backward_end = self.clock.mark()
+        last = self.last_of_root.get(self.root_of.get(id(param), 0))
+        if last is not None:
+            last.backward_end = self.clock.mark()
+
+    def _backward_returned(self) -> None:
+        """A backward call returned: it ended every micro-batch it reached whose end no gradient hook marked (FSDP2
+        accumulates into unsharded parameters and hands the shards their gradients itself)."""
+        self.backward_calls += 1
+        reached = [mb for mb in self.pending if mb.grad_ready or mb.first_unpack]
+        self.pending = [mb for mb in self.pending if not (mb.grad_ready or mb.first_unpack)]
+        if any(mb.backward_end is None for mb in reached):
+            mark = self.clock.mark()
+            for mb in reached:
+                mb.backward_end = mb.backward_end or mark
 
     def _backward_counted(self, param: nn.Parameter) -> None:
         mark = self.clock.mark()
@@ -246,12 +277,18 @@ def summarize(profiler: LayerProfiler) -> Summary:
     profiler.clock.finish()
     if profiler.compiled:
         return _untimed(profiler)
-    per_mb = [resolve(mb, profiler.clock, len(profiler.layers)) for mb in profiler.micro_batches if mb.backward_end]
+    complete = [mb for mb in profiler.micro_batches if mb.backward_end]
+    per_mb = [resolve(mb, profiler.clock, len(profiler.layers)) for mb in complete]
     assert per_mb, "no complete micro-batch was recorded"
-    mean = lambda key, i=None: sum(getattr(r, key) if i is None else getattr(r, key)[i]  # noqa: E731
-                                   for r in per_mb) / len(per_mb)
+    ran = [[r for mb, r in zip(complete, per_mb) if i in mb.order] or per_mb for i in range(len(profiler.layers))]
+
+    def mean(key: str, i: int | None = None) -> float:  # a layer's: over the micro-batches it ran in
+        passes = per_mb if i is None else ran[i]
+        return sum(getattr(r, key) if i is None else getattr(r, key)[i] for r in passes) / len(passes)
+
     layers = []
-    order, params, timed_as = adopt_unseen(profiler.layers, profiler.micro_batches[0].order)
+    first_order = list(dict.fromkeys(i for mb in complete for i in mb.order))  # several models: each one's layers
+    order, params, timed_as = adopt_unseen(profiler.layers, first_order)
     for i in order:
         spec, t = profiler.layers[i], timed_as.get(i, i)
         layers.append(Layer(
@@ -260,7 +297,7 @@ def summarize(profiler: LayerProfiler) -> Summary:
             params={k: p.numel() * p.element_size() for k, p in params[i].items()},
             fp_s=measured(mean("fp", i)) if t == i else 0.0, bp_s=measured(mean("bp", i)) if t == i else 0.0,
             fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
-            saved_bytes=round(mean("saved", i)), saved_storages_bytes=per_mb[-1].storages[i],
+            saved_bytes=round(mean("saved", i)), saved_storages_bytes=ran[i][-1].storages[i],
             fp_end_s=measured(mean("fp_end", t)),
             bp_start_s=measured(mean("bp_start", t))))
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))

@@ -74,6 +74,24 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def storages(params) -> set[int]:
+    """Addresses of the storages these parameters own in this process. A sharded parameter (FSDP2's DTensor) owns
+    none here: during its module's forward FSDP2 puts an unsharded parameter in its place, which does, so a hook that
+    must know parameters' storages then reads them again at each layer's forward start (`sharded`)."""
+    out = set()
+    for p in params:
+        try:
+            out.add(p.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+            pass
+    return out
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether some parameter of `model` is a tensor subclass sharded across ranks (FSDP2's `fully_shard`)."""
+    return any(type(p) not in (nn.Parameter, torch.Tensor) and not storages([p]) for p in model.parameters())
+
+
 def tensors(output: Any) -> list[torch.Tensor]:
     """Every tensor in a module's output (nested tuples, lists and dicts)."""
     if isinstance(output, torch.Tensor):
@@ -83,6 +101,13 @@ def tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in tensors(o)]
     return []
+
+
+def before_backward(output: Any, hook) -> None:
+    """Call `hook(grad_outputs)` when backward reaches a module's output: a pre-hook on each distinct grad_fn of the
+    output's tensors."""
+    for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
+        grad_fn.register_prehook(hook)
 
 
 def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],

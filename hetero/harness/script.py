@@ -11,8 +11,10 @@ from __future__ import annotations
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from hetero.errors import USAGE, HeteroError
 
@@ -56,8 +58,13 @@ def check_script(script: str) -> Path:
     return path
 
 
-def run_script(script: str, args: list[str]) -> ScriptResult:
-    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates."""
+def run_script(script: str, args: list[str], tracebacks: TextIO | None = None,
+               explain: Callable[[BaseException], HeteroError | None] | None = None) -> ScriptResult:
+    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates, and so does a
+    HeteroError raised by hetero's own code inside the script (a damaged state file met in `optimizer.step()`): it
+    is hetero's error, reported as one, not a crash of the script; so does the HeteroError `explain` gives for the
+    script's exception (a budget the run overran), instead of its traceback. The script's traceback goes to
+    `tracebacks` (default: stderr)."""
     path = check_script(script)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = script_argv(script, args)
@@ -72,8 +79,13 @@ def run_script(script: str, args: list[str]) -> ScriptResult:
     except SystemExit as e:
         message = "" if e.code is None or isinstance(e.code, int) else str(e.code)
         return ScriptResult(_exit_code(e), stopped=False, error=message)
+    except HeteroError:
+        raise
     except Exception as e:
-        _print_script_traceback(e, path)
+        explained = explain(e) if explain is not None else None
+        if explained is not None:
+            raise explained from None
+        _print_script_traceback(e, path, tracebacks or sys.stderr)
         return ScriptResult(1, stopped=False, error=traceback.format_exception_only(type(e), e)[-1].strip())
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
@@ -89,10 +101,10 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _print_script_traceback(e: BaseException, path: Path) -> None:
+def _print_script_traceback(e: BaseException, path: Path, file: TextIO) -> None:
     script = str(path.resolve())
     tb = e.__traceback__
     while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != script:
         tb = tb.tb_next
-    traceback.print_exception(type(e), e, tb or e.__traceback__)
+    traceback.print_exception(type(e), e, tb or e.__traceback__, file=file)
 

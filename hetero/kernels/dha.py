@@ -18,6 +18,7 @@ infers from the pointers where both ends live.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 from typing import Any, Protocol
@@ -148,12 +149,20 @@ def carve(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class Device(Protocol):
-    """Memory and ordering for the shadow model and the optimizer's gradient copies, on one device. `compute` is the
-    stream the model runs on (where a call happens); `copy` is one dedicated stream serving host-to-device copies in
-    the order they are issued; `download` copies device to host on a second side stream, never on `compute`."""
+    """Memory and ordering for the shadow model, the optimizer's gradient copies and activations tiered to host
+    memory, on one device. `compute` is the stream the model runs on (where a call happens); `copy` is one dedicated
+    stream serving host-to-device copies in the order they are issued; `download` copies device to host on a second
+    side stream, `upload` host to device on a third, never on `compute`.
+
+    Memory rules (what keeps reserved GPU memory close to allocated): device memory is allocated with `buffer` by the
+    threads running the model, so on the compute stream, never inside a side stream; side streams only read and
+    write memory whose owner keeps it alive until the side stream's work is known done (an event waited for by the
+    compute stream, or synchronized by the host) and never `record_stream` it, which would keep a freed block out of
+    the compute stream's pool until the side stream's later work is done."""
 
     kind: str
     name: str
+    device: torch.device  # where the device's tensors are (the CPU for the stand-in)
 
     def pinned(self, nbytes: int) -> torch.Tensor: ...
     def alias(self, host: torch.Tensor) -> torch.Tensor: ...
@@ -165,11 +174,25 @@ class Device(Protocol):
     def copy_waits(self, event: Any) -> None: ...
     def compute_waits(self, event: Any) -> None: ...
     def synchronize(self, event: Any) -> None: ...
+    def query(self, event: Any) -> bool:
+        """Whether the work before `event` is done (an event never recorded: True)."""
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
-    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> Any:
-        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written);
-        the returned event completes when `dst` holds the bytes. The caller's thread does not wait."""
+    def limit(self, nbytes: int | None) -> None:
+        """Cap the memory this process may reserve on the device (None: the whole device)."""
+
+    def peak_reserved(self) -> int:
+        """The most memory this process has reserved on the device."""
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, after: tuple = ()) -> Any:
+        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written)
+        and the events `after` (copies that last used `dst`); the returned event completes when `dst` holds the
+        bytes. The caller's thread does not wait; it keeps `src` alive until the event is done."""
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> Any:
+        """Copy `src` into device `dst` on the upload stream, after the events `after`; the returned event completes
+        when `dst` holds the bytes (and every upload issued before it is done). The caller keeps both alive until
+        then."""
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
         """The host tensor over the same bytes when `t` views pinned memory through `alias`, else None."""
@@ -193,7 +216,9 @@ class CudaDevice:
         self.name = str(self.device)
         self.stream = torch.cuda.Stream(self.device)
         self.d2h = torch.cuda.Stream(self.device)
-        self.mapped: dict[int, tuple[int, torch.Tensor]] = {}  # alias storage -> (its device address, host tensor)
+        self.h2d = torch.cuda.Stream(self.device)  # uploads: activations coming back, beside the weights' copies
+        self.mapped: dict[int, tuple[int, torch.Tensor]] = {}  # device address of an alias -> (its end, host tensor)
+        self.starts: list[int] = []  # the aliases' device addresses, sorted
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         return pinned_host(nbytes)
@@ -202,13 +227,14 @@ class CudaDevice:
         if host.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
         view = map_host(host, self.device)
-        self.mapped[view.untyped_storage()._cdata] = (view.data_ptr(), host)
+        self.mapped[view.data_ptr()] = (view.data_ptr() + host.numel(), host)
+        bisect.insort(self.starts, view.data_ptr())
         return view
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        out.record_stream(self.stream)  # written on the copy stream: its block is reused only after that work
-        return out
+        # On the calling thread's current stream, the compute stream (see Device). Its owner frees it only once the
+        # side streams' work on it is done, so no record_stream.
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def event(self, name: str) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -217,22 +243,40 @@ class CudaDevice:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
-    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event) -> torch.cuda.Event:
+    def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event,
+                 after: tuple = ()) -> torch.cuda.Event:
         # Not on the compute stream (a driver thread's current stream is the legacy default one, where the script
         # computes): the copy would queue behind every backward kernel issued so far and delay the next ones.
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(ready)
+            for event in after:
+                self.d2h.wait_event(event)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.d2h)
-        src.record_stream(self.d2h)  # its memory is not reused before the copy has read it
+        return done
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> torch.cuda.Event:
+        with torch.cuda.stream(self.h2d):
+            for event in after:
+                self.h2d.wait_event(event)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d)
         return done
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
-        entry = self.mapped.get(t.untyped_storage()._cdata)
-        if entry is None or t.untyped_storage().data_ptr() != entry[0]:  # a DFGB swap lent this storage GPU memory
+        if t.device != self.device:
             return None
-        return carve(entry[1], t.data_ptr() - entry[0], t)
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        if i < 0:
+            return None
+        start = self.starts[i]
+        end, host = self.mapped[start]
+        if ptr + t.numel() * t.element_size() > end:
+            return None
+        return carve(host, ptr - start, t)
 
     def record_copy(self, event: torch.cuda.Event) -> None:
         event.record(self.stream)
@@ -248,6 +292,16 @@ class CudaDevice:
 
     def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def limit(self, nbytes: int | None) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if nbytes is None else min(1.0, nbytes / total), self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
 
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)  # on the compute stream, after the kernel that produced src

@@ -1,13 +1,16 @@
 """`hetero run` and `hetero profile` launches: in this process, or through torchrun with one worker per rank.
 
 `build` is pure (argv and environment from the arguments) so it can be tested without running anything. One
-process: `run` reads the plan, refuses a stale one, and runs the script here as `python script.py args` would.
-Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile, the plan's ranks), then
+process: `run` checks the plan as `hetero check` does (hetero.launch.preflight: refused with exit 3 or 4 before
+anything runs), sweeps what killed hetero processes left behind (saying so in one line), and runs the script here as
+`python script.py args` would. Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile,
+the plan's ranks), then
 starts `python -m hetero.launch.torchrun ... -m hetero.launch.worker script args` (torchrun's own engine, quiet about
 failures hetero reports), and every worker runs `hetero.launch.worker`. torchrun and its workers end when hetero ends.
 The protocol between hetero and its workers is the environment:
   HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.launch.worker` default to plan.yaml)
   HETERO_ALLOW_STALE  1: run a plan made for another profile or model
+  HETERO_SKIP_PROFILE_CHECK  1: run a plan whose profile cannot be found or read, unchecked against it
   HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
   HETERO_TRACE        JSON {trace, steps}: rank 0 records that many steps into the trace and run.yaml beside it
   HETERO_EXIT_DIR     where each worker leaves its exit code, the time it ended and the last line of its error, so
@@ -27,19 +30,22 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
-from hetero.errors import STALE_PLAN, USAGE, FileProblems, HeteroError, Interrupted, Problem
+from hetero.errors import USAGE, FileProblems, HeteroError, Interrupted, Problem
 from hetero.harness.script import ScriptResult, check_script, run_script, script_argv
-from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures
+from hetero.launch.plain import Expected, exec_plain
+from hetero.launch.preflight import Checked, check_plan
+from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, traceback_of
 from hetero.run.devices import workdir
 from hetero.run.devices.workdir import PlanPathError
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
-from hetero.schema.sources import find_profile
 
 PLAN_ENV = "HETERO_PLAN"  # where workers started by torchrun find the plan
 ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
+SKIP_PROFILE_CHECK_ENV = "HETERO_SKIP_PROFILE_CHECK"
 PROFILE_ENV = "HETERO_PROFILE"
 TRACE_ENV = "HETERO_TRACE"
 WORKER = "hetero.launch.worker"
@@ -116,8 +122,9 @@ class Trace:
 
 
 def build(script: str, args: list[str], plan_path: Path, allow_stale: bool = False,
-          torchrun: Torchrun | None = None, trace: Trace | None = None) -> Launch:
-    env = {PLAN_ENV: str(plan_path.resolve())} | ({ALLOW_STALE_ENV: "1"} if allow_stale else {})
+          torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False) -> Launch:
+    env = {PLAN_ENV: str(plan_path.resolve())} | ({ALLOW_STALE_ENV: "1"} if allow_stale else {}) | \
+        ({SKIP_PROFILE_CHECK_ENV: "1"} if skip_profile_check else {})
     if trace is not None:
         env[TRACE_ENV] = json.dumps({"trace": str(trace.path.resolve()), "steps": trace.steps})
     return _launch(script, args, env, torchrun)
@@ -131,66 +138,71 @@ def _launch(script: str, args: list[str], env: dict[str, str], torchrun: Torchru
 
 def find_plan(plan: str | None) -> Path:
     path = Path(plan or "plan.yaml")
-    if not path.is_file():
+    if not path.exists():  # one that is there but no regular file (a FIFO, a directory) is refused when read
         hint = ("make one: hetero profile SCRIPT, then hetero plan" if plan is None
                 else "pass the path of a plan made by hetero plan")
         raise HeteroError(f"no plan at {path}", hint=hint, exit_code=USAGE)
     return path
 
 
-def check_profile(plan: Plan, plan_path: Path, allow_stale: bool) -> str | None:
-    """Refuse a plan whose profile changed since it was solved; a warning when the profile cannot be found."""
-    path = find_profile(plan, plan_path)
-    if path is None:
-        return f"cannot check the plan against its profile: {plan.source.profile} not found"
-    try:
-        actual = files.content_sha256(files.load(path, expect=Profile))
-    except FileProblems:
-        return f"cannot check the plan against its profile: {path} is not a valid profile"
-    if actual != plan.source.profile_sha256:
-        if not allow_stale:
-            raise HeteroError(f"{plan_path} is stale: {path} changed since the plan was made",
-                              hint=f"plan again (hetero plan --profile {path}) or pass --allow-stale",
-                              exit_code=STALE_PLAN)
-        return f"running a stale plan: {path} changed since it was made"
-    return None
-
-
 def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool = False,
-        torchrun: Torchrun | None = None, trace: Trace | None = None) -> int:
+        torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False,
+        replace_process: bool = False) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
-    exit code."""
+    exit code. With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the
+    script in this process's place (hetero.launch.plain) and this call does not return."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:
         trace.check()
+    if torchrun is not None:
+        torchrun.check()
+    checked = check_plan(plan_path, allow_stale, skip_profile_check)  # what `hetero check` checks, all of it
+    sweep_earlier(plan_bases(checked.plan))
     if torchrun is None:
-        return run_here(script, args, plan_path, allow_stale, leader=True, trace=trace).exit_code
-    torchrun.check()
-    loaded = files.load(plan_path, expect=Plan)
-    check_profile(loaded, plan_path, allow_stale)  # refuses before any worker starts; rank 0 prints warnings
-    if loaded.routing is not None:
+        if replace_process and trace is None and checked.plan.runs_plain():
+            _run_plain(script, args, checked, allow_stale)
+        return run_here(script, args, plan_path, allow_stale, leader=True, trace=trace,
+                        skip_profile_check=skip_profile_check, checked=checked).exit_code
+    if checked.plan.routing is not None:  # refused before any worker starts; rank 0 prints the warnings
         from hetero.run.routing import check_routing  # imports torch
 
-        check_routing(loaded.routing, torchrun.nproc_per_node * torchrun.max_nodes())
-    return run_workers(build(script, args, plan_path, allow_stale, torchrun, trace))
+        check_routing(checked.plan.routing, torchrun.nproc_per_node * torchrun.max_nodes())
+    return run_workers(build(script, args, plan_path, allow_stale, torchrun, trace, skip_profile_check))
+
+
+def plan_bases(plan: Plan) -> list[str | None]:
+    """The directories a run of `plan` makes work directories in (None: the system temp directory)."""
+    bases = [plan.optimizer.nvme.path] if plan.optimizer is not None and plan.optimizer.nvme is not None else []
+    return bases + ([plan.activations.slow_path] if plan.activations is not None else [])
+
+
+def sweep_earlier(bases: list[str | None]) -> None:
+    """At the start of a run or profile: remove what hetero processes killed earlier left in the temp directory and
+    in `bases`, and say so in one line."""
+    line = workdir.sweep_earlier(bases)
+    if line:
+        print(f"hetero: {line}", file=sys.stderr)
 
 
 def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, leader: bool,
-              trace: Trace | None = None) -> ScriptResult:
+             trace: Trace | None = None, skip_profile_check: bool = False, checked: Checked | None = None,
+             tracebacks: TextIO | None = None) -> ScriptResult:
+    """Run the script in this process under the plan (`checked`: the plan checked already; else checked here);
+    the leader prints the warnings and the summary. The script's traceback, if it raises, goes to `tracebacks`."""
     from hetero.run.recorder import Outputs  # imports torch
     from hetero.run.runtime import Runtime
 
-    loaded = files.load(plan_path, expect=Plan)
-    warning = check_profile(loaded, plan_path, allow_stale)
-    if warning and leader:
+    checked = checked or check_plan(plan_path, allow_stale, skip_profile_check)
+    for warning in checked.warnings if leader else []:
         print(f"hetero: warning: {warning}", file=sys.stderr)
-    launch = build(script, args, plan_path, allow_stale)
+    loaded = checked.plan
+    launch = build(script, args, plan_path, allow_stale, skip_profile_check=skip_profile_check)
     record = Outputs(trace=trace.path, steps=trace.steps, plan_path=str(plan_path), script=script) \
         if trace is not None and leader else None
     with _environment(launch.env), _plan_lines(plan_path):
         with Runtime(loaded, script=script, allow_stale=allow_stale, record=record) as runtime:
-            result = run_script(script, launch.argv[1:])
+            result = run_script(script, launch.argv[1:], tracebacks, explain=runtime.explain)
         # A failed run has no summary: its timings (a sync drift, late prefetches) say nothing about the plan.
         for line in runtime.summary() if leader and result.exit_code == 0 else []:  # may read the plan's path
             print(f"hetero: {line}", file=sys.stderr)
@@ -198,25 +210,52 @@ def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, l
         print(f"hetero: warning: the plan was never applied: {script} ended without an optimizer step, "
               "so hetero never saw its model", file=sys.stderr)
     if leader and result.exit_code == 0:
-        print(f"hetero: {_memory_line(loaded, plan_path)}", file=sys.stderr)
+        print(f"hetero: {_memory_line(loaded, checked.profile)}", file=sys.stderr)
+        gpu = _gpu_line(loaded, runtime.model)
+        if gpu:
+            print(f"hetero: {gpu}", file=sys.stderr)
     return result
 
 
-def _memory_line(plan: Plan, plan_path: Path) -> str:
+def _run_plain(script: str, args: list[str], checked: Checked, allow_stale: bool) -> None:
+    """A plan that moves nothing: the script runs as `python SCRIPT ARGS`, in this process's place
+    (hetero.launch.plain), once the plan and its profile are checked."""
+    from hetero.plan.model import GPU
+
+    for warning in checked.warnings:
+        print(f"hetero: warning: {warning}", file=sys.stderr)
+    plan = checked.plan
+    plain_peak, predicted = _host_peaks(plan, checked.profile)
+    exec_plain(script, args, Expected(fingerprint=plan.source.model_fingerprint, allow_stale=allow_stale,
+                                      plain_peak_bytes=plain_peak, predicted_peak_bytes=predicted,
+                                      predicted_gpu_bytes=plan.predicted.peak_bytes.get(GPU)))
+
+
+def _memory_line(plan: Plan, profile: Profile | None) -> str:
     """This process's peak host memory beside plain training's (the profile's) and the plan's prediction."""
-    from hetero.plan.choices import host_tier
     from hetero.run import process_memory
 
-    path = find_profile(plan, plan_path)
-    try:
-        profile = files.load(path, expect=Profile) if path is not None else None
-    except FileProblems:
-        profile = None
-    memory = profile.memory if profile is not None else None
+    plain, predicted = _host_peaks(plan, profile)
+    estimated = profile is not None and profile.memory is not None and profile.memory.dram_peak_estimated
+    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted, plain, plain_estimated=estimated)
+
+
+def _host_peaks(plan: Plan, profile: Profile | None) -> tuple[int | None, int | None]:
+    """Plain training's host-memory peak as the profile measured it, and the plan's prediction (None: unknown)."""
+    from hetero.plan.choices import host_tier
+
+    plain = profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None
     predicted = plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None
-    return process_memory.peak_line(process_memory.dram_peak_bytes(), predicted,
-                                    memory.dram_peak_bytes if memory else None,
-                                    plain_estimated=memory is not None and memory.dram_peak_estimated)
+    return plain, predicted
+
+
+def _gpu_line(plan: Plan, model) -> str | None:
+    """The process's GPU peaks (torch's reserved, and allocated) beside the plan's prediction; None off a GPU."""
+    from hetero.plan.model import GPU
+    from hetero.run import process_memory
+
+    device = next((p.device for p in model.parameters()), None) if model is not None else None
+    return process_memory.gpu_peak_line(device, plan.predicted.peak_bytes.get(GPU))
 
 
 def profile_workers(script: str, args: list[str], options: object, output: Path, torchrun: Torchrun,
@@ -257,6 +296,9 @@ def _run_torchrun(launch: Launch, exits: str, stdout_to_stderr: bool) -> int:
     if code == 0:
         return 0
     failed = failures(Path(exits))
+    first = traceback_of(Path(exits), failed[0].rank) if failed else ""
+    if first:  # the others' tracebacks follow from it (a closed connection): their one line each says enough
+        print(f"[rank {failed[0].rank}] {first.rstrip()}", file=sys.stderr)
     for line in report_failures(failed):
         print(f"error: {line}", file=sys.stderr)
     return failed[0].code if failed else code

@@ -8,7 +8,9 @@ torch's own launcher (`torch.distributed.run`), quiet about failures that hetero
   such a rank counts as the first to fail), and hetero prints one line per failed rank (report_failures).
 - SIGTERM/SIGINT/SIGHUP (forwarded by hetero) stop the workers as torchrun does, then exit 128 + the signal.
 
-The exit directory's files are `rank<N>`, one line each: `<time ns> <exit code> <last line of the error>`.
+The exit directory's files are `rank<N>`, one line each: `<time ns> <exit code> <last line of the error>`, and
+`rank<N>.traceback`, the script's traceback where it raised: hetero prints the first failed rank's, once, before its
+one line per rank (the others' follow from it: a peer's connection closed in an all-reduce).
 """
 
 from __future__ import annotations
@@ -35,6 +37,21 @@ def write_exit(directory: str | os.PathLike, rank: int, code: int, message: str 
     path.write_text(f"{time.time_ns() if at_ns is None else at_ns} {code} {line}".rstrip() + "\n")
 
 
+TRACEBACK = ".traceback"  # suffix of a rank's traceback file
+
+
+def write_traceback(directory: str | os.PathLike, rank: int, text: str) -> None:
+    Path(directory, f"rank{rank}{TRACEBACK}").write_text(text)
+
+
+def traceback_of(exits: Path, rank: int) -> str:
+    """The traceback `rank` left; "" if none."""
+    try:
+        return Path(exits, f"rank{rank}{TRACEBACK}").read_text()
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     rank: int
@@ -48,6 +65,8 @@ def failures(exits: Path) -> list[Failure]:
     writing it) is skipped."""
     out = []
     for f in exits.iterdir():
+        if f.name.endswith(TRACEBACK):
+            continue
         try:
             at, code, *message = f.read_text().split(" ", 2)
             failure = Failure(int(f.name.removeprefix("rank")), int(code), " ".join(message).strip(), int(at))

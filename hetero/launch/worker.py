@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -11,8 +12,18 @@ from pathlib import Path
 
 from hetero import interrupts
 from hetero.errors import FAILURE, USAGE, HeteroError, Interrupted
-from hetero.launch.launcher import ALLOW_STALE_ENV, PLAN_ENV, PROFILE_ENV, TRACE_ENV, WORKER, Trace, find_plan, run_here
-from hetero.launch.torchrun import EXIT_DIR_ENV, write_exit
+from hetero.launch.launcher import (
+    ALLOW_STALE_ENV,
+    PLAN_ENV,
+    PROFILE_ENV,
+    SKIP_PROFILE_CHECK_ENV,
+    TRACE_ENV,
+    WORKER,
+    Trace,
+    find_plan,
+    run_here,
+)
+from hetero.launch.torchrun import EXIT_DIR_ENV, write_exit, write_traceback
 
 
 def worker_main(argv: list[str]) -> int:
@@ -45,7 +56,15 @@ def _work(argv: list[str]) -> tuple[int, str]:
     plan_path, allow_stale = find_plan(os.environ.get(PLAN_ENV)), os.environ.get(ALLOW_STALE_ENV) == "1"
     traced = json.loads(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
     trace = Trace(Path(traced["trace"]), traced["steps"]) if traced else None
-    result = run_here(script, args, plan_path, allow_stale, leader=_rank() == 0, trace=trace)
+    exits = os.environ.get(EXIT_DIR_ENV)
+    tracebacks = io.StringIO() if exits else None  # hetero prints the first failed rank's, after all ranks end
+    skip = os.environ.get(SKIP_PROFILE_CHECK_ENV) == "1"
+    try:
+        result = run_here(script, args, plan_path, allow_stale, leader=_rank() == 0, trace=trace,
+                          skip_profile_check=skip, tracebacks=tracebacks)
+    finally:
+        if tracebacks is not None and tracebacks.getvalue():
+            write_traceback(exits, _rank(), tracebacks.getvalue())
     return result.exit_code, result.error
 
 

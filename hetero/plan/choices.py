@@ -62,6 +62,11 @@ def host_static_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
     return _static(profile, optimizer, axdimm.params(profile), host).get(host, 0)
 
 
+def gpu_state_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
+    """Bytes of optimizer states the plan's own optimizer keeps on the GPU (`optimizer.device: gpu`)."""
+    return _static(profile, optimizer, axdimm.params(profile), host_tier(profile)).get(GPU, 0)
+
+
 def cpu_share(profile: Profile, plan: Plan, optimizer_lanes: list[str]) -> dict[str, float]:
     """Share of a core the worker behind each background lane keeps busy while it works. Disk workers mostly wait
     for the device (the profile measures how much); unmeasured ones count as busy all the time, as a memory copy

@@ -70,9 +70,10 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
         why["in_backward"] = why_not
     else:
         out.append("in_backward")
-    if ctx.profile.training.optimizer == "other" or ctx.device != "host" or ctx.nvme is None:
-        why["states"] = ("the script's optimizer is not hetero's to move" if ctx.device != "host" or
-                         ctx.profile.training.optimizer == "other" else "the profile has no NVMe tier")
+    theirs = ctx.profile.training.optimizer not in ("adam", "adamw")
+    if theirs or ctx.device != "host" or ctx.nvme is None:
+        why["states"] = ("the script's optimizer is not hetero's to move" if ctx.device != "host" or theirs
+                         else "the profile has no NVMe tier")
     else:
         out.append("states")
     if "states" not in out:
@@ -161,8 +162,12 @@ def floor_text(plan: Plan) -> str:
 def _in_backward_refused(ctx) -> str:
     """Why the script's updates cannot move into backward ('' where they can)."""
     training = ctx.profile.training
+    if training.optimizer == "none":
+        return "the script updates its parameters itself, without a torch.optim optimizer"
     if training.optimizer == "other":
         return "the script's optimizer is not Adam(W)"
+    if training.updates_wait:
+        return training.updates_wait
     if training.clips_grad:
         return "the script clips gradients, which needs them all"
     if training.grad_accumulation > 1:

@@ -38,7 +38,7 @@ BELOW_SWITCH = "malloc's defaults below the switch"  # a plan whose allocator re
 def own_states_in_host(profile: Profile) -> int:
     """Bytes of the script's own Adam states that live in host memory under plain training (with its parameters,
     so only without a GPU)."""
-    if profile.machine.gpu is not None or profile.training.optimizer == "other":
+    if profile.machine.gpu is not None or profile.training.optimizer not in ("adam", "adamw"):
         return 0
     return ADAM_STATE_BYTES_PER_PARAM * sum(p.num_params for p in axdimm.params(profile))
 

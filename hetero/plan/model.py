@@ -141,6 +141,7 @@ class LayerCosts:
     grad_copy_s: float  # D2H copy of its gradients
     fp_gap_s: float  # compute between the previous layer's forward and this one's (MemFerry's A)
     bp_gap_s: float  # compute between the previous backward layer and this one
+    tensors: int = 1  # parameter tensors it owns: the optimizer's and the gradient hooks' unit of work
 
     def bp_time_s(self, mode: str, grad: str) -> float:
         """Backward time by parameter and gradient place. A DHA layer writing host gradients is not measured:
@@ -163,6 +164,18 @@ class Costs:
     # Compute time with a host worker streaming memory beside it, over compute time alone. None where background
     # lanes cannot slow compute: a GPU computes, or the profile did not measure it.
     background_slowdown: float | None = None
+    host: HostWork | None = None  # what the runtime's own work costs the thread that runs the model (a GPU's)
+
+
+@dataclass(frozen=True, slots=True)
+class HostWork:
+    """Unit costs of the runtime's host-side work, as the profile measured them on the GPU machine: while that
+    thread works, no kernel is issued, so the simulator adds it to the compute lane (an upper bound where the GPU
+    is busy for longer than the launches take)."""
+
+    hook_pair_s: float  # a module's pre- and post-forward hooks
+    saved_tensor_s: float  # a saved tensor's pack and unpack
+    event_s: float  # an ordered hand-off between streams
 
 
 def costs(profile: Profile, evict: Curve | None = None, prefetch: Curve | None = None) -> Costs:
@@ -184,7 +197,7 @@ def costs(profile: Profile, evict: Curve | None = None, prefetch: Curve | None =
             bp_dha_s=_known(x.bp_dha_s, x.bp_s, size, read),
             bp_grad_host_s=_known(x.bp_grad_host_s, x.bp_s, size, write, d2h),
             copy_s=h2d.time_s(size) if gpu else 0.0, grad_copy_s=d2h.time_s(size) if gpu else 0.0,
-            fp_gap_s=max(0.0, x.fp_end_s - x.fp_s - prev), bp_gap_s=0.0))
+            fp_gap_s=max(0.0, x.fp_end_s - x.fp_s - prev), bp_gap_s=0.0, tensors=max(1, len(x.params))))
         prev = max(prev, x.fp_end_s)
     order = sorted(range(len(layers)), key=lambda i: (layers[i].bp_start_s, -i))
     for i in order:
@@ -194,7 +207,16 @@ def costs(profile: Profile, evict: Curve | None = None, prefetch: Curve | None =
     tail = max(0.0, t.iteration_s - t.optimizer_step_s - t.grad_accumulation * prev)
     slowdown = profile.machine.cpu.background_slowdown if gpu is None else None  # a GPU's kernels share no cores
     return Costs(layers=out, bp_order=order, tail_s=tail, micro_batches=t.grad_accumulation, has_gpu=gpu is not None,
-                 evict=evict, prefetch=prefetch, background_slowdown=slowdown)
+                 evict=evict, prefetch=prefetch, background_slowdown=slowdown, host=_host_work(profile))
+
+
+def _host_work(profile: Profile) -> HostWork | None:
+    """The measured unit costs on a GPU machine (None elsewhere, where the CPU's own compute is what the runtime's
+    work competes with, and the profile measures that beside compute instead)."""
+    cpu, gpu = profile.machine.cpu, profile.machine.gpu
+    if gpu is None or cpu.hook_pair_s is None:
+        return None
+    return HostWork(hook_pair_s=cpu.hook_pair_s, saved_tensor_s=cpu.saved_tensor_s or 0.0, event_s=gpu.event_s or 0.0)
 
 
 def _known(measured: float | None, base_s: float, size: int, rate: float | None,
@@ -253,3 +275,29 @@ def timed(costs: Costs, ch: Choices) -> Choices:
     ch.evict_s = [chunks_time_s(costs.evict, x.saved_storages, b) for b, x in pairs]
     ch.prefetch_s = [chunks_time_s(costs.prefetch, x.saved_storages, b) for b, x in pairs]
     return ch
+
+
+def host_time_s(costs: Costs, ch: Choices) -> tuple[list[float], list[float]]:
+    """The runtime's host work in each layer's forward and backward, counted as the runtime does it: with
+    activations tiered, every layer's boundary hooks and each saved storage's pack and unpack; with the shadow
+    model, a GFGB layer's wait for its copy, a DFGB layer's hook, event and switch; with the optimizer off the GPU,
+    each parameter's post-accumulate hook and the event its update waits on; host gradients, a hook per parameter."""
+    n, w = len(costs.layers), costs.host
+    if w is None:
+        return [0.0] * n, [0.0] * n
+    tiered = any(ch.evict_bytes)
+    shadow = costs.has_gpu and not ch.params_on_gpu
+    fp, bp = [0.0] * n, [0.0] * n
+    for i, x in enumerate(costs.layers):
+        saved = len(x.saved_storages) if x.saved_storages else (1 if x.saved_bytes else 0)
+        if tiered:
+            fp[i] += w.hook_pair_s + saved * w.saved_tensor_s / 2
+            bp[i] += saved * w.saved_tensor_s / 2
+        if shadow and x.params_bytes:
+            mode = ch.modes[i]
+            fp[i] += (w.hook_pair_s / 2 + w.event_s) if mode != "dha" else 0.0
+            bp[i] += (w.hook_pair_s / 2 + w.event_s) if mode == "dfgb" else 0.0
+        if ch.grads_to_host and x.params_bytes:
+            bp[i] += x.tensors * (w.hook_pair_s / 2 + w.event_s)
+            bp[i] += x.tensors * w.hook_pair_s if ch.grads[i] == "host" else 0.0
+    return fp, bp

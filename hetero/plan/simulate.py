@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from hetero.plan.background import Background
-from hetero.plan.model import GPU, Choices, Costs, Update, timed
+from hetero.plan.model import GPU, Choices, Costs, Update, host_time_s, timed
 from hetero.schema import trace
 from hetero.schema.trace import Count, Span, TierUse, memory_track
 
@@ -72,6 +72,8 @@ class _State:
     stall: float = 0.0
     nvme_late: float = 0.0
     background: Background | None = None  # None: background lanes do not slow compute
+    fp_host: list[float] = field(default_factory=list)  # the runtime's host work per layer (model.host_time_s)
+    bp_host: list[float] = field(default_factory=list)
 
     def run(self, lane: str, what: str, i: int, ready: float, duration: float) -> float:
         """Start layer i's task `what` on `lane` once the lane is free and its input is `ready`; its end time."""
@@ -100,6 +102,7 @@ def simulate(costs: Costs, ch: Choices, record: bool = False, detail: bool = Tru
         ch = timed(costs, replace(ch))
     st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n,
                 background=Background.of(costs, ch))
+    st.fp_host, st.bp_host = host_time_s(costs, ch)
     for name in ("fp_start", "fp_end", "bp_start", "bp_end", "load_end", "evict_start", "evict_end", "pf_start",
                  "pf_end", "ready"):
         setattr(st, name, [0.0] * n)
@@ -132,7 +135,7 @@ def _forward(st: _State) -> None:
         start = max(c, st.load_end[i])
         st.stall += start - c
         dha = gpu and not ch.params_on_gpu and ch.modes[i] != "gfgb"
-        fp = layer.fp_dha_s if dha else layer.fp_s
+        fp = (layer.fp_dha_s if dha else layer.fp_s) + st.fp_host[i]
         c = start + fp if bg is None else bg.finish(start, fp)
         st.fp_start[i], st.fp_end[i] = start, c
         if st.record:
@@ -179,7 +182,7 @@ def _backward(st: _State) -> float:
             start = max(start, st.pf_end[i])
         st.stall += start - c
         mode = ch.modes[i] if gpu and not ch.params_on_gpu else "gfgb"
-        bp = layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s
+        bp = (layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s) + st.bp_host[i]
         c = start + bp if bg is None else bg.finish(start, bp)
         st.bp_start[i], st.bp_end[i] = start, c
         if st.record:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import axdimm, fit, footprint, recompute, routing, simulate, tiering
-from hetero.plan.choices import build, host_tier, sync_times
+from hetero.plan import axdimm, fit, footprint, gpu_fit, plain, recompute, routing, simulate, tiering
+from hetero.plan.choices import build, gpu_state_bytes, host_tier, sync_times
 from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.gpu_layers import layer_modes
 from hetero.plan.model import GPU
@@ -27,6 +27,7 @@ from hetero.schema.plan import (
     NvmeOverflow,
     OptimizerPlan,
     Plan,
+    PlannedModel,
     Predicted,
     RecomputePlan,
     RoutingPlan,
@@ -57,7 +58,10 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
         raise HeteroError(f"--recompute: {why}", hint="plan without --recompute", exit_code=USAGE)
     if fit.applies(profile, ctx.gpu, ctx.budget_source):
         return fit.fit(ctx, lambda levers, blocks=None: _solve(ctx, pins, levers, blocks), ctx.host.name)
-    out = _solve(ctx, pins, frozenset({"recompute"}) if options.recompute else frozenset())
+    if ctx.gpu is not None:
+        out = gpu_fit.fit(ctx, pins, lambda levers: _solve(ctx, pins, levers))
+    else:
+        out = _solve(ctx, pins, frozenset({"recompute"}) if options.recompute else frozenset())
     _check_dram(ctx, out)
     if ctx.budget_source is None:
         return out
@@ -66,8 +70,8 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
 
 
 def _solve(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None = None) -> Plan:
-    """The plan with `levers` (hetero.plan.fit.LEVERS) turned on, predicted, not checked against the budget;
-    `blocks`: how many blocks `recompute` takes (all it can: None)."""
+    """The plan with `levers` turned on (hetero.plan.fit.LEVERS without a GPU, hetero.plan.gpu_fit.LEVERS with
+    one), predicted, not checked against the budget; `blocks`: how many blocks `recompute` takes (all it can: None)."""
     omitted: dict[str, str] = {}
     optimizer = _optimizer(ctx, pins, omitted, levers)
     recomputed = recompute.plan_for(ctx.profile, blocks) if "recompute" in levers else None
@@ -75,7 +79,9 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None 
     route = _routing(ctx, pins, omitted)
     budget = ctx.dram_bytes if ctx.budget_source is not None else None
     draft = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
-                               model_fingerprint=ctx.profile.model.fingerprint),
+                               model_fingerprint=ctx.profile.model.fingerprint,
+                               models=[PlannedModel(name=m.name, fingerprint=m.fingerprint)
+                                       for m in ctx.profile.model.models]),
                  budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
                                reserve=ctx.options.reserve),
                  layers=[], optimizer=optimizer, activations=None, routing=route, predicted=UNPREDICTED,
@@ -83,7 +89,12 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None 
                  update_in_backward=_in_backward(ctx) if "in_backward" in levers and optimizer is None else None,
                  recompute=recomputed)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
-    draft = layer_modes(ctx, draft, pins)
+    if ctx.gpu is not None:
+        counted = plain.counted_budget_bytes(ctx.profile, draft, int(ctx.budget_bytes * (1 - gpu_fit.HEADROOM)),
+                                             predict(ctx.profile, plain.plain_of(draft)))
+        draft = layer_modes(ctx, draft, pins, ctx.options.reserve if "host_grads" in levers else 1.0, counted)
+    else:
+        draft = layer_modes(ctx, draft, pins)
     return _returning_from(ctx, replace(draft, predicted=predicted_of(ctx.profile, draft, predict(ctx.profile, draft))))
 
 
@@ -150,14 +161,40 @@ def predict(profile: Profile, plan: Plan, record: bool = False) -> Result:
 
 def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
     training = ctx.profile.training
-    if training.optimizer == "other":
-        omitted["optimizer"] = ("the script's optimizer is not Adam or AdamW of the model's parameters without "
-                                "amsgrad (what hetero's Adam replaces): it stays as the script built it")
+    if training.optimizer in ("other", "none"):
+        omitted["optimizer"] = _scripts_own(training)
         return None
     if pins.optimizer is not None:
         return pins.optimizer
-    overlap, micro = not training.clips_grad, training.grad_accumulation
-    overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if not overlap else
+    ctx, theirs = _placeable(ctx)
+    out = _placed(ctx, pins, omitted, levers)
+    if not theirs:
+        return out
+    if out is None:
+        omitted["optimizer"] = f"{omitted['optimizer']}; {theirs}"
+        return None
+    return replace(out, why=f"{out.why}; {theirs}")
+
+
+def _placeable(ctx: Context) -> tuple[Context, str]:
+    """The context with only the parameters of models whose optimizers hetero's Adam can replace (several models:
+    each optimizer is placed, or left to the script), and why the others stay the script's ('' for none)."""
+    training = ctx.profile.training
+    theirs = ctx.profile.kept_models()
+    if not theirs:
+        return ctx, ""
+    params = [p for p in ctx.params if ctx.profile.layers[p.layer].model not in theirs]
+    why = "; ".join(f"{o.name} stays the script's ({o.kept})" if o.kept else
+                    f"{o.name} too (it updates {o.model}, whose states the plan does not place)"
+                    for o in training.optimizers if o.model in theirs)
+    return replace(ctx, params=params, update_order=axdimm.update_order(ctx.profile, params)), why
+
+
+def _placed(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
+    training = ctx.profile.training
+    overlap, micro = not training.clips_grad and not training.updates_wait, training.grad_accumulation
+    overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if training.clips_grad
+                   else f"updates wait for the whole backward: {training.updates_wait}" if training.updates_wait else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
     if "states" in levers:
@@ -165,6 +202,8 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
     if device is None:
         omitted["optimizer"] = "--optimizer-device none: the script's optimizer stays as the script built it"
         return None
+    if ctx.gpu is not None and "offload" not in levers and device != "gpu":
+        return None  # the script's own optimizer, on the GPU (hetero.plan.gpu_fit says why)
     if ctx.gpu is None and device == "host" and ctx.options.optimizer_device is None:
         omitted["optimizer"] = _host_saves_nothing(ctx)
         return None
@@ -188,6 +227,19 @@ def _optimizer(ctx: Context, pins: Pins, omitted: dict[str, str], levers: frozen
                                 f"{SIZE.format_short(added)} more there than plain training, for tests and "
                                 "demonstrations")
     return out
+
+
+def _scripts_own(training) -> str:
+    """Why the plan leaves the script's optimizer(s) as they are."""
+    if training.optimizer == "none":
+        return ("the script updates its parameters itself, without a torch.optim optimizer: there is no optimizer "
+                "for hetero's Adam to replace")
+    kept = [o for o in training.optimizers if o.kept]
+    if not kept:
+        return ("the script's optimizer is not Adam or AdamW of the model's parameters without amsgrad (what "
+                "hetero's Adam replaces): it stays as the script built it")
+    whys = "; ".join(o.kept if len(training.optimizers) == 1 else f"{o.name}: {o.kept}" for o in kept)
+    return f"{whys}: {'it stays' if len(kept) == 1 else 'they stay'} as the script built it"
 
 
 def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:
@@ -246,6 +298,8 @@ def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: froz
     if ctx.gpu is None and not (pins.evictions or ctx.options.tier_activations or "tiering" in levers):
         omitted["activations"] = _tiering_saves_nothing(ctx)
         return []
+    if ctx.gpu is not None and "tiering" not in levers:
+        return []  # hetero.plan.gpu_fit says why
     evict, prefetch = ctx.tier_curves(ctx.slow)
     layers = ctx.profile.layers
     rebuilt = recompute.layers_of(ctx.profile, recomputed.blocks) if recomputed is not None else set()
@@ -261,13 +315,26 @@ def _activations(ctx: Context, pins: Pins, omitted: dict[str, str], levers: froz
     out = []
     for rule in ("paper", "packed"):
         decisions = tiering.schedule(windows, evict, prefetch, ctx.options.stay_time_s, min_tensor, pinned, rule)
+        keyed = ctx.gpu is not None  # see _trigger
         schedule = [Eviction(layer=layers[d.layer].name, evict_bytes=d.evict_bytes, prefetch_at_s=_ns(d.prefetch_at_s),
-                             prefetch_after=None if d.prefetch_after is None else layers[d.prefetch_after].name,
-                             pinned=d.outcome == "pinned", why=d.why) for d in decisions]
+                             prefetch_after=layers[d.prefetch_after].name if d.prefetch_after is not None else
+                             _trigger(layers, d.prefetch_at_s) if keyed and d.outcome != "pinned" and d.evict_bytes
+                             else None, pinned=d.outcome == "pinned", why=d.why) for d in decisions]
         out.append(ActivationPlan(fast=ctx.fast, slow=ctx.slow, slow_path=_tier_path(ctx.profile, ctx.slow),
                                   stay_time_s=ctx.options.stay_time_s,
                                   min_tensor_bytes=min_tensor, schedule=schedule, why=rule))
     return out
+
+
+def _trigger(layers, at_s: float) -> str:
+    """On a GPU, the layer whose backward start (as profiled) comes last at or before `at_s`: the prefetch is keyed
+    to it instead of the clock. A GPU runs behind the thread that issues its work, and memory is allocated and freed
+    in the order the work is issued: a clock-timed prefetch would be issued as soon as that thread reached backward,
+    bringing every evicted tensor back at once, while one keyed to a layer's backward start is issued between the
+    backward layers the plan put it between."""
+    started = [x for x in layers if x.bp_start_s <= at_s]
+    first = min(layers, key=lambda x: x.bp_start_s)
+    return max(started, key=lambda x: x.bp_start_s, default=first).name
 
 
 def _tiering_saves_nothing(ctx: Context) -> str:
@@ -316,6 +383,10 @@ def _routing(ctx: Context, pins: Pins, omitted: dict[str, str]) -> RoutingPlan |
     if not ctx.links:
         omitted["routing"] = ONE_PROCESS
         return None
+    if ctx.profile.model.sharded:
+        omitted["routing"] = ("FSDP2 reduce-scatters the gradients of the sharded parameters itself: there is no "
+                              "DDP all-reduce to route")
+        return None
     if pins.routing is not None:
         return pins.routing
     training = ctx.profile.training
@@ -339,7 +410,8 @@ def _check_dram(ctx: Context, out: Plan) -> None:
 
 def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     """The plan's `predicted` section from its simulated iteration."""
-    peak = {tier.name: 0 for tier in profile.machine.tiers} | ({GPU: 0} if profile.machine.gpu else {})
+    # the GPU's own memory is `gpu` (what torch reserves), not its profile tier
+    peak = {t.name: 0 for t in profile.machine.tiers if t.kind != "hbm"} | ({GPU: 0} if profile.machine.gpu else {})
     for tier, used in result.peak_bytes.items():
         peak[tier] = peak.get(tier, 0) + used
     dram: dict[str, int] = {}
@@ -358,6 +430,13 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     sync = sync_times(profile, plan)
     iteration = result.iteration_s + (fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0) + \
         recompute.cost_s(profile, plan.recompute)
+    gpu: dict[str, int] = {}
+    if profile.machine.gpu is not None:
+        bare = predict(profile, plain.plain_of(plan))
+        gpu = plain.gpu_contributors(profile, plan, result, bare, gpu_state_bytes(profile, plan.optimizer))
+        peak[GPU] = sum(gpu.values())
+        iteration = plain.anchored_iteration_s(profile, iteration, bare.iteration_s)
     return Predicted(iteration_s=_ns(iteration), sync_s=_ns(sum(sync)) if sync else None, peak_bytes=peak,
                      activations=act, dram={k: b for k, b in dram.items() if b > 0},
-                     dram_saved={k: -b for k, b in dram.items() if b < 0})
+                     dram_saved={k: -b for k, b in dram.items() if b < 0}, gpu={k: b for k, b in gpu.items() if b > 0},
+                     gpu_saved={k: -b for k, b in gpu.items() if b < 0})

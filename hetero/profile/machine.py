@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hetero.errors import USAGE, HeteroError
-from hetero.profile import dha
+from hetero.profile import dha, host_costs
 from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.timing import beside_compute, median_time, share
 from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, time_updates, update_job
@@ -117,7 +117,8 @@ def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB, largest: int = 6
                dram_bandwidth_bytes_per_s=measured(copy_bandwidth(copy_bytes)), adam_params_per_s=measured(adam.rate),
                adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
                adam_beside_compute_params_per_s=measured_or_none(adam.beside_rate),
-               adam_launch_beside_compute_s=measured_or_none(adam.beside_launch_s))
+               adam_launch_beside_compute_s=measured_or_none(adam.beside_launch_s),
+               hook_pair_s=measured(host_costs.hook_pair_s()), saved_tensor_s=measured(host_costs.saved_tensor_s()))
 
 
 def _cpu_model() -> str:
@@ -296,7 +297,8 @@ def measure_gpu(device: torch.device) -> Gpu:
     read, write = dha.bandwidth(device)
     return Gpu(name=props.name, uuid=uuid, memory_bytes=props.total_memory, pcie=_pcie(uuid),
                h2d=_gpu_curve(device, to_device=True), d2h=_gpu_curve(device, to_device=False),
-               dha_read_bytes_per_s=measured(read), dha_write_bytes_per_s=measured(write))
+               dha_read_bytes_per_s=measured(read), dha_write_bytes_per_s=measured(write),
+               event_s=measured(host_costs.event_s(device)))
 
 
 def _pcie(uuid: str) -> Pcie | None:

@@ -1,15 +1,19 @@
 """`hetero profile`: run the user's script for warm-up plus measured steps, then measure the machine.
 
-Phases: capture the model and optimizer at the first `optimizer.step()`; run the warm-up steps untouched; attach
-the layer profiler for the measured steps; on a machine without a GPU, time the disk for a few more steps as the
-runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine; assemble the Profile.
+Phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without a torch.optim
+optimizer: at the end of its first backward call, and its steps are counted from backward calls); run the warm-up
+steps untouched; attach the layer profiler for the measured steps; on a machine without a GPU, time the disk for a
+few more steps as the runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine;
+assemble the Profile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
+import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -21,10 +25,11 @@ import torch
 from torch import nn
 
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.harness import capture
+from hetero.harness import capture, watch
 from hetero.harness.capture import Capture, fingerprint
 from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
-from hetero.harness.layers import select_layers
+from hetero.harness.layers import select_layers, sharded
+from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, recompute, returned, tier_steps
 from hetero.profile.conservative import Conservative
@@ -32,23 +37,32 @@ from hetero.profile.pressure import UnderPressure
 from hetero.run import allocator, process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
-from hetero.schema.profile import Block, Layer, Machine, Memory, ModelInfo, Profile, Training
+from hetero.schema.profile import (Block, Layer, Machine, Memory, ModelInfo, Profile, ScriptOptimizer, TrainedModel,
+                                    Training)
 from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
+WARMUP_CPU, WARMUP_GPU = 2, 6  # default warm-up steps; on a GPU the last 5 time plain training's own step
 
 
 @dataclass(kw_only=True, slots=True)
 class ProfileOptions:
     steps: int = 5  # optimizer steps measured
-    warmup: int = 2  # optimizer steps run first, unmeasured (the model is found during the first)
+    warmup: int | None = None  # optimizer steps run first, unmeasured; None: WARMUP_CPU, or WARMUP_GPU on CUDA
     granularity: str = "module"
     nvme_dir: str | None = None  # where to measure the disk tier; a temporary folder by default
     model_name: str | None = None  # `--model`: which of several candidate models to profile
     dram_budget_bytes: int | None = None  # `--dram-budget`: keep the profile under it (default: the memory cgroup's)
 
+    def warmup_on(self, device: torch.device) -> int:
+        """The warm-up steps on `device`: as asked, else enough that the plain step time is steady (a GPU's first
+        steps pay for handles, autotuning and the allocator's growth; a CPU's steps are long already)."""
+        if self.warmup is not None:
+            return self.warmup
+        return WARMUP_GPU if device.type == "cuda" else WARMUP_CPU
+
     def check(self) -> None:
-        if self.warmup < 1:
+        if self.warmup is not None and self.warmup < 1:
             raise HeteroError(f"--warmup {self.warmup}: need at least 1 warm-up step",
                               hint="hetero finds the model during the first optimizer step", exit_code=USAGE)
         if self.steps < 1:
@@ -145,8 +159,8 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     """What the stopped script's session measured; the fresh processes, where they run."""
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
         if result.exit_code == 0 and session.model is None:
-            raise capture.no_optimizer()
-        raise _ended_early(result.exit_code, session.steps_done, options)
+            raise capture.no_training()
+        raise _ended_early(result.exit_code, session.steps_done, options.warmup_on(session.device), options.steps)
     summary = session.summary  # set once the measured steps ended, which the check above ensures
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
@@ -156,21 +170,22 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
         memory.dram_peak_bytes += unkept
         memory.dram_peak_returned_bytes = memory.dram_peak_bytes
         memory.profiled_under = f"{memory.profiled_under}; {session.pressure.described(unkept)}"
+    layers = [replace(x, model=part_of(session.model, x.name)) for x in layers]
     if session.pressure is not None:
         session.pressure.least()  # the check's forward under the budget too
     blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
-    out = ScriptMeasurement(model=_model_info(session.model, session.optimizer, script),
+    out = ScriptMeasurement(model=_model_info(session.model, session.optimizers, script),
                             training=session.training(summary, clips_grad=clips["calls"] > 0),
                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
                             blocks=blocks)
-    _release(session.model, session.optimizer)  # before the fresh processes: they must not come on top of it
+    _release(session.model, session.optimizers)  # before the fresh processes: they must not come on top of it
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
         session.progress("malloc's settings", 0, 1)
-        found = returned.measure(script, args, options.warmup)
+        found = returned.measure(script, args, options.warmup_on(session.device), session.steps_from)
         session.progress("malloc's settings", 1, 1)
         if found is not None:  # plain training's own peak, settled, without hooks: what a plain process pays
             session.memory.dram_peak_bytes = found.default_peak_bytes
@@ -180,7 +195,7 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     return out
 
 
-def _release(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _release(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     """Free what the stopped script's training holds (weights, gradients, buffers, optimizer states) before the
     machine is measured, and give the freed memory back: the script never runs again, and the hooks the profile and
     its instruments registered on the parameters (held by torch beyond the reach of Python's garbage collector) would
@@ -189,18 +204,20 @@ def _release(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.grad = None
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    optimizer.state.clear()
+    for optimizer in optimizers:
+        optimizer.state.clear()
     gc.collect()
     allocator.trim()
 
 
 class _Session:
-    """The hooks that follow the script's optimizer steps and switch the layer profiler on and off."""
+    """The hooks that follow the script's steps and switch the layer profiler on and off."""
 
     def __init__(self, options: ProfileOptions, progress: Progress):
         self.options, self.progress = options, progress
         self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []  # the models' optimizers, the first to step first
+        self.optimizer_names: list[str] = []
         self.profiler: LayerProfiler | None = None
         self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
         self.recompute: dha.RootInputs | None = None  # the model's last call, to check its blocks' recomputation
@@ -215,34 +232,55 @@ class _Session:
         self.others: capture.OtherOptimizers | None = None
         self.capture: Capture | None = None
         self.compiled = False  # the script calls the model through torch.compile
-        self.kept: str | None = None  # why hetero's Adam cannot take the optimizer's place (it stays the script's)
-        self.step_marks: list[tuple] = []  # (start, end, previous step's end) tokens of each measured step
+        self.kept: dict[int, str] = {}  # optimizer id -> why hetero's Adam cannot take its place
+        self.step_marks: list[tuple] = []  # (end, previous step's end, [(start, end) of each optimizer step])
+        self.spans: list[tuple] = []  # this step's optimizer steps so far
+        self.handles: list = []
+        self.warm_ends: list = []  # clock tokens at the end of each warm-up step (no profiler hooks then)
+        self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
         self._start = self._previous_end = None
 
-    def found(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    @property
+    def steps_from(self) -> str:
+        return "optimizer" if self.optimizers or self.model is None else "backward"
+
+    def found(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.conservative is not None:
             self.conservative.bind(model)
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizers = model, optimizers
+        self.optimizer_names = names(optimizers, self.capture.script)  # now: the script's frames are alive
         self.device = next(model.parameters()).device
-        self.replay = dha.RootInputs(model) if self.device.type == "cuda" else None
+        self.warmup = self.options.warmup_on(self.device)
+        self.replay = dha.RootInputs(model) if self.device.type == "cuda" and len(roots(model)) == 1 else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.compiled = capture.compiled(model, self.capture.roots)
         self.recompute = None if self.compiled else recompute.watch(model)
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
                                       compiled=self.compiled)
-        if self.compiled:
+        if self.compiled and peers.rank() == 0:
             print(f"hetero: note: {COMPILED}; the plan leaves activations in place", file=sys.stderr)
-        optimizer.register_step_pre_hook(self._step_start)
-        optimizer.register_step_post_hook(self._step_end)
-        self.kept = capture.offloadable(optimizer, model)
-        if self.kept is not None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            print(f"hetero: note: {self.kept}: the plan leaves the optimizer to the script", file=sys.stderr)
-        self.others = capture.OtherOptimizers(optimizer, model)  # a second optimizer stepping ends the profile
+        for opt in optimizers:
+            self.handles += [opt.register_step_pre_hook(self._step_start), opt.register_step_post_hook(self._step_end)]
+            kept = capture.offloadable(opt, model)
+            if kept is not None:
+                self.kept[id(opt)] = kept
+                if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and peers.rank() == 0:
+                    print(f"hetero: note: {kept}: the plan leaves the optimizer to the script", file=sys.stderr)
+        # an optimizer of no model found now stepping ends the profile
+        self.others = capture.OtherOptimizers(optimizers, model, chosen=self.options.model_name is not None)
+        if not optimizers:  # steps are backward calls; this one was the first
+            self.handles.append(watch.backward_calls(self._step_ended))
+            self._step_ended()
 
     def _step_start(self, optimizer, args, kwargs) -> None:
         self._start = self.profiler.clock.mark()
 
     def _step_end(self, optimizer, args, kwargs) -> None:
+        self.spans.append((self._start, self.profiler.clock.mark()))
+        if optimizer is self.optimizers[0]:
+            self._step_ended()
+
+    def _step_ended(self) -> None:
         if self.tier_steps is not None:
             done = self.tier_steps.step_ended()
             self.progress("disk beside training", self.tier_steps.steps, tier_steps.STEPS)
@@ -251,10 +289,12 @@ class _Session:
             return
         self.steps_done += 1
         end = self.profiler.clock.mark()
-        warmup, total = self.options.warmup, self.options.warmup + self.options.steps
-        if self.steps_done > warmup:
-            self.step_marks.append((self._start, end, self._previous_end))
-        self._previous_end = end
+        warmup, total = self.warmup, self.warmup + self.options.steps
+        if self.steps_done <= warmup:
+            self.warm_ends.append(end)
+        else:
+            self.step_marks.append((end, self._previous_end, self.spans))
+        self._previous_end, self.spans = end, []
         self.progress("warm-up steps" if self.steps_done <= warmup else "measured steps",
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
@@ -293,6 +333,9 @@ class _Session:
             self.recompute.close()
         if self.others is not None:
             self.others.close()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
         if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind
             self.profiler.detach()
         if self.tier_steps is None:
@@ -303,20 +346,56 @@ class _Session:
     def _iteration_s(self) -> float:
         """The measured steps' mean, from one step's end to the next one's."""
         clock = self.profiler.clock
-        return sum(clock.seconds(prev, end) for _, end, prev in self.step_marks) / len(self.step_marks)
+        return sum(clock.seconds(prev, end) for end, prev, _ in self.step_marks) / len(self.step_marks)
 
     def training(self, summary: Summary, clips_grad: bool) -> Training:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
+        backwards = self.profiler.backward_calls / steps or micro  # several models: forwards outnumber them
+        step_s = sum(clock.seconds(s, e) for _, _, spans in self.step_marks for s, e in spans) / steps
         return Training(
-            optimizer=_optimizer_kind(self.optimizer) if self.kept is None else "other",
-            grad_accumulation=max(1, round(micro)),
-            clips_grad=clips_grad, warmup_steps=self.options.warmup, steps_measured=steps,
+            optimizer=self._kind(), grad_accumulation=max(1, round(backwards)),
+            clips_grad=clips_grad, warmup_steps=self.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
-            optimizer_step_s=measured(sum(clock.seconds(s, e) for s, e, _ in self.step_marks) / steps),
-            overhead=round(self.profiler.hook_s / (iteration * steps), 4),
-        )
+            optimizer_step_s=measured(step_s), overhead=round(self.profiler.hook_s / (iteration * steps), 4),
+            steps_from=self.steps_from, updates_wait=self._updates_wait(), optimizers=self._optimizers(),
+            plain_iteration_s=self._plain_iteration_s())
+
+    def _updates_wait(self) -> str | None:
+        if len(self.optimizers) > 1:
+            return (f"the script steps {len(self.optimizers)} optimizers, and each model's gradients also "
+                    "accumulate in the backward of another's loss")
+        if self.others.others_stepped:
+            return ("another model's optimizer steps too, and the backward of its loss also reaches this model's "
+                    "gradients")
+        return None
+
+    def _kind(self) -> str:
+        """`none`; `other` where hetero's Adam can take no optimizer's place; else the first such one's class."""
+        if not self.optimizers:
+            return "none"
+        placed = [opt for opt in self.optimizers if id(opt) not in self.kept]
+        return _optimizer_kind(placed[0]) if placed else "other"
+
+    def _optimizers(self) -> list[ScriptOptimizer]:
+        out = []
+        for opt, name in zip(self.optimizers, self.optimizer_names):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            part = next((x for x in roots(self.model) if any(p is q for q in x.parameters() for p in params[:1])),
+                        self.model)
+            out.append(ScriptOptimizer(name=name, kind=_optimizer_kind(opt), model=part_name(self.model, part),
+                                       num_params=sum(p.numel() for p in params), kept=self.kept.get(id(opt))))
+        return out
+
+    def _plain_iteration_s(self) -> float | None:
+        """On a GPU, the median of the warm-up steps after the first, end to end, without the profiler's hooks:
+        what an iteration of plain training costs (the hooked steps' layer times include the hooks' launch gaps).
+        None on a CPU, whose hooks cost little against its kernels, or with a single warm-up step."""
+        if self.device.type != "cuda" or len(self.warm_ends) < 2:
+            return None
+        clock = self.profiler.clock
+        return measured(statistics.median(clock.seconds(a, b) for a, b in itertools.pairwise(self.warm_ends)))
 
 
 def _memory(device: torch.device, budgeted: returned.Budgeted | None, conservative: Conservative | None) -> Memory:
@@ -342,11 +421,16 @@ def _plain_step(training: Training, tensors: int, params: int, measured_machine:
                    iteration_s=measured(max(step, training.iteration_s - training.optimizer_step_s + step)))
 
 
-def _model_info(model: nn.Module, optimizer: torch.optim.Optimizer, script: str) -> ModelInfo:
-    owned = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+def _model_info(model: nn.Module, optimizers: list[torch.optim.Optimizer], script: str) -> ModelInfo:
+    owned = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]} if optimizers \
+        else {id(p): p for p in model.parameters() if p.requires_grad}  # updated by hand: what gets gradients
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
+    parts = [TrainedModel(name=name, type=type(part).__name__, fingerprint=fingerprint(part),
+                          num_params=sum(p.numel() for p in part.parameters()))
+             for name, part in model.named_children()] if len(roots(model)) > 1 else []
     return ModelInfo(fingerprint=fingerprint(model), script=script,
-                     num_params=sum(p.numel() for p in owned.values()), dtype=dtypes.most_common(1)[0][0])
+                     num_params=sum(p.numel() for p in owned.values()), dtype=dtypes.most_common(1)[0][0],
+                     models=parts, sharded=sharded(model))
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -380,13 +464,13 @@ def _watch_clipping() -> Iterator[Counter]:
             setattr(module, name, original)
 
 
-def _ended_early(exit_code: int, steps: int, options: ProfileOptions) -> HeteroError:
-    needed = options.warmup + options.steps
+def _ended_early(exit_code: int, steps: int, warmup: int, measured_steps: int) -> HeteroError:
+    needed = warmup + measured_steps
     if exit_code != 0:
         return HeteroError(f"the script exited with code {exit_code} after {steps} optimizer steps; "
                            "no profile written", exit_code=exit_code)
     return HeteroError(
         f"the script ended after {steps} optimizer step{'s' * (steps != 1)}; hetero profile needs {needed} "
-        f"(--warmup {options.warmup} + --steps {options.steps})",
+        f"(--warmup {warmup} + --steps {measured_steps})",
         hint="let the script run longer (e.g. pass it a larger step count) or lower --steps/--warmup",
         exit_code=FAILURE)

@@ -19,8 +19,10 @@ Two ways, one per case:
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
   measured: the profile writes the measured one as an estimate (a lower bound) and says so.
 
-`python -m hetero.profile.returned OUT STEPS returned|default SCRIPT [ARGS]` is the fresh process (started with
-`hetero run`'s modules loaded first); it writes `OUT` (JSON).
+`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward SCRIPT [ARGS]` is the fresh process
+(started with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a private work directory of the profile
+(`hetero-returned-*`, hetero.run.devices.workdir: swept by the next start if the profile is killed), and it ends
+when the profile ends, however the profile ends (Linux parent-death signal), SIGKILL and a memory limit included.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 from hetero.run import allocator, process_memory
+from hetero.run.devices import workdir
 from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
 
@@ -78,56 +80,69 @@ def restore() -> None:
     allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
 
 
-def measure(script: str, args: list[str], warmup: int) -> Returned | None:
+def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimizer") -> Returned | None:
     """The script's peak and step time with freed memory returned, and with malloc's defaults, each from a fresh
-    process; None when it could not run that many steps (or malloc is not glibc)."""
-    returned = _run(script, args, warmup, "returned")
-    default = _run(script, args, warmup, "default") if returned is not None else None
+    process, its steps counted as the profile counted them (`steps_from`: optimizer steps, or backward calls);
+    None when it could not run that many steps (or malloc is not glibc)."""
+    returned = _run(script, args, warmup, "returned", steps_from)
+    default = _run(script, args, warmup, "default", steps_from) if returned is not None else None
     if default is None:
         return None
     return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_peak_bytes=default.peak_bytes,
                     default_step_s=default.step_s, default_steps=default.steps)
 
 
-def _run(script: str, args: list[str], warmup: int, malloc: str) -> _Run | None:
-    with tempfile.TemporaryDirectory(prefix="hetero-returned-") as work:
-        out = os.path.join(work, "returned.json")
+def _run(script: str, args: list[str], warmup: int, malloc: str, steps_from: str) -> _Run | None:
+    work = workdir.create(None, "returned", "TMPDIR")
+    try:
+        out = os.path.join(work.path, "returned.json")
         steps = warmup + TIMED_STEPS
-        done = subprocess.run([sys.executable, "-c", _CHILD, out, str(steps), malloc, script, *args],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              check=False)
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(os.getpid()), out, str(steps), malloc, steps_from,
+                               script, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return None
         with open(out) as f:
             data = json.load(f)
+    finally:
+        work.remove()
     return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"], steps=data["steps"])
 
 
-# The fresh process loads what `hetero run` has loaded when its script starts (the CLI, the runtime, the adapters
-# Typer loads when it parses a command's arguments), so that its peak counts them as a planned run's does (~20 MiB
-# here), then runs this module.
-_CHILD = ("import sys, runpy, importlib.util, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
+# The fresh process first asks to die with the profile (it gets SIGTERM, whose default action ends it, when the
+# profile ends, or at once if the profile, whose pid is its first argument, is gone already); then it loads what
+# `hetero run` has loaded when its script starts (the CLI, the runtime, the adapters Typer loads when it parses a
+# command's arguments), so that its peak counts them as a planned run's does (~20 MiB here), and runs this module.
+_CHILD = ("import sys, hetero.interrupts; hetero.interrupts.die_with_parent(int(sys.argv.pop(1))); "
+          "import runpy, importlib.util, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
           "importlib.util.find_spec('typer._adapters') and __import__('typer._adapters'); "
           "runpy.run_module('hetero.profile.returned', run_name='__main__', alter_sys=True)")
 
 
-def _child(out: str, steps: int, malloc: str, script: str, args: list[str]) -> int:
+def _child(out: str, steps: int, malloc: str, steps_from: str, script: str, args: list[str]) -> int:
     if malloc == "returned" and not returning():
         return 1
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from hetero.harness import watch
     from hetero.harness.script import StopScript, run_script
 
     ends: list[float] = []
     peaks: list[int] = []
+    first: list = []  # the first optimizer to step: its steps are the script's
 
-    def step_ended(optimizer, *_):
+    def step_ended(optimizer=None, *_):
+        if optimizer is not None and first[:1] != [optimizer]:
+            if first:
+                return
+            first.append(optimizer)
         ends.append(time.perf_counter())
         peaks.append(process_memory.dram_peak_bytes())
         if settled(peaks, steps):
             raise StopScript()
 
-    handle = register_optimizer_step_post_hook(step_ended)
+    handle = register_optimizer_step_post_hook(step_ended) if steps_from == "optimizer" else \
+        watch.backward_calls(step_ended)
     try:
         result = run_script(script, args)
     finally:
@@ -169,4 +184,4 @@ class Budgeted:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]))
+    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetero.plan.choices import host_tier
+from hetero.plan.model import GPU
 from hetero.plan.simulate import Result
 from hetero.plan.solve import predict, predicted_of
 from hetero.schema.plan import Plan, Predicted
@@ -47,15 +49,19 @@ def compare(run: Run, plan: Plan, profile: Profile | None) -> list[Row]:
     result = predict(profile, plan) if profile is not None else None
     predicted = predicted_of(profile, plan, result) if result is not None else plan.predicted
     rows = [Row("iteration", predicted.iteration_s, run.timing.iteration_s, TIME)]
-    rows += _memory(run, predicted)
+    rows += _memory(run, predicted, host_tier(profile) if profile is not None else None)
     if result is not None:
         rows += _layers(run, result, profile, predicted.iteration_s)
     return rows
 
 
-def _memory(run: Run, predicted: Predicted) -> list[Row]:
-    rows = [Row(f"peak {tier}", predicted.peak_bytes.get(tier), run.peak_bytes.get(tier), SIZE)
+def _memory(run: Run, predicted: Predicted, host: str | None) -> list[Row]:
+    """Each tier's peak: the process's own for host memory (VmHWM) and the GPU (torch's reserved peak, with its
+    allocated peak beside it), the runtime's count of its bytes for the other tiers (files, an AXDIMM)."""
+    rows = [Row(f"peak {tier}", predicted.peak_bytes.get(tier), _measured_peak(run, tier, host), SIZE)
             for tier in dict.fromkeys([*predicted.peak_bytes, *run.peak_bytes])]
+    if run.process is not None and run.process.gpu_allocated_peak_bytes is not None:
+        rows.append(Row(f"peak {GPU} allocated", None, run.process.gpu_allocated_peak_bytes, SIZE))
     p, m = predicted.activations, run.activations
     if p is not None and m is not None:
         rows += [Row("saved activations, fast tier, average", p.avg_fast_bytes, m.avg_fast_bytes, SIZE),
@@ -63,6 +69,15 @@ def _memory(run: Run, predicted: Predicted) -> list[Row]:
                  Row("saved activations without tiering, average", p.avg_fast_untiered_bytes,
                      m.avg_fast_untiered_bytes, SIZE)]
     return rows
+
+
+def _measured_peak(run: Run, tier: str, host: str | None) -> int | None:
+    process = run.process
+    if process is not None and tier == GPU and process.gpu_reserved_peak_bytes is not None:
+        return process.gpu_reserved_peak_bytes
+    if process is not None and tier == host:
+        return process.dram_peak_bytes
+    return run.peak_bytes.get(tier)
 
 
 def _layers(run: Run, result: Result, profile: Profile, iteration_s: float) -> list[Row]:
@@ -80,6 +95,24 @@ def _layers(run: Run, result: Result, profile: Profile, iteration_s: float) -> l
             big = max(predicted or 0.0, measured) >= small
             rows.append(Row(f"{what} {x.name}", predicted, measured, TIME, checked=big))
     return rows
+
+
+def folded(rows: list[Row]) -> tuple[list[Row], int]:
+    """The rows to print: the layer times too short to compare one by one (under `NEGLIGIBLE` of the iteration, where
+    a few microseconds of timer and hook noise are tens of percent) summed into one row per phase, checked like any
+    other where the sum is long enough; and how many were summed."""
+    small = [r for r in rows if not r.checked and r.entry[:3] in ("fp ", "bp ")]
+    out = [r for r in rows if r not in small]
+    for what, phase in (("fp", "forward"), ("bp", "backward")):
+        mine = [r for r in small if r.entry.startswith(f"{what} ")]
+        if not mine:
+            continue
+        predicted = sum(r.predicted or 0.0 for r in mine)
+        measured = sum(r.measured or 0.0 for r in mine)
+        big = max(predicted, measured) >= NEGLIGIBLE * next((r.predicted for r in rows if r.entry == "iteration"), 0.0)
+        out.append(Row(f"{what} of {len(mine)} short layers, summed ({phase})", predicted, measured, TIME,
+                       checked=big))
+    return out, len(small)
 
 
 def warnings(rows: list[Row]) -> list[str]:

@@ -74,8 +74,8 @@ def _pyplot():
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise HeteroError("--png needs matplotlib, which is not installed",
-                          hint="pip install 'hetero[viz]' (or: pip install matplotlib)", exit_code=USAGE) from None
+        raise HeteroError("--png needs matplotlib, which is not installed", exit_code=USAGE,
+                          hint="pip install matplotlib (or, in hetero's checkout: pip install -e '.[viz]')") from None
     return plt
 
 

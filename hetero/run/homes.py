@@ -64,7 +64,8 @@ class Homes:
             largest = 4 * _aligned(max(slot_numel(p) for _, p in spilled) * FP32)
             for slot in range(NvmeOverflow.STAGING_SLOTS):
                 need[NvmeOverflow.staging_channel(slot, channels)] += largest
-        self.device = EmulatedAxdimm(channel_capacity_bytes=max(need) + ALIGN, channels=channels)
+        self.device = EmulatedAxdimm(channel_capacity_bytes=max(need) + ALIGN, channels=channels,
+                                     pinned=any(p.is_cuda for _, p in named))  # GPU gradients are copied in
         drivers = [ChannelDriver(self.device, c) for c in range(channels)]
         self.drivers += drivers
         return lambda channel, param: AxdimmHome(drivers[channel], param)

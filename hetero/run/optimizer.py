@@ -18,19 +18,21 @@ that zero their gradients each step (the plan says so).
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
+from hetero.harness.layers import sharded
 from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import on_host
-from hetero.run.states import FP32
+from hetero.run.states import FP32, Update, launch
 from hetero.schema.plan import OptimizerPlan
 from hetero.units import SIZE
 
@@ -60,36 +62,43 @@ class Offloaded:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._params: dict[torch.nn.Parameter, ParamState] = {}
+        self._group_of: dict[torch.nn.Parameter, dict] = {}
+        self._buckets: dict[torch.nn.Parameter, Bucket] = {}
         self._homes: Homes | None = None
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
+        self._unplaceable: str | None = None  # why hetero's Adam cannot take its place (amsgrad, bad constants)
         for group in self.param_groups:
-            try:  # amsgrad and bad constants fail here, not mid-training
+            try:
                 Hyperparameters.from_param_group(group)
             except HeteroError as e:
-                if not self.strict:
-                    self._own = True
-                    continue
-                raise HeteroError(f"{e.message}, but the plan offloads the script's {type(self).__name__}",
-                                  hint="plan again from a profile of this script: hetero plan leaves such an "
-                                       "optimizer to the script", exit_code=UNSUPPORTED_SCRIPT) from None
+                self._own = not self.strict
+                self._unplaceable = e.message
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and (self.overlap or self.keep_grads):
                     p.register_post_accumulate_grad_hook(self._grad_final)
 
     def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
-        """Give the states their homes; called by the runtime once it knows the model. An optimizer none of whose
-        parameters belong to the model (a second model's, e.g. a GAN's other half) stays torch's own; one that
-        mixes the model's parameters with others cannot be placed by the plan and is refused."""
+        """Give the states their homes; called by the runtime once it knows the model. `names`: the parameters whose
+        states the plan places. An optimizer none of whose parameters are among them (a model the plan leaves to
+        the script, e.g. a GAN's other half) stays torch's own; one that mixes them with others cannot be placed
+        and is refused, as is one hetero's Adam cannot take the place of (amsgrad)."""
         if self._homes is not None or self._own:
             return
         order = [p for group in self.param_groups for p in group["params"]]
         if not updates_the_model(self, order, names):
             self._own = True
             return
+        if self._unplaceable is not None:
+            raise StopScript(HeteroError(
+                f"{self._unplaceable}, but the plan offloads the script's {type(self).__name__}",
+                hint="plan again from a profile of this script: hetero plan leaves such an optimizer to the script",
+                exit_code=UNSUPPORTED_SCRIPT))
         self._homes = self.homes_for()
         self._params = self._homes.build([(names[p], p) for p in order])
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
+        self._buckets = buckets({p: names[p] for p, slot in self._params.items() if slot.home is not None})
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
 
@@ -103,7 +112,7 @@ class Offloaded:
         return StateBytes(4 * FP32 * sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
 
     def _group(self, p: torch.nn.Parameter) -> dict:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        return self._group_of[p]
 
     def _grad_final(self, p: torch.nn.Parameter) -> None:
         if self._homes is None and not self._own:
@@ -155,9 +164,16 @@ class Offloaded:
                 self._launch(p, slot, grad)
 
     def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor) -> None:
+        """`p`'s update joins its bucket, which goes to the drivers once it is complete (or at the step)."""
         slot.step += 1
         slot.launched = True
-        slot.home.update(grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        bucket = self._buckets[p]
+        update = Update(slot.home, grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        with bucket.lock:  # DDP's buckets may complete on another thread than autograd's
+            bucket.waiting.append(update)
+            complete = bucket.take() if len(bucket.waiting) == bucket.size else None
+        if complete:
+            launch(complete)
 
     def step(self, closure=None):
         if self._homes is None and not self._own:
@@ -183,6 +199,11 @@ class Offloaded:
                 spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
             else:
                 self._launch(p, slot, p.grad)
+        for bucket in {id(b): b for b in self._buckets.values()}.values():
+            with bucket.lock:
+                left = bucket.take()
+            if left:  # some of its parameters had no gradient this step
+                launch(left)
         if spilled:
             self._homes.staging.update_all(spilled)
         self._homes.drain()
@@ -256,6 +277,32 @@ class Offloaded:
         self._pending_state = None
 
 
+@dataclass(eq=False, slots=True)
+class Bucket:
+    """The parameters of one module: their updates go to the drivers together (hetero.run.states.launch)."""
+
+    size: int
+    waiting: list[Update]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self) -> list[Update]:
+        out, self.waiting = self.waiting, []
+        return out
+
+
+def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bucket]:
+    """Each parameter's bucket: the parameters its module owns directly (a Linear's weight and bias, whose gradients
+    one backward node makes)."""
+    by_module: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
+    for p, name in names.items():
+        by_module[name.rpartition(".")[0]].append(p)
+    out = {}
+    for params in by_module.values():
+        bucket = Bucket(len(params), [])
+        out.update(dict.fromkeys(params, bucket))
+    return out
+
+
 _TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # before any run replaces them
 
 
@@ -313,7 +360,13 @@ class OptimizerOffload:
             opt.bucket_synced(params, grads)
 
     def bind(self, model: torch.nn.Module) -> None:
-        self.names = {p: name for name, p in model.named_parameters()}
+        placed = {s.param for s in self.plan.states}  # several models: some optimizers may stay the script's
+        if placed and sharded(model):
+            raise HeteroError("the plan offloads the script's optimizer, but FSDP2 shards the model's parameters "
+                              "across ranks (hetero's Adam places whole parameters)", exit_code=UNSUPPORTED_SCRIPT,
+                              hint="plan again from a profile of this script: hetero plan leaves an FSDP2 model's "
+                                   "optimizer to the script")
+        self.names = {p: name for name, p in model.named_parameters() if name in placed}
         for opt in self.optimizers:
             opt.bind(self.names)
 

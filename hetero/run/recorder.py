@@ -30,11 +30,11 @@ from hetero.errors import HeteroError
 from hetero.harness.layer_timing import CpuClock, CudaClock, LayerProfiler, PassTokens, resolve, summarize
 from hetero.harness.layers import layers_named
 from hetero.plan.model import GPU
-from hetero.run import spans
+from hetero.run import process_memory, spans
 from hetero.run.tiering import ACTIVATIONS, ActivationTiering
 from hetero.schema import files, trace
 from hetero.schema.plan import ActivationPrediction, Plan
-from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
+from hetero.schema.run import ProcessPeaks, Run, RunLayer, RunSource, RunTiming, StepEnd
 from hetero.units import measured
 
 
@@ -300,7 +300,7 @@ class Recorder(spans.Sink):
                    late_prefetches=ends[-1].late_prefetches - ends[0].late_prefetches, layers=layers,
                    steps=[StepEnd(step=e.step, at_s=measured(e.at - self.window.start),
                                   resident_bytes={tier: sum(s.values()) for tier, s in e.resident.items()})
-                          for e in ends[1:]])
+                          for e in ends[1:]], process=_process_peaks(self.model))
 
     def _activations(self) -> ActivationPrediction | None:
         """Time-averaged and peak saved bytes in the fast tier over the window, with the tiering and without."""
@@ -351,6 +351,15 @@ def own_segments(intervals: list[tuple[int, float, float]]) -> list[tuple[int, f
     while stack:
         pop()
     return sorted(out, key=lambda x: x[1])
+
+
+def _process_peaks(model) -> ProcessPeaks:
+    """The process's own peaks so far: VmHWM, and torch's on the model's GPU."""
+    device = next((p.device for p in model.parameters()), None) if model is not None else None
+    gpu = process_memory.gpu_peak(device)
+    return ProcessPeaks(dram_peak_bytes=process_memory.dram_peak_bytes(),
+                        gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
+                        gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)
 
 
 def _peaks(counters: list[trace.Count]) -> dict[str, int]:

@@ -52,6 +52,7 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
     from hetero.run.allocator import ReturnFreedMemory
     from hetero.run.budget_watch import BudgetWatch
     from hetero.run.ddp_sync import DdpSync
+    from hetero.run.gpu_budget import GpuBudget
     from hetero.run.optimizer import OptimizerOffload
     from hetero.run.recompute import Recompute
     from hetero.run.routing import GradientRouting
@@ -71,13 +72,15 @@ def mechanisms(plan: Plan) -> list[Mechanism]:
     found += [ddp] if overlapped or plan.routing is not None else []
     # first: malloc's settings must hold before any other mechanism allocates
     found[:0] = [ReturnFreedMemory(plan.allocator)] if plan.allocator is not None else []
+    found += [GpuBudget(plan)] if plan.budget.gpu_memory_bytes else []
     return found + ([BudgetWatch(plan, list(found))] if plan.budget.dram_budget_bytes else [])
 
 
 class Runtime:
     def __init__(self, plan: Plan, *, script: str, allow_stale: bool = False, record: Outputs | None = None):
         self.plan, self.allow_stale = plan, allow_stale
-        self.capture = Capture(self._found, script, fingerprint=plan.source.model_fingerprint)
+        self.capture = Capture(self._found, script, fingerprint=plan.source.model_fingerprint,
+                               parts=[(m.name, m.fingerprint) for m in plan.source.models])
         self.mechanisms = mechanisms(plan)
         if record is not None:  # last: it reads the others' bytes
             self.mechanisms.append(Recorder(plan, record, list(self.mechanisms)))
@@ -116,3 +119,8 @@ class Runtime:
 
     def summary(self) -> list[str]:
         return [line for m in self.mechanisms for line in m.summary()]
+
+    def explain(self, error: BaseException) -> HeteroError | None:
+        """The one-line error a mechanism has for the script's exception (an overrun of its budget), or None."""
+        return next((e for m in self.mechanisms if hasattr(m, "explain") and (e := m.explain(error)) is not None),
+                    None)

@@ -5,28 +5,34 @@ Storage per mode. Every placed parameter has a pinned host copy, the CPU model t
 `dha`: the parameter's data is a zero-copy device view of that host copy (hetero.kernels.dha), so kernels read it
 over the link and nothing is copied. `gfgb`: the data is a device buffer, refilled from the host copy every step on
 the copy stream. `dfgb`: the data is the host view for the forward, and a device buffer is filled after the
-layer's forward; before the layer's backward the two storages swap their memory (`_swap_data_ptr_`), so the
-parameter and every view of it autograd saved in the forward (a Linear saves `weight.t()`) now read the device
-copy, without a copy of anything on the compute side.
+layer's forward; the backward reads the device buffer. Two things see a parameter in backward: what autograd saved
+in the forward (a Linear saves a view of its weight, `weight.t()`), and the parameter itself. The saved views go
+through the one saved-tensor hook pair (hetero.harness.saved_tensors): a view of a DFGB layer's host view is saved
+as a record of the layer, its dtype, shape, strides and offset, and comes back as the same view of the device copy
+(waiting for its copy first), or of the host view where no copy was made. The parameters' `data` is rebound to the
+device copy when the layer's backward starts (or its first saved view comes back), and back at the step boundary.
+Public torch only: no storage changes its memory.
 
 Copy stream and events (§IV-B, Fig. 6). After `optimizer.step()` the copy stream first waits for the compute stream
 (the last step's kernels may still read the device buffers), then copies the GFGB layers in forward order, each
 followed by its own event; a GFGB layer's forward waits for its event only, so DHA layers compute while later
 layers are still in flight. At the end of the model's forward the DFGB layers are copied in backward order, each
-after an event marking its own forward's end (the link is idle once the GFGB copies are done), and the first
-backward node of the layer (a pre-hook on its outputs' grad_fn) waits for that copy and switches the storage.
+after an event marking its own forward's end (the link is idle once the GFGB copies are done), and the layer's
+backward (a pre-hook on its outputs' grad_fn, or the first of its saved views to come back) waits for that copy.
 Micro-batches after the first keep the device copy: the weights do not change within a step.
 
-The step boundary. Before the step, the host waits for the compute stream (kernels reading host views, gradients
-written into host memory) and for the copy stream (copies reading the host copies), switches DFGB storage back, and
-points GFGB parameters at the device view of their host copy, so that in `step()` every placed parameter (and every
-host gradient, hetero.run.grad_offload) is a device view of pinned host memory: the optimizer finds the host bytes
-behind it (`Device.host_view`) and updates the CPU model with a host memcpy, DHA layers in place. A parameter never
-changes device: `p.data = x` across devices resets the parameter's gradient accumulator in autograd, and DDP's
-reducer hooks live on the old one (no all-reduce from the second step). After the step the GFGB parameters point at
-their device buffers again and the copies above are issued. Nothing synchronizes the device
-inside a step. Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them;
-other code reading weights outside the model's forward must synchronize first.
+The step boundary. Before the step, the host waits for the copy stream (copies reading the host copies), not for the
+whole device: the kernels that read a layer's host view or write its gradients into host memory all come before its
+gradients' ready event, which the optimizer's update of that layer waits for before it writes the host copy
+(hetero.run.states). It points DFGB parameters back at their host view and GFGB parameters at the device view of
+their host copy, so that in `step()` every placed parameter (and every host gradient, hetero.run.grad_offload) is a
+device view of pinned host memory: the optimizer finds the host bytes behind it (`Device.host_view`) and updates the
+CPU model with a host memcpy, DHA layers in place. A parameter never changes device: `p.data = x` across devices
+resets the parameter's gradient accumulator in autograd, and DDP's reducer hooks live on the old one (no all-reduce
+from the second step); host view and device buffer are both device tensors. After the step the GFGB parameters point
+at their device buffers again and the copies above are issued. Nothing synchronizes the device inside a step.
+Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them; other code reading
+weights outside the model's forward must synchronize first.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
 from hetero.harness import hooks
-from hetero.harness.layers import tensors
+from hetero.harness.capture import calling
+from hetero.harness.layers import before_backward
+from hetero.harness.saved_tensors import SHADOW, chain
 from hetero.kernels import dha
 from hetero.kernels.dha import Device, carve, offsets
 from hetero.run.grad_offload import HostGrads
@@ -116,15 +124,16 @@ def shadow_model(plan: Plan) -> list[ShadowModel]:
     GPU (gfgb, grad gpu) under an optimizer that updates there."""
     if not plan.layers:
         return []
-    dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
     if plan.optimizer is None or plan.optimizer.device == "gpu":
         moved = [e for e in plan.layers if e.mode != "gfgb" or e.grad != "gpu"]
         if not moved:
             return []
+        dha.devices.check()  # the refusal below is for a GPU machine; elsewhere, that there is none comes first
         raise HeteroError(f"layer {moved[0].name} is `mode: {moved[0].mode}, grad: {moved[0].grad}`, but the optimizer "
                           "updates on the GPU: DHA and host gradients need the master weights in host memory",
                           hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
                           exit_code=INVALID_FILE)
+    dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
     return [ShadowModel(plan)]
 
 
@@ -145,7 +154,7 @@ class LayerState:
     ready: Any  # event: the layer's latest copy is done
     forward_end: Any  # event: its forward ended (dfgb)
     copied: bool = False  # dfgb: copied this step
-    on_gpu: bool = False  # dfgb: storage switched to the device copy
+    on_gpu: bool = False  # dfgb: the parameters point at the device copy
 
     def compute(self) -> torch.Tensor:
         return self.gpu if self.spec.mode == "gfgb" else self.alias
@@ -154,10 +163,16 @@ class LayerState:
         for p, offset in zip(self.params, self.offsets):
             p.data = carve(flat, offset, p)
 
-    def swap(self) -> None:
-        """DFGB: exchange the memory behind the host view's storage and the device buffer's, saved views included."""
-        self.alias.untyped_storage()._swap_data_ptr_(self.gpu.untyped_storage())
-        self.on_gpu = not self.on_gpu
+
+@dataclass(eq=False, slots=True)
+class ParamView:
+    """What autograd keeps of a saved view of a DFGB layer's parameters (see the module's docstring)."""
+
+    layer: LayerState
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # in elements of `dtype`, from the start of the layer's flat storage
 
 
 def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> LayerState:
@@ -187,6 +202,7 @@ class ShadowModel:
         self.pending: list[LayerState] = []  # DFGB layers whose forward ran and whose copy is not issued yet
         self.copied = self.boundary = None  # events: after the last copy issued; the step boundary
         self.ids: set[int] = set()
+        self.views: dict[int, LayerState] = {}  # DFGB layers by the address of their host view's storage
         self.handles: list = []
 
     def install(self, patches, need_model) -> None:
@@ -196,10 +212,6 @@ class ShadowModel:
     def bind(self, model: nn.Module) -> None:
         if self.layers:
             return
-        if self.plan.layers and any(x.mode == "dfgb" for x in self.plan.layers) and \
-                not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-            raise HeteroError(f"this torch ({torch.__version__}) cannot switch storages in place, which DFGB needs",
-                              hint="use a newer torch, or change the plan's dfgb layers to dha", exit_code=STALE_PLAN)
         modules, params = dict(model.named_modules()), dict(model.named_parameters())
         sched = schedule(self.plan.layers, list(modules), list(params))
         # Here, not when the runtime was made: a torchrun worker picks its GPU (set_device, model.to) in between.
@@ -212,7 +224,14 @@ class ShadowModel:
         self.ids = {id(p) for st in self.layers for p in st.params}
         if sched.host_grads():
             self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
-        self.handles += [hooks.forward(model, self._forward_done), hooks.state_dict_pre(model, self._settle)]
+        self.handles += [hooks.forward(model, self._forward_done, always_call=True),
+                         hooks.state_dict_pre(model, self._settle)]
+        self.views = {st.alias.data_ptr(): st for st in self.layers if st.spec.mode == "dfgb" and st.alias.numel()}
+        if self.views:
+            chain.join(self, SHADOW)
+            self.handles.append(hooks.forward_pre(model, self._forward_start, prepend=True))
+            if calling(model):  # bound at the model's first forward, whose pre-hooks have already run
+                self._forward_start(model, ())
 
     def _hook(self, module: nn.Module, st: LayerState) -> None:
         if st.spec.mode == "gfgb":
@@ -221,6 +240,10 @@ class ShadowModel:
             self.handles.append(hooks.forward(module, partial(self._layer_done, st)))
 
     # -- inside a step ------------------------------------------------------------------------------------------
+
+    def _forward_start(self, model, args) -> None:
+        if torch.is_grad_enabled():
+            chain.open(self)
 
     def _await_copy(self, st: LayerState, module, args) -> None:
         self.device.compute_waits(st.ready)  # evaluation forwards too: the buffer may be in flight
@@ -231,11 +254,11 @@ class ShadowModel:
         if not st.copied and st not in self.pending:
             self.device.record_compute(st.forward_end)
             self.pending.append(st)
-        for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
-            grad_fn.register_prehook(partial(self._before_backward, st))
+        before_backward(output, partial(self._before_backward, st))
 
     def _forward_done(self, model, args, output) -> None:
         """The model's forward ended: copy the DFGB layers for their backward, latest forward first."""
+        chain.close(self)
         for st in reversed(self.pending):
             self.device.copy_waits(st.forward_end)
             self.device.copy(st.gpu, st.host)
@@ -246,11 +269,30 @@ class ShadowModel:
         self.pending.clear()
 
     def _before_backward(self, st: LayerState, grad_outputs) -> None:
-        """The layer's backward starts (on the stream its nodes run on): wait for its copy, then switch storage."""
-        if st.on_gpu or not st.copied:
-            return
-        self.device.compute_waits(st.ready)
-        st.swap()
+        """The layer's backward starts (on the stream its nodes run on): wait for its copy, then compute on it."""
+        if st.copied and not st.on_gpu:
+            self.device.compute_waits(st.ready)
+            st.point(st.gpu)
+            st.on_gpu = True
+
+    # -- saved views of DFGB parameters (hetero.harness.saved_tensors) --------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> ParamView | None:
+        if tensor.layout != torch.strided or not (type(tensor) is torch.Tensor or isinstance(tensor, nn.Parameter)):
+            return None
+        st = self.views.get(tensor.untyped_storage().data_ptr())
+        if st is None or tensor.device != st.alias.device:
+            return None
+        return ParamView(st, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def unpack(self, view: ParamView) -> torch.Tensor:
+        """The view, of the device copy once it is there (a tied weight's user may come back before the layer's
+        backward starts), else of the host view."""
+        st = view.layer
+        self._before_backward(st, None)
+        flat = st.gpu if st.on_gpu else st.alias
+        out = torch.empty(0, dtype=view.dtype, device=flat.device)
+        return out.set_(flat.untyped_storage(), view.offset, view.size, view.stride)
 
     # -- the step boundary ----------------------------------------------------------------------------------------
 
@@ -260,13 +302,14 @@ class ShadowModel:
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):
             return
-        self._quiesce()
+        # No wait for the whole device: each update waits for its own gradients' event, which came after every
+        # kernel reading the parameter's host bytes (hetero.run.states), so the host writes each layer's host copy
+        # once that layer is done. Only the copies that read host copies are waited for here.
+        self._settle()
         for st in self.layers:
-            if st.on_gpu:
-                st.swap()
-            st.copied = False
-            if st.spec.mode == "gfgb":
+            if st.on_gpu or st.spec.mode == "gfgb":
                 st.point(st.alias)
+            st.copied = st.on_gpu = False
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):
@@ -289,17 +332,21 @@ class ShadowModel:
         self.device.synchronize(self.copied)
 
     def _settle(self, *args) -> None:
+        """The copies issued so far (which read the host copies and write the device buffers) are done."""
         self.device.synchronize(self.copied)
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        chain.close(self)
+        chain.leave(self)
         if self.layers:
             self._quiesce()
             for st in self.layers:
                 if st.on_gpu:
-                    st.swap()
+                    st.point(st.alias)
+                    st.on_gpu = False
         if self.grads is not None:
             self.grads.close()
 

@@ -1,15 +1,20 @@
 """Where one parameter's fp32 master copy and Adam states live, and how its update runs there.
 
 A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in the middle
-of backward only enqueues work. On the AXDIMM each channel has a driver that alone switches the channel's arbiter
-(normal to copy the gradient in, acceleration to run Adam), so the paper's exclusivity holds by construction, and
-while one channel's kernel runs the other channel's driver copies (§5.2). The model's parameters change only in
-`finish`, called from `optimizer.step()`: updates that overlapped backward wait there in the master copies.
+of backward only enqueues work. Updates go to the drivers in buckets (`launch`: the parameters of one module, once
+the last of their gradients is final): one ready event, one job per driver and, on the host, one fused Adam call for
+the bucket, each parameter's arithmetic exactly as alone. On the AXDIMM each channel has a driver that alone
+switches the channel's arbiter (normal to copy the gradient in, acceleration to run Adam), so the paper's
+exclusivity holds by construction, and while one channel's kernel runs the other channel's driver copies (§5.2). The
+model's parameters change only in `finish`, called from `optimizer.step()`: updates that overlapped backward wait
+there in the master copies.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -50,23 +55,38 @@ class GradientSource:
         self.link.record_compute(event)
         return event
 
-    def in_host(self, grad: torch.Tensor, ready) -> torch.Tensor | None:
-        """`grad` itself or the host tensor it views, once the kernels writing it are done; None when on a GPU."""
-        host = grad if self.link is None else self.link.host_view(grad)
-        if host is not None and ready is not None:
-            self.link.synchronize(ready) if self.link is not None else ready.synchronize()
-        return host
+    def in_host(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """`grad` itself or the host tensor it views (read it after `wait`); None when on a GPU."""
+        return grad if self.link is None else self.link.host_view(grad)
+
+    def wait(self, ready) -> None:
+        """The host waits for `ready`: the kernels that wrote the gradients in host memory are done, and so are those
+        that read the parameters' host bytes (they ran before the gradients were final)."""
+        if self.link is not None and ready is not None:
+            self.link.synchronize(ready)
+
+    def download_async(self, dst: torch.Tensor, grad: torch.Tensor, ready):
+        """Start copying a GPU gradient into host `dst` (pinned) after `ready`; the event that ends it (downloads
+        run in order on one stream). The caller keeps `grad` until then."""
+        return self.link.download(dst, grad, ready)
+
+    def finish(self, done) -> None:
+        """The host waits for downloads up to the one `done` ends."""
+        self.link.synchronize(done)
 
     def download(self, dst: torch.Tensor, grad: torch.Tensor, ready) -> None:
         """Copy a GPU gradient into host `dst` (pinned), returning once it is there; see the class."""
-        self.link.synchronize(self.link.download(dst, grad, ready))
+        self.finish(self.download_async(dst, grad, ready))
 
-    def copy_into(self, dst: torch.Tensor, grad: torch.Tensor, ready) -> None:
-        host = self.in_host(grad, ready)
+    def copy_into(self, dst: torch.Tensor, grad: torch.Tensor, ready, waited: bool = False) -> None:
+        """dst <- grad, wherever it is; `waited`: the caller waited for `ready` already."""
+        host = self.in_host(grad)
         if host is None:
             self.download(dst, grad, ready)
-        else:
-            dst.copy_(host)
+            return
+        if not waited:
+            self.wait(ready)
+        dst.copy_(host)
 
     def host_data(self, param: torch.Tensor) -> torch.Tensor:
         """Where `copy_back` writes: the host bytes behind a parameter's device view, else its data."""
@@ -79,6 +99,28 @@ class GradientSource:
         if self.link is None:
             return torch.empty(numel)
         return self.link.pinned(numel * FP32).view(torch.float32)
+
+
+@dataclass(eq=False, slots=True)
+class Update:
+    """One parameter's update: its home, its final gradient, its constants and its 1-based step."""
+
+    home: AxdimmHome | HostHome
+    grad: torch.Tensor
+    hp: Hyperparameters
+    step: int
+
+
+def launch(updates: list[Update]) -> None:
+    """Start updates whose gradients are all final, the last one made final by the calling thread: one ready event
+    (recorded after every kernel the gradients came from) and one job per driver, in order."""
+    ready = updates[0].home.source.ready(updates[-1].grad)
+    jobs: dict[int, list[Update]] = defaultdict(list)
+    for u in updates:
+        jobs[id(u.home.driver)].append(u)
+    for batch in jobs.values():
+        home = batch[0].home
+        home.driver.submit(lambda home=home, batch=batch: home.run_updates(batch, ready))
 
 
 class Driver:
@@ -138,21 +180,29 @@ class AxdimmHome:
             self.device.memcpy(dst, src, master.numel() * FP32)
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
-        ready = self.source.ready(grad)
-        self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
+        """A bucket of one (the profile times single updates this way)."""
+        launch([Update(self, grad, hp, step)])
 
     def quiesce(self) -> None:
         """Take the channel back for the host (on the driver thread: only it switches the arbiter)."""
         self.device.set_arbiter(self.channel, "normal")
 
-    def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
+    def run_updates(self, batch: list[Update], ready=None) -> None:
+        """The updates of a bucket on this channel, after one wait for `ready`; on the driver thread."""
+        waited = any(u.home.source.in_host(u.grad) is not None for u in batch)
+        if waited:
+            self.source.wait(ready)
+        for u in batch:
+            u.home.run_update(u.grad, u.hp, u.step, ready, waited)
+
+    def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None, waited: bool = False) -> None:
         """Copy the gradient in and launch the kernel; on the driver thread."""
         master, exp_avg, exp_avg_sq, buffer = self._regions(grad.numel())
         self.device.set_arbiter(self.channel, "normal")
         with spans.timed(f"axdimm ch{self.channel} host", "gradient in", grad.numel() * FP32):
             # straight from the GPU into the channel's (pinned) memory, on the device's download stream
             self.device.memcpy(buffer, flat(grad), grad.numel() * FP32,
-                               through=lambda dst, src: self.source.copy_into(dst, src, ready))
+                               through=lambda dst, src: self.source.copy_into(dst, src, ready, waited))
         self.device.set_arbiter(self.channel, "acceleration")
         self.device.run_adam_async(master, exp_avg, exp_avg_sq, buffer, hyperparameters=hp, step=step,
                                    channel=self.channel)
@@ -184,22 +234,37 @@ class HostHome:
             _copy(dst, src[:master.numel()])
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
-        ready = self.source.ready(grad)
-        self.driver.submit(lambda: self.run_update(grad, hp, step, ready))
+        """A bucket of one (the profile times single updates this way)."""
+        launch([Update(self, grad, hp, step)])
 
     def quiesce(self) -> None:
         """Nothing to wait for: the host kernel finishes before run_update returns."""
 
     def run_update(self, grad: torch.Tensor, hp: Hyperparameters, step: int, ready=None) -> None:
-        n = grad.numel()
-        g = self.source.in_host(grad, ready)
-        if g is None:
-            self.source.download(self.grad[:n], flat(grad), ready)
-            g = self.grad[:n]
-        g = flat(g)
-        master, exp_avg, exp_avg_sq = (b[:n] for b in self.buffers)
-        with spans.timed("host adam", "adam", 4 * n * FP32):
-            self.kernel(master, g, exp_avg, exp_avg_sq, hyperparameters=hp, step=step)
+        self.run_updates([Update(self, grad, hp, step)], ready)
+
+    def run_updates(self, batch: list[Update], ready=None) -> None:
+        """The updates of a bucket (homes of this driver and kernel): gradients read in place after one wait for
+        `ready`, or downloaded (all issued, then the last one waited for), then one fused call per constants."""
+        grads = [u.home.source.in_host(u.grad) for u in batch]
+        if any(g is not None for g in grads):
+            self.source.wait(ready)
+        last = None
+        for i, u in enumerate(batch):
+            if grads[i] is None:
+                n = u.grad.numel()
+                last = u.home.source.download_async(u.home.grad[:n], flat(u.grad), ready)
+                grads[i] = u.home.grad[:n]
+        if last is not None:
+            self.source.finish(last)
+        by_constants: dict[Hyperparameters, list[tuple[Update, torch.Tensor]]] = defaultdict(list)
+        for u, g in zip(batch, grads):
+            by_constants[u.hp].append((u, flat(g)))
+        for hp, items in by_constants.items():
+            states = [[b[:u.grad.numel()] for b in u.home.buffers] for u, _ in items]
+            with spans.timed("host adam", "adam", 4 * FP32 * sum(u.grad.numel() for u, _ in items)):
+                self.kernel.many([m for m, _, _ in states], [g for _, g in items], [a for _, a, _ in states],
+                                 [v for _, _, v in states], hyperparameters=hp, steps=[u.step for u, _ in items])
 
     def copy_back(self, param: torch.Tensor) -> None:
         self.source.host_data(param).copy_(self.buffers[0][:param.numel()])

@@ -7,21 +7,25 @@ of them, whose backward needs it first.
 
 Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to
 the planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast
-memory and reassembles it on the way back); storages saved after their layer ended are queued at once. Tensors
-under `min_tensor` and storages of parameters never move. One writer thread writes them, and once a write is
-complete the fast-tier copy is dropped, so the memory is really returned.
+memory and reassembles it on the way back); storages saved after their layer ended are queued at once. Storages of
+parameters never move, and tensors whose storage is under `min_tensor` are not even recorded (nor counted in the
+ledger): the pack hook leaves them to autograd after one size check. One writer thread writes evictions in the
+order they were queued (the earliest layers', which wait longest for their backward, first; a later layer's still
+queued when its backward starts is called off, never written), and once a write is complete the fast-tier copy is
+dropped, so the memory is really returned.
 
 Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
 tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
 without a trigger are due at their planned time from the forward start, and all of them at the latest when the
-backward starts. One reader thread serves requests in order (TierTrain's busy rule; the plan already cut requests
-to fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and
-counts one late prefetch; a buffer is handed out only once its read is complete, and a failed read raises.
+backward starts, the latest layer first. Within a layer the last saved storage comes back first: what was evicted
+last is prefetched first, in the order backward needs it. One reader thread serves requests in order (TierTrain's
+busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching
+them itself if nobody has started, and counts one late prefetch; a buffer is handed out only once its read is
+complete, and a failed read raises.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,11 +36,16 @@ from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness import hooks
-from hetero.harness.layers import LayerSpec, layers_named, tensors
+from hetero.harness.capture import calling
+from hetero.harness.layers import LayerSpec, before_backward, layers_named, sharded, storages
+from hetero.harness.models import roots
+from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
+from hetero.kernels import dha
+from hetero.kernels.dha import Device
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
-from hetero.run.devices.slow_tier import open_tier
+from hetero.run.devices.slow_tier import GPU, open_tier
 from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
 
@@ -92,11 +101,14 @@ class ActivationTiering:
         for e in plan.schedule:
             if e.evict_bytes > 0 and e.prefetch_after is not None:
                 self.after[e.prefetch_after].append(e.layer)
-        self.timed = sorted((e.prefetch_at_s, e.layer) for e in plan.schedule
-                            if e.evict_bytes > 0 and e.prefetch_after is None)
+        # Earliest first, and of prefetches due at once the latest layer in forward order first: backward needs it
+        # first (what was evicted last comes back first).
+        order = {e.layer: i for i, e in enumerate(plan.schedule)}
+        self.timed = [(at, layer) for at, _, layer in sorted((e.prefetch_at_s, -order[e.layer], e.layer)
+                                                              for e in plan.schedule
+                                                              if e.evict_bytes > 0 and e.prefetch_after is None)]
         self.ledger = Ledger(plan.fast, plan.slow)
         self.lock = self.ledger.lock
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model: nn.Module | None = None
         self.mover: Mover | None = None
         self.device: torch.device | None = None  # the fast tier's: tensors elsewhere stay where they are
@@ -104,10 +116,12 @@ class ActivationTiering:
         self.handles: list = []
         self.names: dict[int, str] = {}
         self.current: TieredPass | None = None  # the micro-batch whose forward is running
+        self.root: nn.Module | None = None  # the module whose call it is (one of several models')
         self.last: TieredPass | None = None  # the last one whose forward ended
         self.stack: list[str] = []
         self.last_ended: str | None = None
         self.param_storages: set[int] = set()
+        self.sharded = False  # FSDP2: the parameters' storages are read again at each layer's start
         self.unpacked = None  # the recorder's callback: a layer's saved tensor was read back (its backward start)
 
     # -- phases ------------------------------------------------------------------------------------------------
@@ -117,26 +131,29 @@ class ActivationTiering:
 
     def bind(self, model: nn.Module) -> None:
         layers = self._layers(model)
-        self.model = model
-        tier, self.note = open_tier(self.plan)
+        self.model, self.sharded = model, sharded(model)
+        tier, self.note = open_tier(self.plan, _gpu(self.plan, model))
         self.mover, self.device = Mover(tier, self.ledger), tier.device
         for spec in layers:
             self.names[id(spec.module)] = spec.name
             self.handles += [hooks.forward_pre(spec.module, self._layer_start),
                              hooks.forward(spec.module, self._layer_end, always_call=True)]
         # The model's hooks go around the layers' (the root may be a layer itself): its pre-hook first, its
-        # post-hook last.
-        self.handles += [hooks.forward_pre(model, self._forward_start, prepend=True),
-                         hooks.forward(model, self._forward_end, always_call=True)]
-        if _inside_call(model):  # bound at the model's first forward, whose pre-hooks have already run
-            self._forward_start(model, ())
-            if id(model) in self.names:
-                self._layer_start(model, ())
+        # post-hook last. Of several models, each one's calls are the model's forwards.
+        for root in roots(model):
+            self.handles += [hooks.forward_pre(root, self._forward_start, prepend=True),
+                             hooks.forward(root, self._forward_end, always_call=True)]
+        chain.join(self, TIERING)
+        for root in roots(model):
+            if calling(root):  # bound at the model's first forward, whose pre-hooks have already run
+                self._forward_start(root, ())
+                if id(root) in self.names:
+                    self._layer_start(root, ())
 
     def close(self) -> None:
-        if self.current is not None:  # the script ended inside the model's forward
-            self.current = None
-            self.hooks.__exit__(None, None, None)
+        self.current = None  # the script may have ended inside the model's forward
+        chain.close(self)
+        chain.leave(self)
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -176,16 +193,17 @@ class ActivationTiering:
     def _forward_start(self, module, args) -> None:
         if self.current is not None or not torch.is_grad_enabled():
             return  # evaluation forwards save nothing
-        self.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.param_storages = storages(self.model.parameters())
         self.current = TieredPass(start=perf_counter(), timed=list(self.timed))
+        self.root = module
         self.stack, self.last_ended = [], None
-        self.hooks.__enter__()
+        chain.open(self)
 
     def _forward_end(self, module, args, output) -> None:
         mb = self.current
-        if mb is None:
+        if mb is None or module is not self.root:
             return
-        self.hooks.__exit__(None, None, None)
+        chain.close(self)
         self.current, self.last = None, mb
         self._due(mb)
         self._raise_failure()
@@ -196,6 +214,8 @@ class ActivationTiering:
             return
         name = self.names[id(module)]
         self.stack.append(name)
+        if self.sharded:  # FSDP2 has just unsharded the layer's parameters into storages of their own
+            self.param_storages |= storages(module.parameters(recurse=False))
         for record in mb.pending:
             self._own(mb, record, name)
         mb.pending.clear()
@@ -212,8 +232,7 @@ class ActivationTiering:
             group.ended = True
             self._evict(group, group.live())
         if name in self.after and output is not None:
-            for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
-                grad_fn.register_prehook(lambda grads, mb=mb, name=name: self._started(mb, name))
+            before_backward(output, lambda grads, mb=mb, name=name: self._started(mb, name))
         self._due(mb)
         self._raise_failure()
 
@@ -225,20 +244,21 @@ class ActivationTiering:
                                 hint="check the slow tier's directory and free space")
             raise StopScript(e)
 
-    # -- saved tensors -----------------------------------------------------------------------------------------
+    # -- saved tensors (hetero.harness.saved_tensors) ----------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> Saved | None:
         mb = self.current
-        if mb is None or isinstance(tensor, nn.Parameter) or type(tensor) not in (torch.Tensor,) or \
-                tensor.layout != torch.strided:
-            return tensor
+        if mb is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return None  # parameters (nn.Parameter) and tensor subclasses stay where they are
         storage = tensor.untyped_storage()
+        if storage.nbytes() < self.plan.min_tensor_bytes:
+            return None  # never moves: not worth a record (autograd keeps it as it would)
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.param_storages:
-            return tensor
+            return None
         layer = self.stack[-1] if self.stack else self.last_ended
         record = self._record(mb, storage, ptr, layer)
-        keep = None if record.movable else tensor
+        keep = None if record.movable else tensor.detach()  # not the tensor itself: an output would hold its grad_fn
         return Saved(record, keep, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
     def _record(self, mb: TieredPass, storage: torch.UntypedStorage, ptr: int, layer: str | None) -> Record:
@@ -293,9 +313,7 @@ class ActivationTiering:
             group.committed += sum(nbytes for _, nbytes in chosen)
             self.mover.evict(chosen, group.layer)
 
-    def _unpack(self, saved) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+    def unpack(self, saved: Saved) -> torch.Tensor:
         record = saved.record
         if record.group is not None:
             self._started(record.group.mb, record.group.layer)
@@ -303,9 +321,10 @@ class ActivationTiering:
                 self.unpacked(record.group.layer)
         if saved.tensor is not None:
             return saved.tensor
-        data = self.mover.data(record)
+        data = self.mover.data(record)  # uint8, where the storage's bytes are (it may start inside a larger buffer)
         out = torch.empty(0, dtype=saved.dtype, device=data.device)
-        return out.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+        start = data.storage_offset() // out.element_size()  # buffers start aligned for every dtype
+        return out.set_(data.untyped_storage(), start + saved.offset, saved.size, saved.stride)
 
     # -- backward progress and prefetch ---------------------------------------------------------------------
 
@@ -351,14 +370,12 @@ class ActivationTiering:
                 self.mover.prefetch(reversed(group.records.values()))  # backward's order: the last saved first
 
 
-def _inside_call(model: nn.Module) -> bool:
-    """Whether `model`'s own call is on the stack (its forward pre-hooks running now)."""
-    frame = sys._getframe(1)
-    call = nn.Module._call_impl.__code__
-    while frame is not None:
-        if frame.f_code is call and frame.f_locals.get("self") is model:
-            return True
-        frame = frame.f_back
-    return False
-
-
+def _gpu(plan: ActivationPlan, model: nn.Module) -> Device | None:
+    """The model's GPU, where the plan tiers GPU memory and there is one."""
+    if plan.fast != GPU:
+        return None
+    try:
+        dha.devices.check()
+    except HeteroError:
+        return None
+    return dha.devices.for_model(model)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ import yaml
 
 from hetero.errors import FileProblems
 from hetero.schema import yaml_write
-from hetero.schema.fields import is_schema, left_out, specs
+from hetero.schema.fields import is_schema, specs
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 from hetero.schema.run import Run
@@ -125,17 +126,35 @@ def save(obj: Any, path: str | os.PathLike, header: tuple[str, ...] = ()) -> Non
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """`text` into `path` atomically (a temporary file beside it, then renamed)."""
+    """`text` into `path` atomically and durably: a temporary file beside it, flushed to disk (fsync) before it is
+    renamed over `path`, then the directory flushed so the rename itself survives a power loss. After a crash at
+    any moment `path` holds the old text or the new one, whole."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plan is a normal, shareable file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a directory we may write in but not open (rare); the file itself is on disk
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
@@ -159,21 +178,27 @@ def to_data(obj: Any) -> Any:
 
 
 def content_sha256(obj: Any) -> str:
-    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, nor
-    does a field added to the schema later while it holds its default (`fields.doc(added=True)`)."""
-    data = json.dumps(_content(obj), sort_keys=True, separators=(",", ":"))
+    """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, and
+    neither does a field a later hetero added, while it holds its default (what an older file without it means)."""
+    data = json.dumps(_said(obj), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(data.encode()).hexdigest()
 
 
-def _content(obj: Any) -> Any:
-    """`to_data(obj)` without the added fields that hold their defaults (`fields.left_out`)."""
+def _said(obj: Any) -> Any:
+    """`to_data(obj)` without the fields that hold their declared default."""
     if is_schema(type(obj)):
-        return {s.name: _content(getattr(obj, s.name)) for s in specs(type(obj))
-                if not s.comment and not left_out(obj, s)}
+        return {f.name: _said(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.metadata.get("comment") and not _is_default(f, getattr(obj, f.name))}
     if isinstance(obj, list):
-        return [_content(v) for v in obj]
+        return [_said(v) for v in obj]
     if isinstance(obj, dict):
-        return {k: _content(v) for k, v in obj.items()}
+        return {k: _said(v) for k, v in obj.items()}
     return obj
+
+
+def _is_default(f: dataclasses.Field, value: Any) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return value == f.default
+    return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
 
 

@@ -22,12 +22,23 @@ SECTIONS = ("layers", "optimizer", "activations", "routing")
 
 
 @dataclass(kw_only=True, slots=True)
+class PlannedModel:
+    """One of several models the plan is for."""
+
+    name: str = doc("The script's name for it, as in the profile.")
+    fingerprint: str = doc("Its own fingerprint.")
+
+
+@dataclass(kw_only=True, slots=True)
 class Source:
     """The profile this plan was solved from; `hetero run` refuses the plan when either hash no longer matches."""
 
     profile: str = doc("Path of the profile, as given to `hetero plan`.")
     profile_sha256: str = doc("Hash of the profile's content (not its formatting).")
     model_fingerprint: str = doc("The profiled model's fingerprint (`model.fingerprint` of the profile).")
+    models: list[PlannedModel] = doc("The models, where the script trains several (`model.models` of the profile): "
+                                     "`hetero run` finds each by its fingerprint, and layer and parameter names "
+                                     "start with its name. Empty: one model.", default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +59,7 @@ class Budget:
 class LayerPlan:
     """How one layer's parameters and gradients are placed on a GPU (MemFerry)."""
 
-    name: str = doc("Layer name from the profile.")
+    name: str = doc("Layer name from the profile (of several models: it starts with its model's name, `netD.0`).")
     mode: Mode = doc("`gfgb`: copied to the GPU before forward; `dha`: the GPU reads it from pinned host memory; "
                      "`dfgb`: forward from host memory, copied to the GPU before backward.")
     grad: GradPlace = doc("Where backward writes the layer's gradients: `gpu`, or `host` (pinned, GO-MemFerry).")
@@ -60,7 +71,8 @@ class LayerPlan:
 class StatePlacement:
     """Where one parameter's fp32 master copy, gradient and Adam states live."""
 
-    param: str = doc("Qualified parameter name, as in `model.named_parameters()`.")
+    param: str = doc("Qualified parameter name, as in `model.named_parameters()` (of several models: it starts with "
+                     "its model's name, `netD.0.weight`; an optimizer of models without any here stays the script's).")
     tier: StateTier = doc("Device holding the states.")
     channel: int | None = doc("AXDIMM channel; null unless `tier: axdimm`.", ge=0, le=MAX_CHANNELS - 1, default=None)
 
@@ -130,7 +142,7 @@ class OptimizerPlan:
 class Eviction:
     """TierTrain's decision for one layer's saved tensors (§5.3)."""
 
-    layer: str = doc("Layer name from the profile.")
+    layer: str = doc("Layer name from the profile (of several models: it starts with its model's name).")
     evict_bytes: int = doc("Saved bytes moved to the slow tier when the layer's forward ends (Eq. 6-7, 10).",
                            unit=SIZE)
     prefetch_at_s: float = doc("When to start bringing them back, from the iteration start (Eq. 8).", unit=TIME)
@@ -254,6 +266,11 @@ class Predicted:
                                default_factory=dict)
     dram_saved: dict[str, int] = doc("What the plan moves out of host memory, by what it is.", unit=SIZE,
                                      default_factory=dict)
+    gpu: dict[str, int] = doc("What makes up the predicted GPU peak (`peak` of `gpu` is this sum less `gpu_saved`): "
+                              "plain training's measured reserved peak, and what the plan adds there; empty without "
+                              "a GPU.", unit=SIZE, default_factory=dict)
+    gpu_saved: dict[str, int] = doc("What the plan moves off the GPU, by what it is.", unit=SIZE,
+                                    default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -274,6 +291,14 @@ class Plan:
                                                       default=None)
     recompute: RecomputePlan | None = doc("Blocks whose saved tensors backward recomputes; null: none.", default=None,
                                           added=True)
+
+    def runs_plain(self) -> bool:
+        """Nothing to carry out: no section moves anything (layers all `gfgb` with gradients on the GPU, and an
+        optimizer, if any, on the GPU: the script's own), and no budget to keep at run time."""
+        return (all(e.mode == "gfgb" and e.grad == "gpu" for e in self.layers)
+                and (self.optimizer is None or self.optimizer.device == "gpu") and self.activations is None
+                and self.routing is None and self.allocator is None and self.update_in_backward is None
+                and self.recompute is None and self.budget.dram_budget_bytes is None and self.budget.gpu_memory_bytes is None)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")

@@ -28,7 +28,8 @@ Granularity = Literal["module", "block"]
 TierKind = Literal["hbm", "dram", "numa", "cxl", "nvme"]
 Backend = Literal["emulated", "hardware"]
 CommBackend = Literal["gloo", "nccl"]
-OptimizerKind = Literal["adam", "adamw", "other"]
+OptimizerKind = Literal["adam", "adamw", "other", "none"]
+StepsFrom = Literal["optimizer", "backward"]
 ROOT_LAYER = "(model)"  # the layer of parameters the model's root module owns directly
 
 
@@ -41,6 +42,17 @@ class CurvePoint:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrainedModel:
+    """One of several models a script trains (a GAN's generator and discriminator)."""
+
+    name: str = doc("The script's name for it (its variable), or its class name; its layers' and parameters' names "
+                    "start with it (`netD.0.weight`).")
+    type: str = doc("Module class.")
+    fingerprint: str = doc("Its own fingerprint, as `model.fingerprint` of a profile of it alone.")
+    num_params: int = doc("Its parameters.", unit=COUNT)
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelInfo:
     """Which model was profiled; `hetero run` refuses a plan made for another one."""
 
@@ -48,13 +60,33 @@ class ModelInfo:
     script: str = doc("The training script, as given to `hetero profile`.")
     num_params: int = doc("Parameters the optimizer owns.", unit=COUNT)
     dtype: str = doc("Parameter dtype, e.g. `float32` (the most common one when mixed).")
+    models: list[TrainedModel] = doc("The models, where the script trains several (each with its own optimizer): "
+                                     "`fingerprint` and `num_params` are then over all of them, and each layer "
+                                     "names its model. Empty: one model.", default_factory=list)
+    sharded: bool = doc("The model's parameters are sharded across ranks (FSDP2's `fully_shard`, DTensor): the "
+                        "optimizer and the gradient reduction stay the script's (FSDP2's).", default=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class ScriptOptimizer:
+    """One optimizer the script steps."""
+
+    name: str = doc("The script's name for it (its variable), or its class name.")
+    kind: OptimizerKind = doc("Its class: `adam`, `adamw`, or `other`.")
+    model: str = doc("The model whose parameters it updates (a name of `model.models`).")
+    num_params: int = doc("Parameters it updates.", unit=COUNT)
+    kept: str | None = doc("Why hetero's Adam cannot take its place, so that it stays the script's; null: it can.",
+                           default=None)
 
 
 @dataclass(kw_only=True, slots=True)
 class Training:
     """How the script trains, and the mean cost of one optimizer step."""
 
-    optimizer: OptimizerKind = doc("The optimizer class the script built; only Adam and AdamW can be offloaded.")
+    optimizer: OptimizerKind = doc("The optimizer class the script built; only Adam and AdamW can be offloaded. "
+                                   "`other`: another class, or one hetero's Adam cannot take the place of; `none`: "
+                                   "the script updates its parameters without a torch.optim optimizer. Several "
+                                   "optimizers: the class of those that can be offloaded, if they share one.")
     grad_accumulation: int = doc("Backward passes per optimizer step.", ge=1, le=MAX_MICRO_BATCHES)
     clips_grad: bool = doc("Whether the script calls `clip_grad_norm_` between backward and step.")
     warmup_steps: int = doc("Steps run before measuring.", ge=0, le=MAX_STEPS)
@@ -66,6 +98,21 @@ class Training:
     optimizer_step_s: float = doc("Time of `optimizer.step()`.", unit=TIME)
     overhead: float = doc("Profiling overhead: step time with the profiler's hooks over step time without, "
                           "minus one (0.03 = 3% slower while measured).", ge=0)
+    plain_iteration_s: float | None = doc(
+        "Wall time of one optimizer step of plain training: the median of the warm-up steps after the first, "
+        "without the profiler's hooks (on a GPU they leave launch gaps that `iteration` includes). The planner "
+        "predicts a GPU plan's iteration as this plus what the plan changes in simulation; null: not measured "
+        "(a CPU, or one warm-up step).", unit=TIME, default=None)
+    steps_from: StepsFrom = doc("What marks a step: `optimizer`, the end of `step()` of the first optimizer to step; "
+                                "`backward`, the end of a backward call (a script without a torch.optim optimizer: "
+                                "its own update is then part of the iteration, and `optimizer_step` is 0).",
+                                default="optimizer")
+    updates_wait: str | None = doc("Why the updates must wait for the whole backward, besides clipping (several "
+                                   "optimizers: each model's gradients also accumulate in another's backward); "
+                                   "null: nothing else makes them wait.", default=None)
+    optimizers: list[ScriptOptimizer] = doc("Every optimizer of the model(s) the script steps, the first to step "
+                                            "first. Empty: none, or a profile made before hetero listed them.",
+                                            default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +138,12 @@ class Cpu:
         "`adam` while the model computes on all cores; null: not measured (a GPU computes): `adam` holds.",
         unit=PARAM_RATE, default=None)
     adam_launch_beside_compute_s: float | None = doc("`adam_launch` the same way.", unit=TIME, ge=0, default=None)
+    hook_pair_s: float | None = doc("Host time of a module's forward pre-hook and forward hook, both Python: what "
+                                    "the runtime's per-layer work costs the thread that runs the model; null: not "
+                                    "measured (older profiles).", unit=TIME, ge=0, default=None)
+    saved_tensor_s: float | None = doc("Host time of one saved tensor's trip through Python pack and unpack hooks "
+                                       "(activation tiering's per-tensor work); null: not measured.", unit=TIME,
+                                       ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,6 +178,9 @@ class Gpu:
                                              unit=RATE)
     dha_write_bytes_per_s: float | None = doc("Bandwidth of kernels writing pinned host memory directly.",
                                               unit=RATE)
+    event_s: float | None = doc("Host time of recording a CUDA event on one stream and making another wait for it: "
+                                "every ordered hand-off the runtime makes (a copy's wait, a gradient's download); "
+                                "null: not measured (older profiles).", unit=TIME, ge=0, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,8 +267,11 @@ class Machine:
 class Layer:
     """One layer, in forward order: its parameters, its times and its saved activations."""
 
-    name: str = doc("Qualified module name, as in `model.named_modules()`; `(model)` for the root module.")
+    name: str = doc("Qualified module name, as in `model.named_modules()`; `(model)` for the root module. Where "
+                    "the script trains several models, it starts with the model's name (`netD.0`).")
     type: str = doc("Module class, e.g. `Linear`.")
+    model: str | None = doc("The model the layer belongs to (a name of `model.models`); null: the only one.",
+                            default=None)
     num_params: int = doc("Parameters this layer owns directly.", unit=COUNT)
     params: dict[str, int] = doc("Bytes of each parameter the layer owns, by local name (`weight`).", unit=SIZE)
     fp_s: float = doc("Forward time of the layer itself (nested layers excluded), parameters in fast memory "
@@ -242,6 +301,15 @@ class Layer:
     def param_names(self) -> list[str]:
         """Qualified names of the layer's parameters, as in `model.named_parameters()`."""
         return [local if self.name == ROOT_LAYER else f"{self.name}.{local}" for local in self.params]
+
+    def problems(self) -> list[tuple[str, str]]:
+        # An invisible character (U+FEFF, a zero-width space) in a name is an edit or a corruption: no module or
+        # parameter torch builds has one, so the plan made from it would name something the model does not have.
+        for key, name in [("name", self.name), *((f"params.{k}", k) for k in self.params)]:
+            if not name.isprintable():
+                return [(key, f"{name!r} holds an invisible or control character, which no module or parameter "
+                              "name has: re-profile")]
+        return []
 
 
 @dataclass(kw_only=True, slots=True)
@@ -309,8 +377,18 @@ class Profile:
                               "found (or a profile made before hetero measured them).", default_factory=list,
                               added=True)
 
+    def kept_models(self) -> set[str]:
+        """The models whose optimizer stays the script's (hetero's Adam cannot take its place): a plan places no
+        state of their parameters, and `hetero run` looks none up."""
+        return {o.model for o in self.training.optimizers if o.kept}
+
     def problems(self) -> list[tuple[str, str]]:
         too_many = [("layers", f"{len(self.layers)} entries, at most {MAX_LAYERS}")] if len(self.layers) > MAX_LAYERS \
             else []
-        return unique_names(self.layers, "layers") + unique_names(self.blocks, "blocks") + too_many
+        # Every parameter the optimizer owns belongs to a layer (frozen ones too, so the layers may hold more).
+        held = sum(layer.num_params for layer in self.layers)
+        missing = [("layers", f"the layers hold {held:,} parameters, fewer than the {self.model.num_params:,} of "
+                              "model.num_params: a layer is missing; re-profile")] \
+            if self.layers and held < self.model.num_params else []
+        return unique_names(self.layers, "layers") + unique_names(self.blocks, "blocks") + too_many + missing
 

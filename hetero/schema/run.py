@@ -68,17 +68,31 @@ class StepEnd:
 
 
 @dataclass(kw_only=True, slots=True)
+class ProcessPeaks:
+    """What the whole process held at its peak by the end of the recorded steps: the figures a user pays for."""
+
+    dram_peak_bytes: int = doc("Peak resident memory (the kernel's high-water mark, VmHWM).", unit=SIZE, ge=0)
+    gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
+                                               unit=SIZE, ge=0, default=None)
+    gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
+                                              "a GPU.", unit=SIZE, ge=0, default=None)
+
+
+@dataclass(kw_only=True, slots=True)
 class Run:
     """run.yaml: one run of a script under a plan, as measured."""
 
     source: RunSource = doc("What ran.")
     timing: RunTiming = doc("The mean recorded step.")
-    peak_bytes: dict[str, int] = doc("Peak bytes in use by tier over the recorded steps.", unit=SIZE)
+    peak_bytes: dict[str, int] = doc("Peak bytes the runtime's mechanisms held by tier over the recorded steps (their "
+                                     "own count: `process` has what the process paid).", unit=SIZE)
     activations: ActivationPrediction | None = doc("Saved-activation bytes in the fast tier, with and without "
                                                    "the tiering that ran; null without tiering.", default=None)
     late_prefetches: int = doc("Saved tensors not back when backward needed them.", ge=0, default=0)
     steps: list[StepEnd] = doc("The recorded steps' ends.", default_factory=list)
     layers: list[RunLayer] = doc("Layers in forward order.")
+    process: ProcessPeaks | None = doc("The whole process's peaks; null in runs recorded before hetero read them.",
+                                       default=None)
 
     def problems(self) -> list[tuple[str, str]]:
         return unique_names(self.layers, "layers")

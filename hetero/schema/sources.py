@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from hetero.errors import STALE_PLAN, FileProblems, HeteroError, Problem
+from hetero.errors import STALE_PLAN, HeteroError
 from hetero.schema import files
 from hetero.schema.names import unknown_names
 from hetero.schema.plan import Plan
@@ -40,15 +41,46 @@ def profile_of(plan: Plan, plan_path: Path, why: str) -> Profile:
     return profile
 
 
-def name_problems(plan: Plan, plan_path: Path) -> list[Problem]:
-    """Layer and parameter names in `plan` that its profile, when found and valid, does not have; none without it."""
-    found = find_profile(plan, plan_path)
-    try:
-        profile = files.load(found, expect=Profile) if found is not None else None
-    except FileProblems:
-        return []
-    return [Problem(str(plan_path), f"{path}: {message}", files.line_of(plan_path, path))
-            for path, message in (unknown_names(plan, profile) if profile is not None else [])]
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """Something in a plan that its profile shows `hetero run` cannot carry out (`error`: it refuses the plan) or
+    carries out otherwise than written (a warning saying what it does instead)."""
+
+    path: str  # the YAML path in the plan, e.g. `optimizer.states[3].param`
+    message: str
+    error: bool = True
+
+
+def against_profile(plan: Plan, profile: Profile) -> list[Finding]:
+    """What `hetero run` would refuse or ignore in `plan`, found from its (unchanged) profile alone: names the model
+    does not have, parameters with no state placement, GPU sections on a machine without a GPU. Pure."""
+    placed = {s.param for s in plan.optimizer.states} if plan.optimizer is not None else set()
+    kept = profile.kept_models()
+    owned = [name for layer in profile.layers if layer.model not in kept for name in layer.param_names()]
+    offloaded = plan.optimizer is not None and plan.optimizer.device != "gpu"
+    unplaced = [name for name in owned if name not in placed] if offloaded else []
+    out = []
+    for path, message in unknown_names(plan, profile):
+        if path.startswith("optimizer.states") and not unplaced:  # an extra entry: the run never looks it up
+            out.append(Finding(path, f"{message}; hetero run ignores this entry", error=False))
+        else:
+            out.append(Finding(path, message))
+    if unplaced:
+        out.append(Finding("optimizer.states", f"no placement for {len(unplaced)} of the profile's parameters, e.g. "
+                                               f"{unplaced[0]}: hetero run needs one for every parameter"))
+    if profile.machine.gpu is None:
+        out += [Finding(path, f"{what}, but the profile's machine has no GPU") for path, what in _on_gpu(plan)]
+    return out
+
+
+def _on_gpu(plan: Plan) -> list[tuple[str, str]]:
+    """(YAML path, what) for each entry that needs a GPU."""
+    out = [("layers", f"{len(plan.layers)} layer(s) placed in GPU memory")] if plan.layers else []
+    if plan.optimizer is not None and plan.optimizer.device == "gpu":
+        out.append(("optimizer.device", "the optimizer updates on the GPU (gpu: the script's own optimizer)"))
+    if plan.activations is not None and plan.activations.fast == "gpu":
+        out.append(("activations.fast", "activations are tiered from GPU memory (fast: gpu)"))
+    return out
 
 
 def beside(path: str, run_path: Path) -> Path:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
+import stat
 import typing
 from pathlib import Path
 from typing import Any
@@ -45,14 +47,26 @@ for _tag, _pattern, _first in [
 
 def read_text(path: Path, name: str) -> str:
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_BYTES + 1)  # never more: a file's size may lie (a pipe, /dev/zero)
+        # Opened without waiting (a FIFO would block until someone writes to it), then refused unless a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise FileProblems([Problem(name, "no such file")]) from None
-    except IsADirectoryError:
-        raise FileProblems([Problem(name, "is a directory, not a profile or plan file")]) from None
     except OSError as e:
         raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise FileProblems([Problem(name, "is a directory, not a profile or plan file")])
+        if not stat.S_ISREG(mode):
+            raise FileProblems([Problem(name, "not a regular file (a pipe or a device): give the path of a profile or "
+                                              "plan file")])
+        data = os.read(fd, MAX_BYTES + 1)  # never more: a file's size may lie
+        while len(data) <= MAX_BYTES and (more := os.read(fd, MAX_BYTES + 1 - len(data))):
+            data += more
+    except OSError as e:
+        raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_BYTES:
         raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
     nul = data.find(b"\0")

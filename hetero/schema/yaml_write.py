@@ -26,6 +26,19 @@ class _Map:
 @dataclasses.dataclass(slots=True)
 class _Seq:
     items: list[Any]
+    why: str = ""
+
+
+class _Null(str):
+    """`null`, with the reason the section is absent (a plan's `omitted`) as its `# why:`."""
+
+    why: str
+
+
+def _absent(why: str) -> _Null:
+    out = _Null("null")
+    out.why = why
+    return out
 
 
 def _tree(value: Any, spec: FieldSpec | None, tp: Any) -> Any:
@@ -36,7 +49,7 @@ def _tree(value: Any, spec: FieldSpec | None, tp: Any) -> Any:
     if is_schema(type(value)):
         fields = [s for s in specs(type(value)) if not s.comment and not left_out(value, s)]
         why = next((getattr(value, s.name) for s in specs(type(value)) if s.comment), "")
-        return _Map([(s.key, _tree(getattr(value, s.name), s, s.type)) for s in fields], why)
+        return _Map([(s.key, _said_why(_tree(getattr(value, s.name), s, s.type), s.key, value)) for s in fields], why)
     if isinstance(value, list):
         return _Seq([_tree(v, spec, typing.get_args(tp)[0]) for v in value])
     if isinstance(value, dict):
@@ -48,6 +61,19 @@ def _tree(value: Any, spec: FieldSpec | None, tp: Any) -> Any:
     if isinstance(value, (int, float)):
         return repr(value)
     return _text(value)
+
+
+def _said_why(node: Any, key: str, owner: Any) -> Any:
+    """An absent section (null, or an empty list) of an object that says why in `omitted`, with that reason."""
+    omitted = getattr(owner, "omitted", None)
+    why = omitted.get(key) if isinstance(omitted, dict) else None
+    if not why:
+        return node
+    if node == "null":
+        return _absent(why)
+    if isinstance(node, _Seq) and not node.items:
+        return _Seq([], why)
+    return node
 
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_/][A-Za-z0-9_./:@+\- ]*$")
@@ -84,7 +110,7 @@ def _block_map(node: _Map, indent: int, lines: list[str]) -> None:
     pad = " " * indent
     for key, value in node.items:
         flow = _flow(value)
-        why = value.why if isinstance(value, _Map) else ""
+        why = getattr(value, "why", "")
         if flow is not None and (len(pad) + len(key) + len(flow) <= 110 or isinstance(value, str)):
             lines.append(_comment(f"{pad}{key}: {flow}", why))
         elif isinstance(value, _Map):

@@ -98,7 +98,7 @@ def test_a_gpu_plan_from_the_command_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     files.save(gpu_profile(6, seed=2), "profile.yaml")
-    assert main(["plan", "--gpu-memory", "1GiB", "--reserve", "0.3"]) == 0
+    assert main(["plan", "--gpu-memory", "1GiB", "--reserve", "0.3", "--optimizer-device", "host"]) == 0
     assert "write gradients to host" in capsys.readouterr().out
     plan = files.load("plan.yaml", expect=Plan)
     assert (len(plan.layers), plan.budget.gpu_memory_bytes, plan.budget.reserve) == (6, 2**30, 0.3)
@@ -109,3 +109,19 @@ def test_a_gpu_plan_from_the_command_line(tmp_path, monkeypatch, capsys):
     lanes = {e["args"]["name"] for e in json.loads(Path("predicted.json").read_text())["traceEvents"] if e["ph"] == "M"}
     assert {"compute", "h2d", "d2h", "host adam"} <= lanes
     assert main(["plan", "--help"]) == 0 and "Example: hetero plan" in capsys.readouterr().out
+
+
+def test_the_summary_fits_columns_when_piped_and_a_plan_says_why_next_to_each_absent_section(tmp_path, monkeypatch,
+                                                                                              capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "plan.yaml"
+    for columns, widest in (("70", 70), ("", 120)):  # unset: a sane width, not the 160 of before
+        monkeypatch.setenv("COLUMNS", columns)
+        assert main(["plan", "--profile", PROFILE, "-o", str(out)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert max(len(line) for line in lines) <= widest and any(len(line) > 60 for line in lines)
+    plan = files.load(out, expect=Plan)
+    text = out.read_text()
+    for section in ("optimizer", "activations"):  # the default plan without a GPU runs plain
+        assert getattr(plan, section) is None
+        assert f"\n{section}: null  # why: {plan.omitted[section][:40]}" in text

@@ -1,6 +1,9 @@
 """`hetero profile` end to end: the example script into a profile `hetero check` accepts."""
 
+import contextlib
+import io
 import json
+import math
 import os
 
 import pytest
@@ -8,25 +11,32 @@ import torch
 from torch.nn.utils import clip_grad
 
 from hetero.cli.main import main
-from hetero.profile import conservative
+from hetero.profile import conservative, returned
 from hetero.run import process_memory
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
-from tests.conftest import REPO
+from tests.conftest import REPO, cuda_reported_in
 from tests.profile import scripts
 
 ADAMW, CLIP = torch.optim.AdamW, clip_grad.clip_grad_norm_
-SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--n-layer", "2", "--n-embd", "64", "--vocab", "256",
-             "--seq-len", "32", "--steps", "50"]
+SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "2", "--n-embd", "64", "--vocab",
+             "256", "--seq-len", "32", "--steps", "50"]
+
+
+def positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("p")
     nvme = out / "disk"
-    code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o", str(out / "profile.yaml"),
-                 *SMALL_GPT])
+    printed = io.StringIO()
+    with cuda_reported_in(out / "cuda.log"), contextlib.redirect_stdout(printed):  # as on a GPU machine: the
+        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o",  # example stays on
+                     str(out / "profile.yaml"), *SMALL_GPT])  # the CPU it was given
+    (out / "summary.txt").write_text(printed.getvalue())
     return code, out, nvme
 
 
@@ -40,21 +50,24 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert [t.kind for t in profile.machine.tiers] == ["dram", "nvme"]
     nvme_tier = profile.machine.tiers[1]
     assert nvme_tier.path == str(nvme) and all(p.time_s > 0 for p in nvme_tier.read + nvme_tier.write)
-    assert profile.machine.cpu.dram_bandwidth_bytes_per_s > 1e9
+    # measured, not judged: how fast this machine is belongs in bench/ (docs/benchmarks.md)
+    assert positive(profile.machine.cpu.dram_bandwidth_bytes_per_s)
     axdimm = profile.machine.axdimm
-    assert axdimm.backend == "emulated" and axdimm.channels == 2 and axdimm.adam_params_per_s > 1e7
-    assert 0 < axdimm.launch_s < 0.05  # thread hand-offs and mode switches: tens to hundreds of microseconds
+    assert axdimm.backend == "emulated" and axdimm.channels == 2 and positive(axdimm.adam_params_per_s)
+    assert math.isfinite(axdimm.launch_s) and axdimm.launch_s >= 0  # a line's intercept through two sizes, clamped
     assert 100 * 2**20 < profile.memory.dram_peak_bytes <= process_memory.dram_peak_bytes()  # torch alone is more
     assert profile.memory.gpu_allocated_peak_bytes is None
-    assert 0 <= profile.training.overhead < 0.5
+    assert math.isfinite(profile.training.overhead) and profile.training.overhead >= 0
     # the steps after the others, freed memory returned: what the plan's `allocator` would cost and save
     assert not profile.memory.dram_peak_estimated and profile.memory.profiled_under is None
     assert 100 * 2**20 < profile.memory.dram_peak_returned_bytes and profile.memory.returned_step_s > 0
     assert profile.memory.default_step_s > 0
     assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
+    summary = (out / "summary.txt").read_text()  # plain's peak: the number a user needs to choose --dram-budget
+    assert f"plain peak │ {SIZE.format_short(profile.memory.dram_peak_bytes)} resident" in " ".join(summary.split())
 
 
-def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path):
+def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path, cuda_reported):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
                  "20GiB", "-o", str(out), *SMALL_GPT]) == 0
@@ -69,7 +82,8 @@ def test_the_disk_probe_leaves_nothing_behind(profiled):
     assert not nvme.exists() or os.listdir(nvme) == []
 
 
-def test_json_goes_to_stdout_and_the_scripts_output_to_stderr(tmp_path, capfd):
+def test_json_goes_to_stdout_and_the_scripts_output_to_stderr(tmp_path, capfd, bundled_machine, monkeypatch):
+    monkeypatch.setattr(returned, "measure", lambda script, args, warmup, steps_from="optimizer": None)  # what they print goes nowhere
     path = scripts.write(tmp_path, scripts.LOOP)
     assert main(["profile", "--json", "--steps", "1", "--warmup", "1", "-o", str(tmp_path / "p.yaml"), path]) == 0
     out, err = capfd.readouterr()
@@ -110,7 +124,7 @@ def test_a_disk_directory_that_cannot_be_used_is_refused_before_the_script_runs(
     assert sorted(os.listdir(tmp_path)) == ["file", "train.py"]
 
 
-def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path):
+def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path, cuda_reported):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
                  "64MiB", "-o", str(out), *SMALL_GPT]) == 0
@@ -125,8 +139,12 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     rounded = measured * 0.005  # the text's three digits: a whole suite's process peaks past 1 GiB (3 MiB steps)
     assert -20 * 2**20 - rounded < held < rounded
     assert not (tmp_path / "disk").exists() or not list((tmp_path / "disk").rglob("*.bin"))
-    # its steps updated states on NVMe: plain's step is timed at the host Adam rate the machine phase measured
+    # its steps updated states on NVMe: plain's step is timed at the host Adam rate the machine phase measured, one
+    # launch per parameter tensor (recovering the count from the file's 4-digit figures fails where the launch
+    # measures near 0, as on a loaded machine: the formula is checked forward instead)
     cpu, step = profile.machine.cpu, profile.training.optimizer_step_s
-    tensors = (step - n / cpu.adam_params_per_s) / cpu.adam_launch_s if cpu.adam_launch_s else 0
-    assert step < profile.training.iteration_s and 0 <= round(tensors) <= 100 and abs(tensors - round(tensors)) < 1e-2
+    tensors = sum(len(layer.params) for layer in profile.layers)
+    assert tensors == 28  # 2 blocks of 12, wte, wpe, ln_f's 2; lm_head's weight is wte's
+    assert math.isclose(step, tensors * cpu.adam_launch_s + n / cpu.adam_params_per_s, rel_tol=1e-3)
+    assert profile.training.iteration_s >= step
     assert torch.nn.utils.clip_grad_norm_ is CLIP and clip_grad.clip_grad_norm_ is CLIP and torch.optim.AdamW is ADAMW  # restored

@@ -10,6 +10,7 @@ import pytest
 from hetero.cli.main import main
 from hetero.launch.launcher import PLAN_ENV, build
 from hetero.schema import files
+from tests.conftest import REPO
 from tests.profile import scripts
 from tests.run.plans import optimizer_plan
 
@@ -44,7 +45,7 @@ def test_build_is_pure_and_passes_arguments_untouched(tmp_path):
 
 def test_runs_the_script_with_the_offloaded_optimizer(workdir, capfd):
     script = scripts.write(workdir, TRAIN)
-    assert main(["run", script, "3"]) == 0
+    assert main(["run", "--skip-profile-check", script, "3"]) == 0
     out, err = capfd.readouterr()
     assert "done hetero.run.optimizer" in out
     assert "optimizer states: 26.1KiB on emulated AXDIMM (2 channels), 1.5KiB on NVMe" in err
@@ -54,18 +55,18 @@ def test_runs_the_script_with_the_offloaded_optimizer(workdir, capfd):
 
 def test_arguments_after_the_script_reach_it(workdir, capfd):
     script = scripts.write(workdir, "print('ARGV', sys.argv[1:])\n")
-    assert main(["run", script, "--plan", "other.yaml", "--help"]) == 0
+    assert main(["run", "--skip-profile-check", script, "--plan", "other.yaml", "--help"]) == 0
     assert "ARGV ['--plan', 'other.yaml', '--help']" in capfd.readouterr().out
 
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_exit_code_passes_through(workdir, code):
-    assert main(["run", scripts.write(workdir, f"sys.exit({code})\n")]) == code
+    assert main(["run", "--skip-profile-check", scripts.write(workdir, f"sys.exit({code})\n")]) == code
 
 
 def test_an_exception_exits_1_with_the_scripts_traceback(workdir, capfd):
     script = scripts.write(workdir, "def step():\n    raise KeyError('labels')\nstep()\n")
-    assert main(["run", script]) == 1
+    assert main(["run", "--skip-profile-check", script]) == 1
     err = capfd.readouterr().err
     assert f'File "{script}"' in err and err.rstrip().endswith("KeyError: 'labels'")
     assert "hetero/run" not in err
@@ -74,22 +75,22 @@ def test_an_exception_exits_1_with_the_scripts_traceback(workdir, capfd):
 def test_a_stale_profile_is_refused_with_exit_4(workdir, capfd, repo):
     (workdir / "profile.yaml").write_text((repo / "plans/gpt-tiny-cpu.profile.yaml").read_text())
     script = scripts.write(workdir, TRAIN)
-    assert main(["run", script]) == 4
+    assert main(["run", "--skip-profile-check", script]) == 4
     err = capfd.readouterr().err
     assert "error: plan.yaml is stale: profile.yaml changed since the plan was made" in err
     assert "--allow-stale" in err
-    assert main(["run", "--allow-stale", script, "2"]) == 0
+    assert main(["run", "--skip-profile-check", "--allow-stale", script, "2"]) == 0
 
 
 def test_another_model_is_refused_with_exit_4(workdir, capfd):
     script = scripts.write(workdir, TRAIN.replace("model = Net()", "model = Net(width=48)"))
-    assert main(["run", script]) == 4
+    assert main(["run", "--skip-profile-check", script]) == 4
     assert "is not the one the plan was made for" in capfd.readouterr().err
 
 
 def test_without_a_plan_says_what_to_do(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    assert main(["run", scripts.write(tmp_path, TRAIN)]) == 2
+    assert main(["run", "--skip-profile-check", scripts.write(tmp_path, TRAIN)]) == 2
     err = capfd.readouterr().err
     assert "error: no plan at plan.yaml" in err and "hint: make one: hetero profile SCRIPT, then hetero plan" in err
 
@@ -98,8 +99,8 @@ def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
     script = scripts.write(workdir, "import os, signal, time\n" + TRAIN.replace(
         "    opt.step(); opt.zero_grad()",
         "    opt.step(); opt.zero_grad()\n    if step == 2: os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"))
-    result = subprocess.run([sys.executable, "-m", "hetero", "run", script, "50"], cwd=workdir, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    result = subprocess.run([sys.executable, "-m", "hetero", "run", "--skip-profile-check", script, "50"], cwd=workdir,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 130, result.stderr
     assert result.stderr.rstrip().endswith("error: interrupted")
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
@@ -113,7 +114,7 @@ def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_p
     plan = files.load("plan.yaml")
     assert (plan.optimizer, plan.activations) == (None, None)
     capfd.readouterr()
-    assert main(["run", script, "3"]) == 0
+    assert main(["run", "--skip-profile-check", script, "3"]) == 0
     out, err = capfd.readouterr()
     assert "done torch.optim" in out  # the script's own optimizer
     line = next(x for x in err.splitlines() if x.startswith("hetero: dram peak "))
@@ -122,14 +123,14 @@ def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_p
 
 def test_a_separator_after_the_script_reaches_it_as_python_would_pass_it(workdir, capfd):
     script = scripts.write(workdir, "print('ARGV', sys.argv[1:])\n")
-    assert main(["run", script, "--", "--lr", "3"]) == 0
+    assert main(["run", "--skip-profile-check", script, "--", "--lr", "3"]) == 0
     out, err = capfd.readouterr()
     assert "ARGV ['--', '--lr', '3']" in out
 
 
 def test_a_script_that_never_steps_says_the_plan_was_never_applied(workdir, capfd):
     script = scripts.write(workdir, "print('no training')\n")
-    assert main(["run", script]) == 0
+    assert main(["run", "--skip-profile-check", script]) == 0
     assert "warning: the plan was never applied" in capfd.readouterr().err
 
 
@@ -143,7 +144,7 @@ def test_an_unreadable_script_is_one_line_with_exit_2(workdir, capfd, monkeypatc
         return real_open(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "open", denied)  # root reads any file: a chmod cannot make one unreadable here
-    assert main(["run", script]) == 2
+    assert main(["run", "--skip-profile-check", script]) == 2
     err = capfd.readouterr().err
     assert err.splitlines()[0] == f"error: cannot read the script {script}: Permission denied"
     assert "Traceback" not in err

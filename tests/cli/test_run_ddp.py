@@ -1,6 +1,7 @@
 """Data parallel through torchrun: the launch command, routed training, failing workers, bad plans, and profiling
 the links between ranks. Each spawning test starts torchrun with 2 gloo workers on loopback (~10 s here)."""
 
+import math
 import subprocess
 import sys
 
@@ -71,7 +72,7 @@ def test_the_first_worker_to_fail_gives_the_exit_code(tmp_path):
 @pytest.mark.timeout(90)
 def test_ddp_training_runs_with_routed_sync(workdir, capfd):
     script = scripts.write(workdir, DDP_TRAIN)
-    assert main(["run", "--nproc-per-node", "2", script]) == 0
+    assert main(["run", "--skip-profile-check", "--nproc-per-node", "2", script]) == 0
     out, err = capfd.readouterr()
     assert "rank 0 argv []" in out and "rank 1 argv []" in out
     assert "routing: 5 step(s) over 2 ranks; per step priority 2KiB in 2, latency 1.02KiB in 3, bandwidth 4KiB in 4 " \
@@ -91,7 +92,7 @@ def test_a_failing_worker_stops_every_worker_and_its_exit_code_and_error_pass_th
     # Fast by construction, not by a clock: torchrun watches its workers every 0.1 s and restarts none
     # (test_build_starts_torchrun...), so rank 0, blocked in the next all-reduce, is stopped as soon as rank 1 ends.
     script = scripts.write(workdir, DDP_TRAIN.replace("FAIL", failure))
-    assert main(["run", "--nproc-per-node", "2", script, "fail"]) == code
+    assert main(["run", "--skip-profile-check", "--nproc-per-node", "2", script, "fail"]) == code
     err = capfd.readouterr().err
     assert "rank 0 argv" not in err
     errors = [x for x in err.splitlines() if x.startswith("error: ")]
@@ -101,7 +102,8 @@ def test_a_failing_worker_stops_every_worker_and_its_exit_code_and_error_pass_th
 
 def test_a_plan_naming_a_rank_that_does_not_exist_is_refused_before_any_worker_starts(workdir, capfd):
     files.save(routed_plan(net(), bandwidth_peer=2), "plan.yaml")
-    assert main(["run", "--nproc-per-node", "2", scripts.write(workdir, DDP_TRAIN)]) == 4
+    assert main(["run", "--skip-profile-check", "--nproc-per-node", "2", scripts.write(workdir, DDP_TRAIN)]) \
+        == 4
     err = capfd.readouterr().err
     assert "error: the plan's routing.bandwidth_peer is rank 2, but this run has 2 rank(s) (0 to 1)" in err
     assert "--nproc-per-node" in err
@@ -117,7 +119,7 @@ def test_profile_with_two_workers_measures_the_link_between_them(workdir):
     [peer] = profile.machine.peers
     assert (peer.src, peer.dst, peer.backend) == (0, 1, "gloo")
     assert [p.size_bytes for p in peer.transfer] == [4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20, 64 * 2**20]
-    assert peer.transfer[-1].time_s > peer.transfer[0].time_s > 0
+    assert all(math.isfinite(p.time_s) and p.time_s > 0 for p in peer.transfer)  # how fast: bench/routing.py
     assert profile.training.steps_measured == 1
 
 

@@ -50,7 +50,7 @@ def no_files(workdir: Path) -> bool:
 
 
 def test_prints_the_saved_bytes_with_and_without_tiering(workdir, capfd):
-    assert main(["run", scripts.write(workdir, TRAIN), "5", "plain"]) == 0
+    assert main(["run", "--skip-profile-check", scripts.write(workdir, TRAIN), "5", "plain"]) == 0
     out, err = capfd.readouterr()
     assert "done 5" in out
     assert "hetero: dram saved activations: average " in err and " with tiering" in err
@@ -59,14 +59,15 @@ def test_prints_the_saved_bytes_with_and_without_tiering(workdir, capfd):
 
 
 def test_an_exception_in_the_script_leaves_no_file(workdir, capfd):
-    assert main(["run", scripts.write(workdir, TRAIN), "5", "raise"]) == 1
+    assert main(["run", "--skip-profile-check", scripts.write(workdir, TRAIN), "5", "raise"]) == 1
     assert "ValueError: bad batch" in capfd.readouterr().err
     assert no_files(workdir)
 
 
 def test_ctrl_c_exits_130_and_leaves_no_file(workdir):
     script = scripts.write(workdir, TRAIN)
-    result = subprocess.run([sys.executable, "-m", "hetero", "run", script, "50", "sigint"], cwd=workdir,
+    result = subprocess.run([sys.executable, "-m", "hetero", "run", "--skip-profile-check", script, "50", "sigint"],
+                            cwd=workdir,
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert result.returncode == 130, result.stderr
@@ -87,7 +88,7 @@ def test_a_plan_directory_that_cannot_be_used_is_exit_3_at_its_line(tmp_path, mo
     files.save(plan, "plan.yaml")
     line = next(i for i, text in enumerate(Path("plan.yaml").read_text().splitlines(), 1) if f"{key}: {bad}" in text)
     script = scripts.write(tmp_path, TRAIN if section == "activations" else OPTIMIZER_TRAIN)
-    assert main(["run", script, "3", "plain"]) == 3
+    assert main(["run", "--skip-profile-check", script, "3", "plain"]) == 3
     err = [x for x in capfd.readouterr().err.splitlines() if not x.startswith("hetero: warning")]
     assert err[0].startswith(f"error: plan.yaml:{line}: ") and "not a directory" in err[0].lower(), err
     assert err[1].startswith("hint: set it to a directory you own") and "--nvme" not in err[1]

@@ -46,3 +46,10 @@ def test_tables_fit_100_columns(repo, capsys):
         assert main(["show", str(repo / "plans" / name)]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert len(lines) > 20 and max(len(line) for line in lines) <= 100
+
+
+def test_tables_fit_the_columns_the_environment_gives(repo, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["show", str(repo / "plans" / "gpt-tiny-cpu.plan.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 20 and max(len(line) for line in lines) <= 80

@@ -55,7 +55,7 @@ def left(workdir: Path) -> list[str]:
                                              (signal.SIGTERM, 143, "error: terminated by SIGTERM"),
                                              (signal.SIGHUP, 129, "error: terminated by SIGHUP")])
 def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, code, said):
-    proc = start(workdir, "run", scripts.write(workdir, TRAIN), "50", "wait")
+    proc = start(workdir, "run", "--skip-profile-check", scripts.write(workdir, TRAIN), "50", "wait")
     wait_evicted(workdir)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -67,13 +67,13 @@ def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, c
 @pytest.mark.timeout(120)
 def test_a_killed_runs_files_are_swept_by_the_next_run(workdir):
     script = scripts.write(workdir, TRAIN)
-    proc = start(workdir, "run", script, "50", "wait")
+    proc = start(workdir, "run", "--skip-profile-check", script, "50", "wait")
     wait_evicted(workdir)
     proc.kill()
     proc.communicate(timeout=60)
     (stale,) = (workdir / "nvme").iterdir()
     assert stale.name.startswith(f"hetero-activations-{proc.pid}-{host()}-") and any(stale.iterdir())
-    assert main(["run", script, "4", "plain"]) == 0
+    assert main(["run", "--skip-profile-check", script, "4", "plain"]) == 0
     assert left(workdir) == []
 
 
@@ -101,7 +101,7 @@ except BaseException:
     pass
 print("carried on")
 """)
-    assert main(["run", script]) == 130
+    assert main(["run", "--skip-profile-check", script]) == 130
     out, err = capfd.readouterr()
     assert "carried on" in out and err.rstrip().endswith("error: interrupted")
 
@@ -126,7 +126,8 @@ def gone(pid: int) -> bool:
 def start_ddp(workdir: Path) -> tuple[subprocess.Popen, list[int]]:
     files.save(routed_plan(net(), threshold=512, shard=1024, dual_sync=600), "plan.yaml")
     script = scripts.write(workdir, DDP_WAIT)
-    proc = subprocess.Popen([sys.executable, "-m", "hetero", "run", "--nproc-per-node", "2", script],
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", "run", "--skip-profile-check", "--nproc-per-node", "2",
+                             script],
                             cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     seen = []

@@ -45,3 +45,17 @@ def test_missing_script_is_a_usage_error(tmp_path):
     with pytest.raises(HeteroError) as e:
         run_script(str(tmp_path / "nope.py"), [])
     assert e.value.exit_code == 2
+
+
+def test_an_exception_the_run_explains_ends_with_its_one_line_error(tmp_path, capsys):
+    """What a GPU budget's overrun does: the runtime's explanation replaces the script's traceback."""
+    script = tmp_path / "oom.py"
+    script.write_text("import torch\nraise torch.cuda.OutOfMemoryError('CUDA out of memory')\n")
+
+    def explain(error):
+        return HeteroError("over budget", exit_code=4) if "out of memory" in str(error) else None
+
+    with pytest.raises(HeteroError) as e:
+        run_script(str(script), [], explain=explain)
+    assert e.value.exit_code == 4 and capsys.readouterr().err == ""
+    assert run_script(str(script), [], explain=lambda error: None).exit_code == 1  # not explained: the traceback

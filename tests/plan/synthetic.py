@@ -20,6 +20,8 @@ from hetero.schema.profile import (
 )
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
+# Options for the plan every GPU mechanism is in (the default plan of a model that fits is plain training)
+OFFLOAD = {"optimizer_device": "host", "tier_activations": True}
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB]
 
 
@@ -83,7 +85,7 @@ def search_case(n: int, seed: int, gpu_memory: int = 80 * GiB):
     from hetero.plan.solve import PlanOptions, plan
 
     profile = gpu_profile(n, seed, gpu_memory)
-    return build(profile, plan(profile, PlanOptions()))
+    return build(profile, plan(profile, PlanOptions(**OFFLOAD)))
 
 
 def gap_study(instances: int, layers: int, seed: int = 0, forward_only: bool = False,

@@ -81,13 +81,13 @@ def test_gpu_and_host_devices():
     profile = gpu_profile(4, seed=2)
     gpu = plan(profile, PlanOptions(optimizer_device="gpu"))
     assert {s.tier for s in gpu.optimizer.states} == {"gpu"}
-    assert {x.mode for x in gpu.layers} == {"gfgb"} and {x.grad for x in gpu.layers} == {"gpu"}
+    assert gpu.layers == [] and "every parameter and gradient stays there" in gpu.omitted["layers"]
     host = plan(profile, PlanOptions(optimizer_device="host"))
     assert {s.tier for s in host.optimizer.states} == {"host"}
     assert host.optimizer.nvme is None  # all states fit in host memory
-    with pytest.raises(HeteroError, match="needs .* over the GPU budget") as e:
+    with pytest.raises(HeteroError, match="is below what any plan reaches") as e:
         plan(profile, PlanOptions(optimizer_device="gpu", gpu_memory_bytes=2**20))
-    assert e.value.hint.startswith("use --optimizer-device host")
+    assert "not --optimizer-device gpu" in e.value.hint
 
 
 def test_each_update_on_a_channel_pays_the_launch_cost():

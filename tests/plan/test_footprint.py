@@ -66,16 +66,17 @@ def test_a_dram_budget_plain_training_fits_keeps_plain_and_one_it_does_not_is_re
 def test_with_a_gpu_host_memory_gains_what_the_plan_moves_there():
     profile = gpu_profile(12, seed=3)
     profile.memory = Memory(dram_peak_bytes=PLAIN_PEAK)
-    p = plan(profile, PlanOptions(optimizer_device="host"))
-    assert p.optimizer.device == "host" and p.activations is not None  # saving GPU memory is what they are for
+    p = plan(profile, PlanOptions(optimizer_device="host", tier_activations=True))
+    assert p.optimizer.device == "host" and p.activations is not None
     assert p.predicted.peak_bytes["dram"] > PLAIN_PEAK + 16 * params(profile)  # states, plus evicted activations
 
 
 def test_a_real_axdimm_is_the_default():
     profile = gpu_profile(6, seed=1, axdimm=True)
-    assert plan(profile, PlanOptions()).optimizer.device == "host"  # emulated
+    tight = PlanOptions(gpu_memory_bytes=plan(profile, PlanOptions()).predicted.peak_bytes["gpu"] // 2)
+    assert plan(profile, tight).optimizer.device == "host"  # emulated
     profile.machine.axdimm.backend = "hardware"
-    assert plan(profile, PlanOptions()).optimizer.device == "axdimm"
+    assert plan(profile, tight).optimizer.device == "axdimm"
 
 
 def test_the_optimizer_can_be_switched_off_without_writing_a_reason(cpu):

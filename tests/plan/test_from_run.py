@@ -9,7 +9,7 @@ import pytest
 
 from hetero.cli.main import main
 from hetero.errors import HeteroError
-from hetero.launch.launcher import check_profile
+from hetero.launch.preflight import check_plan
 from hetero.plan.from_run import _layer, measured_profile
 from hetero.plan.model import costs
 from hetero.schema import files
@@ -54,4 +54,4 @@ def test_plan_from_run_writes_a_plan_hetero_run_accepts(tmp_path, capfd):
     assert f"wrote {tmp_path / 'replanned.profile.yaml'}" in capfd.readouterr().out
     plan = files.load(out, expect=Plan)
     assert plan.source.profile == str(tmp_path / "replanned.profile.yaml")
-    assert check_profile(plan, out, allow_stale=False) is None
+    assert check_plan(out).warnings == []

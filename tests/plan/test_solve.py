@@ -1,4 +1,4 @@
-"""`plan()` end to end: the CPU example, GPU plans, option errors, pinned entries, reserve monotonicity."""
+"""`plan()` end to end: the CPU example, GPU plans, option errors, pinned entries."""
 
 import dataclasses
 import subprocess
@@ -13,7 +13,7 @@ from hetero.plan.solve import ONE_PROCESS, PlanOptions, plan, predict
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
-from tests.plan.synthetic import GiB, gpu_profile
+from tests.plan.synthetic import OFFLOAD, GiB, gpu_profile
 
 EXAMPLE = "plans/gpt-tiny-cpu.profile.yaml"
 HANDWORKED = "tests/plan/fixtures/handworked.profile.yaml"
@@ -54,7 +54,7 @@ def test_the_example_plan_is_what_hetero_plan_writes(cpu, repo):
 
 def test_gpu_plan_explains_every_layer_and_keeps_to_the_budget():
     profile = gpu_profile(20, seed=4)
-    p = plan(profile, PlanOptions(gpu_memory_bytes=GiB))
+    p = plan(profile, PlanOptions(gpu_memory_bytes=GiB, **OFFLOAD))
     assert [x.name for x in p.layers] == [x.name for x in profile.layers]
     assert all(x.why and "; grad: " in x.why for x in p.layers)
     assert set(p.predicted.peak_bytes) == {"dram", "nvme0", "gpu"}
@@ -63,17 +63,6 @@ def test_gpu_plan_explains_every_layer_and_keeps_to_the_budget():
     assert p.budget.grad_grid_bytes == grid_bytes(sum(x.params_bytes for x in profile.layers), 20)
     assert files.loads(files.dumps(p)) == p
     assert predict(profile, p).iteration_s == pytest.approx(p.predicted.iteration_s, abs=1e-9)  # ns in the file
-
-
-def test_a_larger_reserve_never_moves_more_gradients_to_host():
-    profile = gpu_profile(20, seed=8)
-    host = []
-    for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0):
-        p = plan(profile, PlanOptions(reserve=r))
-        host.append(sum(profile.layers[i].params_bytes for i, x in enumerate(p.layers) if x.grad == "host"))
-        kept = sum(profile.layers[i].params_bytes for i, x in enumerate(p.layers) if x.grad == "gpu")
-        assert kept <= r * sum(x.params_bytes for x in profile.layers)
-    assert host == sorted(host, reverse=True) and host[0] > host[-1]
 
 
 @pytest.mark.parametrize("options,message,hint", [
@@ -112,7 +101,7 @@ def test_clipping_keeps_updates_after_backward_and_accumulation_is_recorded(cpu)
 
 def test_replanning_keeps_pinned_entries():
     profile = gpu_profile(8, seed=6)
-    first = plan(profile, PlanOptions())
+    first = plan(profile, PlanOptions(**OFFLOAD))
     layer = first.layers[3]
     flipped = dataclasses.replace(layer, mode="dha" if layer.mode != "dha" else "gfgb", grad="host", pinned=True,
                                   why="mine")
@@ -141,7 +130,7 @@ def test_planning_never_imports_torch():
 
 def test_an_edited_plan_is_simulated_as_written_and_refused_where_untimed():
     profile = gpu_profile(4, seed=9)
-    p = plan(profile, PlanOptions())
+    p = plan(profile, PlanOptions(**OFFLOAD))
     p.layers = [dataclasses.replace(x, mode="gfgb", grad="gpu") for x in p.layers]
     all_gpu = predict(profile, p)
     p.layers[0].mode = "dha"

@@ -1,7 +1,10 @@
 """The GPU fields of a profile, measured on a CUDA device (skipped without one)."""
 
+import math
+
 import pytest
 
+from hetero.profile.machine import GPU_SIZES
 from hetero.profile.profiler import ProfileOptions, profile_script
 from tests.conftest import REPO
 
@@ -14,10 +17,9 @@ def test_gpu_profile_of_the_example(tmp_path):
                              ProfileOptions(steps=3, warmup=2, nvme_dir=str(tmp_path)))
     gpu = profile.machine.gpu
     assert gpu is not None and gpu.name and gpu.memory_bytes > 2**30
-    for curve in (gpu.h2d, gpu.d2h):
-        times = [p.time_s for p in curve]
-        assert times == sorted(times) and times[0] > 0, curve  # bigger copies take longer
-        assert curve[-1].size_bytes / curve[-1].time_s > 1e9  # pinned copies run at GB/s
+    for curve in (gpu.h2d, gpu.d2h):  # how fast the link is: bench/ and docs/gpu-results.md
+        assert [p.size_bytes for p in curve] == list(GPU_SIZES)
+        assert all(math.isfinite(p.time_s) and p.time_s > 0 for p in curve), curve
     assert [t.kind for t in profile.machine.tiers] == ["hbm", "dram", "nvme"]
     assert profile.machine.tiers[1].read == gpu.h2d
     for layer in profile.layers:

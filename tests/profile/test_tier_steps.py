@@ -1,6 +1,6 @@
 """The disk timed as the runtime's tiering drives it, beside a script's own training steps."""
 
-
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -12,8 +12,9 @@ from hetero.schema.profile import Layer
 from tests.profile import scripts
 from tests.waits import until
 
+pytestmark = pytest.mark.usefixtures("without_malloc_runs")
+
 WIDE = """
-import time
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=7)
 args = parser.parse_args()
@@ -24,10 +25,31 @@ for step in range(args.steps):
     opt.zero_grad()
     x, y = torch.randn(128, 64), torch.randint(4, (128,))
     loss = F.cross_entropy(model(x), y)
-    time.sleep(0.02)  # a bigger model's compute: the writer finishes before backward calls the tensors back
     loss.backward()
     opt.step()
 """
+
+
+def settled(steps: tier_steps.TierSteps, model: nn.Module) -> None:
+    """Make the disk's trips happen as on a model big enough for them, whatever the machine's load: backward starts
+    once the writer has evicted every saved tensor, and each layer's backward once the reader has brought back what
+    its start asked for. A loaded machine may instead run backward first and fetch each tensor inline ("late
+    fetch": no prefetch measured) or call its eviction off (nothing written): nothing to time."""
+    mover = steps.tiering.mover
+
+    def backward_waits_for_the_writer(module, args, out) -> None:
+        out.register_hook(lambda grad: until(mover.writer.idle))
+
+    model.register_forward_hook(backward_waits_for_the_writer)
+    steps.tiering.unpacked = lambda layer: until(mover.reader.idle)
+
+
+class Settled(tier_steps.TierSteps):
+    """TierSteps that `settled` each model it starts on."""
+
+    def start(self, model: nn.Module) -> None:
+        super().start(model)
+        settled(self, model)
 
 
 def _layer(name: str, storages: list[int]) -> Layer:
@@ -62,12 +84,11 @@ def test_timed_steps_train_exactly_as_plain_steps_and_leave_no_files(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         if steps is not None:
             steps.start(model)
+            settled(steps, model)
         losses = []
         for _ in range(tier_steps.STEPS):
             opt.zero_grad()
             loss = F.cross_entropy(model(torch.randn(128, 64)), torch.randint(4, (128,)))
-            if steps is not None:  # a bigger model's compute: the writer finishes before backward calls them back
-                until(steps.tiering.mover.writer.idle)
             loss.backward()
             opt.step()
             losses.append(loss.detach())
@@ -91,7 +112,8 @@ def test_timed_steps_train_exactly_as_plain_steps_and_leave_no_files(tmp_path):
     assert spans.active is None and list(tmp_path.iterdir()) == []
 
 
-def test_the_profile_times_the_disk_beside_the_scripts_training_when_it_runs_long_enough(tmp_path):
+def test_the_profile_times_the_disk_beside_the_scripts_training_when_it_runs_long_enough(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_steps, "TierSteps", Settled)
     path = scripts.write(tmp_path, WIDE)
     disk = tmp_path / "disk"
     disk.mkdir()

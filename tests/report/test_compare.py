@@ -12,7 +12,7 @@ from hetero.report.compare import compare, warnings
 from hetero.schema import files
 from hetero.schema.plan import ActivationPlan, Plan
 from hetero.schema.profile import Profile
-from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
+from hetero.schema.run import ProcessPeaks, Run, RunLayer, RunSource, RunTiming, StepEnd
 from tests.conftest import REPO
 
 PLAN = REPO / "plans/gpt-tiny-cpu.plan.yaml"
@@ -82,3 +82,16 @@ def test_without_the_profile_only_the_iteration_and_memory_are_compared():
     plan, profile = shipped()
     rows = compare(replace(synthetic_run(plan, profile), activations=None), plan, None)
     assert [r.entry for r in rows] == ["iteration", "peak dram", "peak nvme0"]
+
+
+def test_measured_peaks_are_the_processs_own_not_the_mechanisms_count():
+    plan, profile = shipped()
+    counted = synthetic_run(plan, profile)
+    counted.peak_bytes["dram"] = 15 << 20  # what the mechanisms hold: a small part of the process
+    process = ProcessPeaks(dram_peak_bytes=plan.predicted.peak_bytes["dram"] + (40 << 20))
+    by = {r.entry: r for r in compare(replace(counted, process=process), plan, profile)}
+    assert by["peak dram"].measured == process.dram_peak_bytes
+    assert by["peak nvme0"].measured == counted.peak_bytes["nvme0"]  # files on disk: the runtime's count
+    on_gpu = ProcessPeaks(dram_peak_bytes=1, gpu_allocated_peak_bytes=900 << 20, gpu_reserved_peak_bytes=1 << 30)
+    rows = {r.entry: r for r in compare(replace(counted, process=on_gpu, peak_bytes={"gpu": 5}), plan, None)}
+    assert rows["peak gpu"].measured == 1 << 30 and rows["peak gpu allocated"].measured == 900 << 20

@@ -4,6 +4,7 @@ spans and counters against the runtime's own accounting; training unchanged by r
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -15,9 +16,10 @@ from hetero.cli.main import main
 from hetero.run.recorder import _sweep, own_segments
 from hetero.schema import files
 from hetero.schema.run import Run
-from tests.conftest import REPO
+from tests.conftest import REPO, cuda_reported_in
 
 STEPS = 4  # 1 warm-up + 3 recorded
+PLAN = "plans/gpt-tiny-cpu.plan.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +27,12 @@ def traced(tmp_path_factory):
     """One traced run of the demo script under the demo plan, and one plain run of the same script and seed."""
     repo = REPO
     out = tmp_path_factory.mktemp("trace")
-    script = [str(repo / "examples/train_gpt.py"), "--steps", str(STEPS), "--log-every", "1"]
-    result = subprocess.run([sys.executable, "-m", "hetero", "run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"),
-                             "--trace", str(out / "run.json"), *script], cwd=repo, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    plain = subprocess.run([sys.executable, *script], cwd=repo, capture_output=True, text=True, timeout=300)
+    script = [str(repo / "examples/train_gpt.py"), "--device", "cpu", "--steps", str(STEPS), "--log-every", "1"]
+    with cuda_reported_in(out / "cuda.log"):  # as on a GPU machine: the example stays on the CPU it was given
+        result = subprocess.run([sys.executable, "-m", "hetero", "run", "--plan", str(repo / PLAN), "--trace",
+                                 str(out / "run.json"), *script], cwd=repo, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        plain = subprocess.run([sys.executable, *script], cwd=repo, capture_output=True, text=True)
     trace = json.loads((out / "run.json").read_text())
     return trace, files.load(out / "run.yaml", expect=Run), result, plain
 
@@ -89,16 +91,16 @@ def test_run_yaml_has_every_layer_and_the_activation_measurement(traced, repo):
     t = run.timing
     assert t.steps_recorded == STEPS - 1 and t.device == "cpu" and t.micro_batches == 1
     assert t.forward_s + t.backward_s + t.optimizer_step_s <= t.iteration_s * 1.01
-    assert 0 <= t.overhead < 0.02
+    assert math.isfinite(t.overhead) and t.overhead >= 0  # what recording costs: bench/recorder.py
     a = run.activations
     assert 0 < a.avg_fast_bytes < a.avg_fast_untiered_bytes and a.peak_fast_bytes <= a.peak_fast_untiered_bytes
     assert run.peak_bytes["nvme0"] > 0
 
 
-def test_no_trace_when_the_script_ends_before_the_window(tmp_path, capfd, repo):
+def test_no_trace_when_the_script_ends_before_the_window(tmp_path, capfd, repo, cuda_reported):
     trace = tmp_path / "run.json"
     code = main(["run", "--plan", str(repo / "plans/gpt-tiny-cpu.plan.yaml"), "--trace", str(trace),
-                 str(repo / "examples/train_gpt.py"), "--steps", "1", "--n-layer", "4"])
+                 str(repo / "examples/train_gpt.py"), "--device", "cpu", "--steps", "1", "--n-layer", "4"])
     assert code == 0
     assert "no trace written: no step was recorded" in capfd.readouterr().err
     assert not trace.exists()

@@ -44,21 +44,27 @@ def train(ddp: DDP, rank: int) -> list[float]:
     return losses
 
 
-def _worker(rank: int, grad: str, overlap: bool, routed: bool, rdzv: str, out: str) -> None:
+CONFIGS = [("gpu", False, False), ("host", False, False), ("gpu", False, True), ("host", False, True)]
+
+
+def _worker(rank: int, rdzv: str, out: str) -> None:
+    """Plain DDP once, then every configuration on fresh stand-in devices, in one spawn of the ranks (each spawn
+    starts two interpreters and a process group: seconds)."""
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=WORLD)
-    devices = dha.devices = StandInDevices()
-    reference, model = gpt(), gpt()
-    ref = train(DDP(reference), rank)
-    plan = layer_plan(model, "mixed", grad, overlap)
-    if routed:
-        plan.routing = routed_plan(model, threshold=1024, shard=4096, dual_sync=8192).routing
-        plan.omitted.pop("routing")
-    with strict_parameters(devices), Runtime(plan, script=__file__):
-        devices.set_device(rank)  # as a torchrun worker: after the runtime was made
-        losses = train(DDP(devices.to(model, rank)), rank)
-    used = [bool(d.log) for d in devices.all]
-    torch.save({"ref": (ref, _params(reference)), "run": (losses, _params(model)), "used": used},
-               os.path.join(out, f"rank{rank}.pt"))
+    reference = gpt()
+    results = {"ref": (train(DDP(reference), rank), _params(reference))}
+    for grad, overlap, routed in CONFIGS:
+        devices = dha.devices = StandInDevices()
+        model = gpt()
+        plan = layer_plan(model, "mixed", grad, overlap)
+        if routed:
+            plan.routing = routed_plan(model, threshold=1024, shard=4096, dual_sync=8192).routing
+            plan.omitted.pop("routing")
+        with strict_parameters(devices), Runtime(plan, script=__file__):
+            devices.set_device(rank)  # as a torchrun worker: after the runtime was made
+            losses = train(DDP(devices.to(model, rank)), rank)
+        results[grad, overlap, routed] = {"run": (losses, _params(model)), "used": [bool(d.log) for d in devices.all]}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -74,15 +80,19 @@ def _as_model(params: dict[str, torch.Tensor]) -> nn.Module:
     return model
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("grad, overlap, routed", [("gpu", False, False), ("host", False, False),
-                                                   ("gpu", False, True), ("host", False, True)])
-def test_shadow_model_ranks_train_as_plain_ddp(tmp_path, grad, overlap, routed):
-    mp.spawn(_worker, args=(grad, overlap, routed, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=WORLD, join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for rank, result in enumerate(results):
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("shadow-ddp")
+    mp.spawn(_worker, args=(str(out / "rdzv"), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("grad, overlap, routed", CONFIGS)
+def test_shadow_model_ranks_train_as_plain_ddp(ranks, grad, overlap, routed):
+    for rank, results in enumerate(ranks):
+        result = results[grad, overlap, routed]
         assert result["used"] == [d == rank for d in range(WORLD)]  # each rank on its own device only
-        (ref_losses, ref_params), (losses, params) = result["ref"], result["run"]
+        (ref_losses, ref_params), (losses, params) = results["ref"], result["run"]
         compare(_as_model(params), _as_model(ref_params), losses, ref_losses)
-    for name, p in results[0]["run"][1].items():
-        assert torch.equal(results[1]["run"][1][name], p), name  # the replicas stay in step, bit for bit
+    for name, p in ranks[0][grad, overlap, routed]["run"][1].items():
+        assert torch.equal(ranks[1][grad, overlap, routed]["run"][1][name], p), name  # replicas in step, bit for bit

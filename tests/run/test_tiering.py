@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hetero.harness.capture import fingerprint
 from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript
 from hetero.plan.model import chunks
+from hetero.run.devices.evictions import Mover
 from hetero.run.runtime import Runtime
 from hetero.schema.plan import ActivationPlan, Budget, Eviction, Plan, Predicted, Source
 from tests.waits import until
@@ -199,6 +201,39 @@ def test_parameters_and_their_views_never_move(tmp_path):
     assert tiering.ledger.report().evicted == {"(model)": 8 * 256 * 4 * STEPS}  # x only
 
 
+def test_what_was_evicted_last_comes_back_first(tmp_path, monkeypatch):
+    """Prefetches due at once (here: all, when backward starts) are served latest layer first, and within a layer
+    the last saved storage first: the order backward needs them in."""
+    fetched: list = []
+    fetch = Mover._fetch
+    monkeypatch.setattr(Mover, "_fetch", lambda self, r, landing: (fetched.append(r), fetch(self, r, landing))[1])
+    model = tiny_gpt()
+    order = {name: i for i, name in enumerate(layer_names(model))}
+    runtime = Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB, trigger="time"), script=__file__)
+
+    def backward_starts(step):
+        until(runtime.mechanisms[0].mover.writer.idle)
+        fetched.append(None)
+
+    with runtime:
+        train(model, "gpt", steps=3, between=backward_starts)
+        passes = [[(order[r.group.layer], int(r.key)) for r in part if r is not None]
+                  for part in _split(fetched)][1:]
+    assert len(passes) == 3 and all(len(p) > 3 for p in passes)
+    for p in passes:
+        assert p == sorted(p, reverse=True)  # by layer, latest first; within one, last saved first
+
+
+def _split(items: list) -> list[list]:
+    out = [[]]
+    for item in items:
+        if item is None:
+            out.append([])
+        else:
+            out[-1].append(item)
+    return out
+
+
 def test_tensors_under_the_threshold_stay(tmp_path):
     tiering = run_both("cnn", small_cnn, tmp_path / "nvme", GiB, min_tensor=1 << 20)
     assert tiering.ledger.report().evictions == 0
@@ -246,6 +281,33 @@ def test_an_exception_in_the_script_leaves_no_file(tmp_path):
         raise KeyError(loss.item())
     assert not nvme.exists()
 
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
+@pytest.mark.parametrize("evict", ["full", "partial"])
+def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
+    """GPU memory tiered to pinned host memory, through the stand-in's strict streams: training equals plain; every
+    device buffer of the steps (fetched activations, partial evictions' kept tails) is allocated on the compute stream
+    by the thread running the model, side streams only copy, and no buffer is freed while a copy still uses it."""
+    from hetero.kernels.standin import COMPUTE, PREFETCH
+
+    ref_model, model = tiny_gpt(), tiny_gpt()
+    ref = train(ref_model, "gpt", steps=4)
+    plan = tiering_plan(model, str(tmp_path / "nvme"), GiB if evict == "full" else 3000, min_tensor=1024)
+    plan.activations.fast, plan.activations.slow = "gpu", "dram"
+    plan.activations.slow_path = str(tmp_path / "nvme") if below else None
+    with Runtime(plan, script=__file__) as runtime:
+        out = train(model, "gpt", steps=4)
+    assert_close(torch.tensor(out), torch.tensor(ref))
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert_close(p, q)
+    assert runtime.mechanisms[0].ledger.report().evictions > 0
+    assert stand_in.allocations and {a.stream for a in stand_in.allocations} == {COMPUTE}
+    assert {a.thread for a in stand_in.allocations} == {threading.current_thread().name}
+    used = {s for a in stand_in.allocations for s in a.used_by}
+    assert used == ({PREFETCH} if evict == "full" else {COMPUTE, PREFETCH})  # kept tails: written on compute
+    assert not stand_in.violations
+    assert not (tmp_path / "nvme").exists()
 
 
 @pytest.mark.gpu

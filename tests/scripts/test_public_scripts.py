@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from hetero.cli.main import main
 from hetero.errors import UNSUPPORTED_SCRIPT, HeteroError
 from hetero.profile.profiler import ProfileOptions, measure_script
 from hetero.schema import files
 from hetero.schema.profile import Profile
-from tests.run.plans import optimizer_plan
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
+
+pytestmark = pytest.mark.usefixtures("without_malloc_runs")  # no budget here: plans never use what those runs measure
 
 
 @pytest.fixture
@@ -57,7 +57,8 @@ def test_multihead_attention_parameters_used_functionally_belong_to_their_layer(
     assert result["hooks"] == 0  # torch.save(model) under hetero: the loaded model carries none of hetero's hooks
 
 
-def test_a_compiled_model_trains_with_the_offloaded_optimizer_and_its_plan_says_why_not_tiering(workdir, capfd):
+def test_a_compiled_model_trains_with_the_offloaded_optimizer_and_its_plan_says_why_not_tiering(workdir, capfd,
+                                                                                                  cuda_hidden):
     profile = harness.profile("compiled", workdir)
     prof = files.load(profile, expect=Profile)
     assert len(prof.layers) == 2 and prof.training.grad_accumulation == 1  # not "0 layers"
@@ -91,38 +92,117 @@ def test_amsgrad_stays_the_scripts_optimizer_and_a_plan_that_offloads_it_is_refu
     assert code == UNSUPPORTED_SCRIPT and "amsgrad=True is not supported" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("name, message", [
-    ("manual_sgd", "the script ended without calling step() of a torch.optim optimizer"),
-    ("gan", "the script steps a second optimizer (Adam over 816 values) besides the Adam of its model Sequential "
-            "(577 values)"),
-])
-def test_scripts_hetero_cannot_carry_out_are_refused_at_profile_time(workdir, name, message):
-    with pytest.raises(HeteroError) as e:
-        measure_script(harness.script(name), [str(workdir / "out.pt"), harness.STEPS],
-                       ProfileOptions(steps=2, warmup=1))
-    assert e.value.exit_code == UNSUPPORTED_SCRIPT and e.value.message.startswith(message)
-    assert "\n" not in e.value.message and e.value.hint
-
-
-def test_cli_profile_exits_5_with_one_error_line(workdir, capfd):
-    assert main(["profile", harness.script("manual_sgd"), str(workdir / "out.pt")]) == UNSUPPORTED_SCRIPT
-    err = capfd.readouterr().err.strip().splitlines()
-    assert err[0].startswith("error: the script ended without calling step()") and err[1].startswith("hint: ")
-    assert len(err) == 2 and not (workdir / "profile.yaml").exists()
-
-
-def test_a_second_models_optimizer_stays_torchs_own_under_a_plan_for_the_first(workdir):
-    """The GAN under a hand-made plan for its discriminator: D's Adam is offloaded, G's stays torch's."""
-    netD = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
-    files.save(optimizer_plan(netD, device="host", overlap=False), workdir / "plan.yaml")
-    (workdir / "profile.yaml").write_text("")  # the hand-made plan names no real profile
+def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed(workdir, capfd):
+    profile = harness.profile("gan", workdir)
+    prof = files.load(profile, expect=Profile)
+    assert [m.name for m in prof.model.models] == ["netD", "netG"]  # in the order the script first calls them
+    assert [(x.name, x.model) for x in prof.layers] == [
+        ("netD.0", "netD"), ("netD.2", "netD"), ("netD.3", "netD"), ("netD.5", "netD"),
+        ("netG.0", "netG"), ("netG.1", "netG"), ("netG.3", "netG")]
+    assert all(x.fp_s > 0 and x.saved_bytes > 0 for x in prof.layers)  # each model's layers measured
+    assert [(o.name, o.kind, o.model, o.kept) for o in prof.training.optimizers] == [
+        ("optimizerD", "adam", "netD", None), ("optimizerG", "adam", "netG", None)]
+    assert (prof.training.optimizer, prof.training.grad_accumulation) == ("adam", 3)  # 3 backward calls a step
     reference = harness.plain("gan", workdir / "plain.pt")
-    code, result = harness.run("gan", workdir / "plan.yaml", workdir / "hetero.pt", "--allow-stale")
-    assert code == 0
+    planned = harness.plan(profile)
+    assert [m.name for m in planned.source.models] == ["netD", "netG"]
+    code, result = harness.run("gan", workdir / "plan.yaml", workdir / "planned.pt")
+    assert code == 0, capfd.readouterr().err
+    assert_trains_as_plain(result, reference)
+    code, result = harness.run("gan", harness.forced(profile, optimizer="host"), workdir / "forced.pt")
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert_trains_as_plain(result, reference)
+    assert "optimizer states: 72KiB on host" in err  # both Adams: 4 fp32 buffers for each of the 4,608 parameters
+    hosted = harness.plan(profile, "--optimizer-device", "host")  # what the planner writes for two optimizers
+    assert not hosted.optimizer.overlap_backward and "steps 2 optimizers" in hosted.optimizer.why
+
+
+def test_a_gans_adam_with_amsgrad_stays_the_scripts_while_the_other_adams_states_are_placed(workdir, capfd):
+    amsgrad = ("amsgrad",)
+    profile = harness.profile("gan", workdir, args=amsgrad)
+    prof = files.load(profile, expect=Profile)
+    [d, g] = prof.training.optimizers
+    assert (d.name, d.kept, g.name) == ("optimizerD", None, "optimizerG") and "amsgrad" in g.kept
+    default = harness.plan(profile)
+    assert "optimizerG stays the script's (amsgrad" in default.omitted["optimizer"]
+    planned = harness.plan(profile, "--optimizer-device", "host")
+    assert {s.param.split(".")[0] for s in planned.optimizer.states} == {"netD"}
+    assert "optimizerG stays the script's (amsgrad" in planned.optimizer.why
+    reference = harness.plain("gan", workdir / "plain.pt", amsgrad)
+    code, result = harness.run("gan", workdir / "plan.yaml", workdir / "planned.pt", args=amsgrad)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert_trains_as_plain(result, reference)
+    assert "optimizer states: 35.5KiB on host" in err  # netD's 2,272 parameters only
+
+
+def test_model_option_profiles_one_of_a_gans_models_and_the_other_optimizer_stays_torchs(workdir, capfd):
+    profile = harness.profile("gan", workdir, model="netD")
+    prof = files.load(profile, expect=Profile)
+    assert prof.model.models == [] and [x.name for x in prof.layers] == ["0", "2", "3", "5"]
+    assert [o.name for o in prof.training.optimizers] == ["optimizerD"]
+    reference = harness.plain("gan", workdir / "plain.pt")
+    code, result = harness.run("gan", harness.forced(profile, optimizer="host"), workdir / "forced.pt")
+    assert code == 0, capfd.readouterr().err
     assert_trains_as_plain(result, reference)
 
 
-def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd):
+def test_a_frozen_teacher_and_its_student(workdir, capfd):
+    profile = harness.profile("distill", workdir)
+    prof = files.load(profile, expect=Profile)
+    assert prof.model.models == [] and [o.name for o in prof.training.optimizers] == ["optimizer"]
+    assert prof.layers[0].params == {"weight": 16 * 32 * 4, "bias": 32 * 4}  # the student's, not the teacher's
+    reference = harness.plain("distill", workdir / "plain.pt")
+    harness.plan(profile)
+    code, result = harness.run("distill", workdir / "plan.yaml", workdir / "planned.pt")
+    assert code == 0, capfd.readouterr().err
+    assert_trains_as_plain(result, reference)
+    code, result = harness.run("distill", harness.forced(profile, optimizer="axdimm"), workdir / "forced.pt")
+    assert code == 0, capfd.readouterr().err
+    assert_trains_as_plain(result, reference)
+
+
+def test_a_hand_written_sgd_loop_gets_activation_tiering_and_counts_steps_from_backward(workdir, capfd):
+    profile = harness.profile("manual_sgd", workdir)
+    t = files.load(profile, expect=Profile).training
+    assert (t.optimizer, t.steps_from, t.steps_measured, t.optimizer_step_s, t.optimizers) == \
+        ("none", "backward", 2, 0.0, [])
+    planned = harness.plan(profile)
+    assert planned.optimizer is None and "without a torch.optim optimizer" in planned.omitted["optimizer"]
+    reference = harness.plain("manual_sgd", workdir / "plain.pt")
+    code, result = harness.run("manual_sgd", workdir / "plan.yaml", workdir / "planned.pt")
+    assert code == 0, capfd.readouterr().err
+    assert_trains_as_plain(result, reference)
+    code, result = harness.run("manual_sgd", harness.forced(profile, optimizer=None), workdir / "forced.pt")
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert_trains_as_plain(result, reference)
+    assert "evictions to nvme0" in err and "never applied" not in err
+
+
+def test_a_script_that_never_trains_is_refused_at_profile_time_with_one_line(workdir, capfd):
+    (workdir / "eval.py").write_text("import torch\nmodel = torch.nn.Linear(4, 2)\n"
+                                     "with torch.no_grad():\n    model(torch.randn(3, 4))\n")
+    assert main(["profile", str(workdir / "eval.py")]) == UNSUPPORTED_SCRIPT
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: the script ended without training") and err[1].startswith("hint: ")
+    assert len(err) == 2 and not (workdir / "profile.yaml").exists()
+
+
+def test_an_optimizer_stepping_after_a_hand_written_update_is_refused(workdir):
+    (workdir / "late.py").write_text(
+        "import torch\nmodel = torch.nn.Linear(4, 2)\n"
+        "for step in range(6):\n"
+        "    model(torch.randn(3, 4)).sum().backward()\n"
+        "    if step == 1:\n        opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    if step >= 1:\n        opt.step()\n")
+    with pytest.raises(HeteroError) as e:
+        measure_script(str(workdir / "late.py"), [], ProfileOptions(steps=2, warmup=1))
+    assert e.value.exit_code == UNSUPPORTED_SCRIPT and "after updating its parameters by hand" in e.value.message
+
+
+def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd, cuda_hidden):
     """The plan's relative profile path is the plan's directory's, not the current directory's."""
     (workdir / "a").mkdir()
     harness.profile("compiled", workdir / "a")

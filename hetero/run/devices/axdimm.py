@@ -9,8 +9,9 @@ Arbiter rules (§3.2), which the emulation enforces rather than assumes:
   register (§3.3) before it takes the channel back. Switching to `acceleration` is immediate.
 - Channels are independent: the host may copy to one channel while the other one's kernel runs (§3.2).
 
-The emulation keeps each channel's DRAM in one preallocated host arena (pinned where CUDA exists, so GPU copies can
-be asynchronous later) and runs the real Adam kernel (hetero.kernels.adam) on a worker thread per channel.
+The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies gradients into it,
+so the copies can be asynchronous; never otherwise: pinning starts CUDA) and runs the real Adam kernel
+(hetero.kernels.adam) on a worker thread per channel.
 Two channel workers running torch's multi-threaded fused op at once oversubscribe the cores: they gain little total
 rate but finish together, while serialized compute has the first channel's results after about half the time
 (docs/benchmarks.md, "Design figures"). The emulation therefore serializes kernel compute across channels by
@@ -101,22 +102,24 @@ class _Channel:
 
 class EmulatedAxdimm:
     """An AXDIMM emulated in host memory: `channels` arenas of `channel_capacity_bytes` each, allocated and touched
-    up front, and one kernel worker thread per channel."""
+    up front, and one kernel worker thread per channel. `pinned`: a GPU copies into the channels (the model trains
+    on it), so the arenas are page-locked where CUDA can lock them (`self.pinned` says whether it did)."""
 
     backend = "emulated"
 
-    def __init__(self, channel_capacity_bytes: int, channels: int = 2, *, serialize_compute: bool = True) -> None:
+    def __init__(self, channel_capacity_bytes: int, channels: int = 2, *, serialize_compute: bool = True,
+                 pinned: bool = False) -> None:
         if channels < 1 or channel_capacity_bytes < _ALIGN:
             raise HeteroError(f"emulated AXDIMM with {channels} channels of {channel_capacity_bytes} bytes",
                               hint=f"use at least 1 channel of at least {_ALIGN} bytes")
         self.channels = channels
         self.channel_capacity_bytes = channel_capacity_bytes - channel_capacity_bytes % _ALIGN
         self._compute = threading.Lock() if serialize_compute else contextlib.nullcontext()
-        self._channels = [self._make_channel(c) for c in range(channels)]
-        self.pinned = torch.cuda.is_available() and all(ch.arena.is_pinned() for ch in self._channels)
+        self._channels = [self._make_channel(c, pinned) for c in range(channels)]
+        self.pinned = pinned and all(ch.arena.is_pinned() for ch in self._channels)
 
-    def _make_channel(self, index: int) -> _Channel:
-        arena = _arena(self.channel_capacity_bytes)
+    def _make_channel(self, index: int, pinned: bool) -> _Channel:
+        arena = _arena(self.channel_capacity_bytes, pinned)
         worker = ThreadPoolExecutor(1, thread_name_prefix=f"axdimm-emulated-ch{index}")
         return _Channel(index, arena, worker, holes=[(0, self.channel_capacity_bytes)])
 
@@ -287,9 +290,9 @@ def _coalesce(holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _arena(nbytes: int) -> torch.Tensor:
+def _arena(nbytes: int, pinned: bool) -> torch.Tensor:
     arena = None
-    if torch.cuda.is_available():
+    if pinned and torch.cuda.is_available():
         # exact size (torch's pinned allocator would round up to a power of two); pinning many GiB can fail, and
         # plain memory still emulates the DIMM
         with contextlib.suppress(RuntimeError):

@@ -113,10 +113,22 @@ def direct_io_works(probe: Path) -> bool:
         if e.errno in NO_SPACE:
             raise no_space(probe.parent, BLOCK) from e
         raise HeteroError(f"cannot write in {probe.parent}: {e.strerror}",
-                          hint="point --nvme to a writable directory") from e
+                          hint="use a directory you can write in") from e
     return True
 
 
-def no_space(directory: Path, nbytes: int) -> HeteroError:
+def no_space(directory: Path, nbytes: int, field: str | None = None) -> HeteroError:
     return HeteroError(f"no space left in {directory} for {nbytes} bytes",
-                       hint="free space or point --nvme elsewhere")
+                       hint=f"free space there, or {elsewhere(field)}, on a disk with room")
+
+
+def elsewhere(field: str | None) -> str:
+    """How the user moves the directory: the option (`--nvme`) or the plan's key (`optimizer.nvme.path`) that named
+    it; None: a store made by a program, not named by the user."""
+    if field is None:
+        return "give the store another directory"
+    if field.startswith("-"):
+        return f"point {field} elsewhere"
+    if field.isupper():  # an environment variable, e.g. TMPDIR
+        return f"set {field} elsewhere"
+    return f"set {field} in the plan elsewhere"

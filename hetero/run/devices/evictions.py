@@ -11,6 +11,11 @@ A record's state says where its bytes are; every transition happens under the le
 The fast-tier copy is dropped only once its write is complete, and a fetched buffer is handed out only once its read
 is complete (or, on a GPU, with the event its user's stream waits for); a failed read is raised to the unpack that
 needs it, never replaced by a half-written buffer.
+
+Where fast memory is a GPU's, its buffers are made on the threads that run the model (the compute stream): a
+partial eviction's kept tail when the eviction is queued (`split`), and the buffers of the fetches one request asks
+for when it is made (`landings`), where the request also claims its records (an eviction not written yet is called
+off at once). The worker threads only copy into memory made for them (hetero.run.devices.host_pool).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ class Record:
             # never brought back (a graph dropped without backward)
             self.mover.writer.put(Deletion(self.key, self.slow, _layer(self)))
         if self.fetched:
-            self.mover.tier.release(self.data)
+            self.mover.tier.release(self.data, self.marker)
 
 
 class Worker:
@@ -128,31 +133,48 @@ class Mover:
         self.tier.close()
 
     def evict(self, chosen: list[tuple[Record, int]], layer: str) -> None:
-        """Queue `(record, bytes)` for the writer, the bytes final as of now on the compute stream."""
+        """Queue `(record, bytes)` for the writer, the bytes final as of now on the compute stream (hook thread)."""
         ready = self.tier.ready()
+        kept = [self.tier.split(r.data, nbytes) for r, nbytes in chosen]
         with self.lock:
-            for r, nbytes in chosen:
-                r.state, r.evict_bytes, r.ready = QUEUED, nbytes, ready
+            for (r, nbytes), rest in zip(chosen, kept):
+                r.state, r.evict_bytes, r.ready, r.rest = QUEUED, nbytes, ready, rest
                 self.ledger.queued[layer] += nbytes
         for r, _ in chosen:
             self.writer.put(r)
 
     def prefetch(self, records: Iterable[weakref.ref]) -> None:
-        """Queue the records (weakly held: one freed meanwhile needs nothing) for the reader, in this order."""
-        self.reader.put(list(records))
+        """Bring the records (weakly held: one freed meanwhile needs nothing) back, in this order: evictions not
+        written yet are called off now, the others queued for the reader with the buffers they will land in (hook
+        thread)."""
+        claimed = []
+        for ref in records:
+            r = ref()
+            if r is None:
+                continue
+            with self.lock:
+                if self._claim(r):
+                    claimed.append((ref, r.nbytes))
+        if not claimed:
+            return
+        try:
+            landings = self.tier.landings([nbytes for _, nbytes in claimed])
+        except BaseException:  # out of GPU memory: an unpack fetches them itself, or the error ends the step
+            with self.lock:
+                for ref, _ in claimed:
+                    if (r := ref()) is not None and r.state == FETCHING:
+                        r.state = EVICTED
+            raise
+        self.reader.put([(ref, landing) for (ref, _), landing in zip(claimed, landings)])
 
     def recall(self, r: Record) -> None:
         """Keep `r` in fast memory after all: cancel its eviction, or bring it back now."""
-        with self.lock:
-            if r.state == EVICTED:
-                self.reader.put([weakref.ref(r)])
-            else:
-                self._claim(r)
+        self.prefetch([weakref.ref(r)])
 
     def _claim(self, r: Record) -> bool:
         """Under the lock: whether the caller is to fetch `r`; an eviction not done yet is called off instead."""
         if r.state == QUEUED:
-            r.state = RESIDENT
+            r.state, r.rest = RESIDENT, None
         elif r.state == WRITING:
             r.state = KEPT
         elif r.state == EVICTED:
@@ -172,7 +194,7 @@ class Mover:
             start = perf_counter()
             if inline:
                 with spans.timed("late fetch", f"fetch {_layer(r)}", r.slow):
-                    self._fetch(r)
+                    self._fetch(r, self.tier.landings([r.nbytes])[0])
             else:
                 r.back.wait()
             with self.lock:
@@ -181,8 +203,10 @@ class Mover:
                 raise HeteroError(f"could not bring a saved activation back from {self.tier.name}: {r.error}",
                                   hint="check the slow tier's directory") from r.error
             data, marker = r.data, r.marker
-        if marker is not None and not self.tier.wait(marker, data):
-            self._late(r)
+        if marker is not None:
+            r.marker = None  # one wait per fetch: the stream that unpacks it first orders everything after it
+            if not self.tier.wait(marker, data):
+                self._late(r)
         return data
 
     def _late(self, r: Record) -> None:
@@ -204,17 +228,17 @@ class Mover:
             r.state, data, nbytes = WRITING, r.data, r.evict_bytes
         try:
             with spans.timed("evict", f"evict {_layer(r)}", nbytes):
-                rest = self.tier.evict(r.key, data, nbytes, r.ready)
+                self.tier.evict(r.key, data, nbytes, r.ready)
         except BaseException:
             with self.lock:
-                r.state = RESIDENT  # the data never left
+                r.state, r.rest = RESIDENT, None  # the data never left
             raise
         with self.lock:
             kept = r.state == KEPT
             if kept:
-                r.state = RESIDENT
+                r.state, r.rest = RESIDENT, None
             else:
-                r.data, r.rest, r.state, r.back = None, rest, EVICTED, threading.Event()
+                r.data, r.state, r.back = None, EVICTED, threading.Event()
                 r.resident, r.slow = r.nbytes - nbytes, nbytes
                 self.ledger.change(fast=-nbytes, slow=nbytes)
                 self.ledger.evicted[r.group.layer if r.group is not None else ""] += nbytes
@@ -222,21 +246,18 @@ class Mover:
         if kept:
             self.tier.delete(r.key)
 
-    def _prefetch(self, refs: list[weakref.ref]) -> None:
-        """Reader thread: bring the records back in order; cancel evictions that have not happened yet."""
-        for ref in refs:
+    def _prefetch(self, jobs: list[tuple[weakref.ref, Any]]) -> None:
+        """Reader thread: bring the claimed records back in order, each into its landing buffer."""
+        for ref, landing in jobs:
             r = ref()
             if r is None:
-                continue
-            with self.lock:
-                fetch = self._claim(r)
-            if fetch:
-                with spans.timed("prefetch", f"prefetch {_layer(r)}", r.slow):
-                    self._fetch(r)
+                continue  # its landing buffer goes unused: no copy was issued into it
+            with spans.timed("prefetch", f"prefetch {_layer(r)}", r.slow):
+                self._fetch(r, landing)
 
-    def _fetch(self, r: Record) -> None:
+    def _fetch(self, r: Record, landing: Any) -> None:
         try:
-            data, marker = self.tier.fetch(r.key, r.nbytes, r.rest)
+            data, marker = self.tier.fetch(r.key, r.nbytes, r.rest, landing)
         except BaseException as e:  # handed to the unpack waiting for it
             r.error = e
             r.back.set()
@@ -246,7 +267,10 @@ class Mover:
             self.ledger.change(fast=r.slow, slow=-r.slow)
             stored, r.resident, r.slow = r.slow, r.nbytes, 0
         r.back.set()
-        self.writer.put(Deletion(r.key, stored, _layer(r)))  # the slow copy goes, off the reader's path
+        if self.tier.directory is None:
+            self.tier.delete(r.key)  # memory: its buffer back to its pool, no hand-off
+        else:
+            self.writer.put(Deletion(r.key, stored, _layer(r)))  # a file goes off the reader's path
 
     def _failed(self, error: BaseException) -> None:
         with self.lock:

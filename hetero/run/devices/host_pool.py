@@ -1,35 +1,46 @@
-"""GPU memory over pinned host memory: the slow tier of activation tiering on a GPU machine, NVMe below it.
+"""GPU memory over pinned host memory: the slow tier of activation tiering on a GPU machine, NVMe below it; and the
+pool of host buffers both host tiers reuse.
 
 Pinning is slow (the driver locks and maps every page), so pinned buffers come from a pool: allocated once per size
-class and handed out again when the copy that last used them has finished (its CUDA event), never earlier.
+class and handed out again when the copy that last used them has finished (its event), never earlier.
 
-Copies run on two side streams created once for the run, one per direction, so an eviction never queues behind a
-prefetch (PCIe is full duplex) and neither waits on the compute stream beyond the event it was given. Stream rules:
-- an eviction waits for the compute stream's `ready` event (the tensor's bytes are final), then copies D2H;
-- the evicted GPU tensor is `record_stream`ed on the eviction stream, so the caller may drop it at once: the
-  caching allocator reuses its memory only after the copy;
-- a prefetch allocates the GPU buffer on the prefetch stream, copies H2D and records `arrived`; the thread that
-  uses the buffer makes its own stream wait for `arrived` and records the buffer on it (`wait`).
-With an NVMe store below, an evicted buffer is written to a file once its D2H copy is done (host-synchronized in the
-writer thread only) and the pinned buffer goes back to the pool; a prefetch reads the file into a pooled buffer
-first.
+Copies run on the device's side streams (hetero.kernels.dha.Device): evictions on the download stream, prefetches
+on the upload stream, so an eviction never queues behind a prefetch (PCIe is full duplex) and neither waits on the
+compute stream beyond the events it was given. Device memory follows the Device's rules, so that reserved GPU
+memory stays close to allocated: every device buffer is allocated on the compute stream by the thread running the
+model, and a side stream only uses memory its owner keeps alive until that work is known done, with no
+`record_stream` (which would hold a freed block out of the compute stream's pool until the side stream's later work
+is done, and made per-stream pools grow: DESIGN §7).
+- an eviction's fast-tier tail (a partial eviction) is copied on the compute stream, when the eviction is queued
+  (`split`); the download of its head waits for the compute stream's `ready` event, and the writer thread keeps the
+  evicted storage until the download is done (the host waits, off the compute stream), so its memory goes back to
+  the compute stream's pool only once nothing reads it;
+- the buffers of the fetches one prefetch request asks for are one allocation on the compute stream, made when the
+  request is (`landings`, with an event the uploads wait for: the block may have been freed by kernels still
+  running), filled on the upload stream, and waited for by the stream that unpacks them (`wait`); a record freed
+  before that wait (a graph dropped) waits for its upload on the host before its buffer can go;
+- an eviction's pinned buffer, reused from the pool, is written by a download that waits (on the device) for the
+  upload that last read it, not by the host.
+With an NVMe store below, an evicted head is written to a file once its download is done and the pinned buffer goes
+back to the pool; a prefetch reads the file into a pooled buffer first.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from hetero.kernels.dha import pinned_host
+from hetero.kernels.dha import Device, offsets, pinned_host
 from hetero.run.devices.nvme import NvmeStore
 
 _GRANULE = 64 << 10  # sizes round up to this: a step's shapes recur exactly, so classes match with little waste
-# The references a buffer's storage has when only its holder uses it: the holder's tensor and the storage object
-# asking. More means a view of it is still alive somewhere, and it must not be handed out again.
-_ALONE = 2
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def size_class(nbytes: int) -> int:
@@ -38,48 +49,69 @@ def size_class(nbytes: int) -> int:
 
 class HostPool:
     """Reusable host buffers by size class, pinned or plain. Fresh memory is slow to touch for the first time (page
-    faults, and pinning maps every page), so each buffer is touched once and handed out again; a buffer comes back
-    once the copy that last used it has finished (its event), or, from `recycle`, once nothing else views it.
-    `allocated_bytes` is what the pool holds: pinned buffers are allocated at their class's exact size
-    (hetero.kernels.dha.pinned_host), not by torch's pinned allocator, which rounds each up to a power of two."""
+    faults, and pinning maps every page), so each buffer is touched once and handed out again.
 
-    def __init__(self, pinned: bool = False, allocate_pinned=pinned_host) -> None:
+    Plain buffers come back by themselves once nothing views them any more (the tensors autograd made of a fetched
+    buffer included): each is handed out as a new storage over the pool's memory, and the memory returns to the pool
+    when that storage dies. Pinned buffers come back with `give`, and are reused once the copy that last used them
+    has finished (its event, waited for with `synchronize`). `allocated_bytes` is what the pool holds: pinned
+    buffers are allocated at their class's exact size (`allocate_pinned`, e.g. hetero.kernels.dha.pinned_host), not
+    by torch's pinned allocator, which rounds each up to a power of two."""
+
+    def __init__(self, pinned: bool = False, allocate_pinned: Callable[[int], torch.Tensor] = pinned_host,
+                 synchronize: Callable[[Any], None] = lambda event: event.synchronize()) -> None:
         self.pinned = pinned
         self.allocate_pinned = allocate_pinned  # nbytes -> uint8 pinned tensor of exactly nbytes
-        self._free: dict[int, list[tuple[torch.UntypedStorage, torch.cuda.Event | None]]] = defaultdict(list)
-        self._lock = threading.RLock()  # re-entered by finalizers that recycle while it is held
+        self.synchronize = synchronize  # waits for an event `give` was handed
+        self._free: dict[int, list[tuple[Any, Any]]] = defaultdict(list)  # size -> (memory, event)
+        self._lock = threading.RLock()  # re-entered by finalizers that return memory while it is held
         self.allocated_bytes = 0
+        self._closed = False
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of `nbytes` on a pooled storage, free of any copy still running."""
+        """A uint8 buffer of `nbytes` on pooled memory, free of any copy still running."""
+        buffer, after = self.take_unordered(nbytes)
+        if after is not None:
+            self.synchronize(after)  # the copy that last read it must be done before it is written again
+        return buffer
+
+    def take_unordered(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """A uint8 buffer of `nbytes` on pooled memory, and the event of the copy that last used it (None: none),
+        which whatever writes the buffer must wait for first."""
         size = size_class(nbytes)
+        after = None
         with self._lock:
             entry = self._free[size].pop() if self._free[size] else None
             if entry is None:
                 self.allocated_bytes += size
         if entry is None:
-            fresh = self.allocate_pinned(size).zero_() if self.pinned else \
-                torch.zeros(size, dtype=torch.uint8)  # zeros: the first touch happens here, on a worker thread
-            storage = fresh.untyped_storage()
+            memory = self._fresh(size)
         else:
-            storage, after = entry
-            if after is not None:
-                after.synchronize()  # the copy that last read it must be done before it is written again
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+            memory, after = entry
+        if self.pinned:
+            return torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,)), after
+        lease = memory.view()  # the storage handed out holds it; it dies with the last view of the buffer
+        finalizer = weakref.finalize(lease, self._returned, memory, size)
+        finalizer.atexit = False
+        return torch.from_numpy(lease)[:nbytes], after
 
-    def give(self, buffer: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
-        """Return a buffer from `take`; it is reused once `after` (the last copy using it) has completed."""
+    def _fresh(self, size: int) -> Any:
+        if self.pinned:
+            return self.allocate_pinned(size).zero_().untyped_storage()  # zero: touched here, on a worker thread
+        memory = np.empty(size, dtype=np.uint8)
+        memory.fill(0)
+        return memory
+
+    def _returned(self, memory: np.ndarray, size: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._free[size].append((memory, None))
+
+    def give(self, buffer: torch.Tensor, after: Any = None) -> None:
+        """Return a pinned buffer from `take`; it is reused once `after` (the last copy using it) has completed."""
         storage = buffer.untyped_storage()
         with self._lock:
             self._free[storage.nbytes()].append((storage, after))
-
-    def recycle(self, buffer: torch.Tensor) -> bool:
-        """Return a buffer from `take` if nothing but `buffer` views it any more; False leaves it to the allocator."""
-        storage = buffer.untyped_storage()
-        if _use_count is None or _use_count(storage._cdata) > _ALONE:
-            return False
-        self.give(buffer)
-        return True
 
     @property
     def idle_bytes(self) -> int:
@@ -89,79 +121,97 @@ class HostPool:
     def close(self) -> None:
         with self._lock:
             self._free.clear()
+            self._closed = True
 
 
-class CudaHostTier:
-    """The GPU's slow tier: pinned host buffers from a pool, with an optional NVMe store below them."""
+@dataclass(eq=False, slots=True)
+class Landing:
+    """A prefetch's device buffer, allocated on the compute stream, and the event after that allocation."""
 
-    def __init__(self, name: str, device: torch.device, store: NvmeStore | None = None):
-        self.name, self.device, self.store = name, device, store
+    buffer: torch.Tensor
+    allocated: Any
+
+
+@dataclass(eq=False, slots=True)
+class Arrival:
+    """What the user of a fetched buffer waits for: the upload's event. `rest` (a partial eviction's tail, which the
+    upload stream read) is held until then."""
+
+    event: Any
+    rest: torch.Tensor | None
+
+
+class PinnedTier:
+    """The GPU's slow tier: pinned host buffers from a pool, with an optional NVMe store below them, driven through
+    the model's device (a CUDA GPU, or the stand-in in tests)."""
+
+    def __init__(self, name: str, link: Device, store: NvmeStore | None = None):
+        self.name, self.link, self.store = name, link, store
+        self.device = link.device
         self.directory = str(store.directory) if store is not None else None
-        self.evicting = torch.cuda.Stream(device)
-        self.prefetching = torch.cuda.Stream(device)
-        self.pool = HostPool(pinned=True)
-        self._held: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # key -> pinned copy, its last event
+        self.pool = HostPool(pinned=True, allocate_pinned=link.pinned, synchronize=link.synchronize)
+        self._held: dict[str, tuple[torch.Tensor, Any]] = {}  # key -> pinned copy, the last copy's event
         self._lock = threading.Lock()
 
-    def ready(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+    def ready(self) -> Any:
+        event = self.link.event("evict ready")
+        self.link.record_compute(event)
         return event
 
-    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: torch.cuda.Event) -> torch.Tensor | None:
-        pinned = self.pool.take(evict_bytes)
-        s = self.evicting
-        with torch.cuda.stream(s):
-            s.wait_event(ready)
-            pinned.copy_(data[:evict_bytes], non_blocking=True)
-            rest = data[evict_bytes:].clone() if evict_bytes < data.numel() else None
-            done = torch.cuda.Event()
-            done.record(s)
-        data.record_stream(s)
-        if self.store is None:
-            with self._lock:
-                self._held[key] = (pinned, done)
-            return rest
-        done.synchronize()  # the file write reads the pinned copy on this (writer) thread
-        self.store.write(key, pinned)
-        self.pool.give(pinned)
+    def split(self, data: torch.Tensor, evict_bytes: int) -> torch.Tensor | None:
+        if evict_bytes >= data.numel():
+            return None
+        rest = self.link.buffer(data.numel() - evict_bytes)
+        self.link.write(rest, data[evict_bytes:])
         return rest
 
-    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
+        pinned, after = self.pool.take_unordered(evict_bytes)
+        last_use = () if after is None or self.link.query(after) else (after,)
+        done = self.link.download(pinned, data[:evict_bytes], ready, last_use)
+        self.link.synchronize(done)  # the caller drops `data` next: its memory may be reused once the copy read it
+        if self.store is None:
+            with self._lock:
+                self._held[key] = (pinned, None)
+            return
+        self.store.write(key, pinned)
+        self.pool.give(pinned)
+
+    def landings(self, sizes: list[int]) -> list[Landing]:
+        where, total = offsets(sizes)
+        buffer = self.link.buffer(total)
+        allocated = self.link.event("prefetch buffers")
+        self.link.record_compute(allocated)
+        return [Landing(buffer[at:at + nbytes], allocated) for at, nbytes in zip(where, sizes)]
+
+    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: Landing) -> tuple[torch.Tensor, Arrival]:
         stored = nbytes - (0 if rest is None else rest.numel())
         if self.store is None:
             with self._lock:
-                pinned, written = self._held[key]
+                pinned, _ = self._held[key]
         else:
-            pinned, written = self.pool.take(stored), None
+            pinned = self.pool.take(stored)
             self.store.read(key, pinned)
-        s = self.prefetching
-        with torch.cuda.stream(s):
-            if written is not None:
-                s.wait_event(written)  # the D2H copy (and the clone of `rest` before it) ran on the other stream
-            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            out[:stored].copy_(pinned, non_blocking=True)
-            if rest is not None:
-                out[stored:].copy_(rest)
-                rest.record_stream(s)
-            arrived = torch.cuda.Event()
-            arrived.record(s)
+        out = landing.buffer
+        arrived = self.link.upload(out[:stored], pinned, (landing.allocated,))
+        if rest is not None:
+            arrived = self.link.upload(out[stored:], rest)
         if self.store is None:
             with self._lock:
                 self._held[key] = (pinned, arrived)
         else:
             self.pool.give(pinned, arrived)
-        return out, arrived
+        return out, Arrival(arrived, rest)
 
-    def wait(self, marker: torch.cuda.Event, data: torch.Tensor) -> bool:
-        on_time = marker.query()
-        stream = torch.cuda.current_stream(data.device)
-        stream.wait_event(marker)
-        data.record_stream(stream)
+    def wait(self, marker: Arrival, data: torch.Tensor) -> bool:
+        on_time = self.link.query(marker.event)
+        self.link.compute_waits(marker.event)
         return on_time
 
-    def release(self, data: torch.Tensor) -> None:
-        """GPU buffers need nothing: the caching allocator recycles them, after the streams that used them."""
+    def release(self, data: torch.Tensor, marker: Arrival | None = None) -> None:
+        """A fetched buffer whose record goes: never waited for, its upload is waited for here, on the host."""
+        if marker is not None:
+            self.link.synchronize(marker.event)
 
     def delete(self, key: str) -> None:
         if self.store is not None:

@@ -15,6 +15,9 @@ Rules the store keeps:
   at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
   (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle,
   tail block), not three writes: each blocking call costs the writer a wake-up on a busy VM.
+- Every record's crc32 is taken as it is written and kept in the store's index (in this process's memory, where
+  whatever could change a file cannot reach it), and every read checks it: a file changed, cut short or removed by
+  anything but the store is `Damaged` (exit 6, naming the file and the key it held), never data handed on.
 - Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
   and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
 
@@ -30,6 +33,7 @@ import queue
 import secrets
 import sys
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -39,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero.errors import HeteroError
+from hetero.errors import Damaged, HeteroError
 from hetero.run import spans
 from hetero.run.devices import direct_io, workdir
 
@@ -64,6 +68,7 @@ class _File:
     path: Path
     nbytes: int
     shift: int = 0  # file offset of byte 0: the source's offset within a block, so its aligned middle moves direct
+    crc: int | None = None  # crc32 of the bytes written; None: the store keeps no checksums
 
 
 class NvmeStore:
@@ -71,21 +76,26 @@ class NvmeStore:
 
     `workers` threads do the asynchronous I/O, and `write`/`read`/`delete` do theirs on the calling thread;
     `chunk_bytes` is the size of each I/O thread's bounce buffer, of one read call and of one buffer in a write call.
+    `field` is what named the directory (`optimizer.nvme.path`, `--nvme`), for the hints of errors; `checksums`
+    False skips the crc32 of every record (for measuring what they cost: bench/checksum.py).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
-                 direct: bool = True) -> None:
+                 direct: bool = True, field: str | None = None, checksums: bool = True) -> None:
         if chunk_bytes <= 0 or chunk_bytes % direct_io.BLOCK:
             raise HeteroError(f"NVMe chunk size {chunk_bytes} bytes",
                               hint=f"use a positive multiple of {direct_io.BLOCK}")
         self.directory = Path(directory)
-        self._made_dirs = _make_dirs(self.directory)
+        self.field = field
+        self._checksums = checksums
+        self._work: workdir.WorkDir | None = None  # the private work directory close() removes (NvmeStore.private)
+        self._made = _make_dirs(self.directory, field)
         self._prefix = f"hetero-{os.getpid()}-{secrets.token_hex(4)}-"  # two stores may share a directory
         self._chunk = chunk_bytes
         try:
             self.direct = direct and direct_io.direct_io_works(self.directory / f"{self._prefix}probe")
         except BaseException:
-            _remove_dirs(self._made_dirs)
+            workdir.remove_parents(self._made)
             raise
         self._bounce: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()  # made on first need: see _take_bounce
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hetero-nvme")
@@ -103,14 +113,14 @@ class NvmeStore:
         `close()` removes. `field` names the plan's key for `base`: every error here is a PlanPathError (exit 3)."""
         work = workdir.create(base, kind, field)
         try:
-            store = cls(work.path, **options)
+            store = cls(work.path, field=field, **options)
         except HeteroError as e:
             work.remove()
             raise workdir.PlanPathError(field, e.message, workdir.HINT) from None
         except BaseException:
             work.remove()
             raise
-        store._made_dirs = [*work.made, work.path]  # close() removes the files, then these while empty
+        store._work = work  # close() removes the files, then the directory and the parents made for it
         return store
 
     def __repr__(self) -> str:
@@ -171,8 +181,11 @@ class NvmeStore:
             self._files.clear()
         for path in leftover:
             self._remove(path)
-        _remove_dirs(self._made_dirs)
-        self._made_dirs = []
+        if self._work is not None:
+            self._work.remove()
+        elif self._made:
+            workdir.remove_made(self.directory)
+        self._made = []
         _OPEN.discard(self)
 
     # -- worker side -----------------------------------------------------------------------------------------
@@ -234,11 +247,12 @@ class NvmeStore:
         except BaseException as e:
             self._remove(path)
             if isinstance(e, OSError) and e.errno in direct_io.NO_SPACE:
-                raise direct_io.no_space(self.directory, src.nbytes) from e
+                raise direct_io.no_space(self.directory, src.nbytes, self.field) from e
             raise
+        crc = zlib.crc32(src) if self._checksums else None  # the caller keeps `src` unchanged until we are done
         with self._lock:
             old = self._files.get(key)
-            self._files[key] = _File(path, src.nbytes, shift)
+            self._files[key] = _File(path, src.nbytes, shift, crc)
         if old is not None:
             self._remove(old.path)
 
@@ -262,11 +276,25 @@ class NvmeStore:
             raise KeyError(f"nothing stored under {key!r} (its write failed or it was deleted)")
         if stored.nbytes != dst.nbytes:
             raise ValueError(f"{key!r} holds {stored.nbytes} bytes; the output buffer has {dst.nbytes}")
-        fd = os.open(stored.path, os.O_RDONLY | self._direct_flag())
+        try:
+            fd = os.open(stored.path, os.O_RDONLY | self._direct_flag())
+        except FileNotFoundError:
+            raise self._damaged(stored, key, "was removed") from None
         try:
             self._read_chunks(fd, dst, stored.shift)
+        except OSError as e:
+            raise self._damaged(stored, key, f"cannot be read back: {e.strerror}") from None
         finally:
             os.close(fd)
+        if stored.crc is not None and zlib.crc32(dst) != stored.crc:
+            raise self._damaged(stored, key, "changed since hetero wrote it (checksum mismatch)")
+
+    def _damaged(self, stored: _File, key: str, what: str) -> Damaged:
+        where = f"{self.field}: " if self.field else ""
+        return Damaged(f"{where}{stored.path}, which holds {key}, {what}",
+                       hint=f"something other than hetero changed or removed files in {self.directory} while the run "
+                            "needed them (a cleaner of old temporary files, another program): keep it out of there, "
+                            "and start again from the last checkpoint")
 
     def _read_chunks(self, fd: int, dst: np.ndarray, shift: int) -> None:
         if not self.direct:
@@ -327,27 +355,13 @@ def _byte_view(x: Any, *, writable: bool) -> np.ndarray:
     return x.reshape(-1).view(np.uint8)
 
 
-def _make_dirs(directory: Path) -> list[Path]:
+def _make_dirs(directory: Path, field: str | None) -> list[Path]:
     """Create `directory` and its missing parents (mode 0700); return those created, outermost first."""
-    missing = [p for p in [directory, *directory.parents] if not p.exists()][::-1]
-    made: list[Path] = []
     try:
-        for path in missing:
-            path.mkdir(mode=0o700)
-            made.append(path)
+        return workdir.make_missing(directory)
     except OSError as e:
-        _remove_dirs(made)
         raise HeteroError(f"cannot create the NVMe directory {directory}: {e.strerror}",
-                          hint="point --nvme to a writable directory") from e
-    return missing
-
-
-def _remove_dirs(made: list[Path]) -> None:
-    for directory in reversed(made):
-        try:
-            directory.rmdir()
-        except OSError:  # someone else put files there meanwhile: leave it, and them
-            return
+                          hint=f"{direct_io.elsewhere(field)}, to a directory you can write in") from e
 
 
 _OPEN: set[NvmeStore] = set()

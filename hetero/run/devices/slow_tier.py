@@ -7,8 +7,8 @@ are called from the threads that run the model (the forward hooks, and autograd'
 - CPU-only (`fast` is host memory): the slow tier is files in a private work directory (devices/workdir.py),
   written and read by the tiering's writer and reader threads (O_DIRECT where the file system allows, files 0600,
   removed on close, at exit, on Ctrl-C, SIGTERM and SIGHUP).
-- GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on side streams (hetero.run.devices.host_pool),
-  with the NVMe store below it when the plan names a directory.
+- GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on the model's device's side streams
+  (hetero.run.devices.host_pool), with the NVMe store below it when the plan names a directory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import torch
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.run.devices.host_pool import CudaHostTier, HostPool
+from hetero.kernels.dha import Device
+from hetero.run.devices.host_pool import HostPool, PinnedTier
 from hetero.run.devices.nvme import NvmeStore
 from hetero.schema.plan import ActivationPlan
 
@@ -37,19 +38,26 @@ class SlowTier(Protocol):
     def ready(self) -> Any:
         """Hook thread: a marker that the bytes to evict are final (the compute stream's work so far)."""
 
-    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> torch.Tensor | None:
-        """Writer: store `data[:evict_bytes]` under `key`; return a fast-tier copy of the rest (None: no rest).
-        Once it returns, the caller may drop `data`."""
+    def split(self, data: torch.Tensor, evict_bytes: int) -> torch.Tensor | None:
+        """Hook thread, when an eviction is queued: a fast-tier copy of `data[evict_bytes:]`, the part a partial
+        eviction keeps (None: nothing kept)."""
 
-    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-        """Reader: a new fast-tier buffer of `nbytes` holding the stored bytes followed by `rest`, and the marker
-        the user of the buffer waits for."""
+    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
+        """Writer: store `data[:evict_bytes]` under `key`. Once it returns, the caller may drop `data`."""
+
+    def landings(self, sizes: list[int]) -> list[Any]:
+        """Hook thread, when fetches are requested: where each will put its bytes (None: the tier chooses)."""
+
+    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: Any = None) -> tuple[torch.Tensor, Any]:
+        """Reader: a fast-tier buffer of `nbytes` (`landing`'s) holding the stored bytes followed by `rest`, and the
+        marker the user of the buffer waits for."""
 
     def wait(self, marker: Any, data: torch.Tensor) -> bool:
         """User thread: order the work to come after the fetch marked; False when the fetch was not complete."""
 
-    def release(self, data: torch.Tensor) -> None:
-        """A buffer `fetch` returned is no longer needed by its record (views of it may still be alive)."""
+    def release(self, data: torch.Tensor, marker: Any = None) -> None:
+        """A buffer `fetch` returned is no longer needed by its record (views of it may still be alive); `marker`:
+        the fetch's, when nobody waited for it."""
 
     def delete(self, key: str) -> None: ...
     def close(self) -> None: ...
@@ -67,17 +75,22 @@ class NvmeTier:
         # never queues behind the evictions (TierTrain keeps the two queues apart).
         self.store = directory if isinstance(directory, NvmeStore) else NvmeStore(directory, workers=1)
         self.directory: str | None = str(self.store.directory)
-        self.pool = HostPool()  # fetched buffers, reused from step to step
+        self.pool = HostPool()  # fetched buffers, reused from step to step once nothing views them
 
     def ready(self) -> None:
         return None
 
-    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: None) -> torch.Tensor | None:
-        rest = data[evict_bytes:].clone() if evict_bytes < data.numel() else None
-        self.store.write(key, data[:evict_bytes])
-        return rest
+    def split(self, data: torch.Tensor, evict_bytes: int) -> torch.Tensor | None:
+        return data[evict_bytes:].clone() if evict_bytes < data.numel() else None
 
-    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+    def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: None) -> None:
+        self.store.write(key, data[:evict_bytes])
+
+    def landings(self, sizes: list[int]) -> list[None]:
+        return [None] * len(sizes)
+
+    def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None,
+              landing: None = None) -> tuple[torch.Tensor, None]:
         out = self.pool.take(nbytes)
         stored = nbytes - (0 if rest is None else rest.numel())
         if rest is not None:
@@ -88,8 +101,8 @@ class NvmeTier:
     def wait(self, marker: None, data: torch.Tensor) -> bool:
         return True
 
-    def release(self, data: torch.Tensor) -> None:
-        self.pool.recycle(data)
+    def release(self, data: torch.Tensor, marker: None = None) -> None:
+        """Nothing: the pool takes the buffer back once no view of it is left."""
 
     def delete(self, key: str) -> None:
         self.store.delete(key)
@@ -99,16 +112,17 @@ class NvmeTier:
         self.pool.close()
 
 
-def open_tier(plan: ActivationPlan) -> tuple[SlowTier, str | None]:
-    """The plan's slow tier, and a note for the run summary when the plan left its place to us."""
+def open_tier(plan: ActivationPlan, gpu: Device | None = None) -> tuple[SlowTier, str | None]:
+    """The plan's slow tier, and a note for the run summary when the plan left its place to us. `gpu`: the model's
+    device, for a plan that tiers GPU memory (None: no GPU here)."""
     note = None
     path = plan.slow_path
     if plan.fast == GPU:
-        if not torch.cuda.is_available():
+        if gpu is None:
             raise HeteroError("the plan tiers activations in GPU memory, and this machine has no CUDA device",
                               hint="profile and plan again on this machine", exit_code=STALE_PLAN)
         store = _private(path, workers=2) if path is not None else None
-        return CudaHostTier(plan.slow, torch.device("cuda", torch.cuda.current_device()), store), note
+        return PinnedTier(plan.slow, gpu, store), note
     if path is None:
         note = f"the plan gives no directory for {plan.slow}: evicted activations go to {tempfile.gettempdir()}"
     # The single writer and reader do their own I/O: the store's pool is never used, no thread starts.

@@ -3,21 +3,31 @@
 A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
 directly but into a directory of its own made inside it:
 
-    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit
+    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit |
+                                                       returned
                                                  host: 8 hex digits of a hash of this machine's name
                                                  mode 0700, owned by the user
 
 Contracts:
-- The name is unpredictable and the directory is made with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700):
-  a directory someone else created beforehand is never used. The base itself must be the user's (or root's), and
-  if others may write in it, sticky like /tmp, so nobody else can rename our directory away and put theirs in its
-  place (writable by the user's own group is fine: umask 002 makes such directories).
+- The directory is made under a hidden name with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700), so a
+  directory someone else created beforehand is never used; its lock file (`.lock`, 0600) is created and locked
+  (flock) there, and only then is it renamed to its final, unpredictable name. So every directory a sweep can
+  match is locked from the first moment, and stays locked for as long as its owner holds it open: the lock is the
+  kernel's, released only when the last process holding it ends, whatever PID namespace (container, `unshare`)
+  that process lives in.
+- The base and every directory above it up to `/` must be the user's or root's, and if others may write in
+  them, sticky like /tmp (as ssh checks a key's path), so nobody else can rename our directory, or one above
+  it, away and put theirs in its place (writable by the user's own group is fine: umask 002 makes such
+  directories).
 - `~` is expanded; an empty base is refused. Parents of the base that did not exist are created (0700) and removed
-  again with the work directory when empty.
+  again, when empty, with the last work directory in them (this process remembers which ones it made, so two
+  bases made under one new parent leave nothing behind).
 - The pid and host in the name are the owning process and its machine. `sweep` removes the work directories of this
-  machine's processes that are gone (a run killed with SIGKILL, or one that called `os._exit`), but only those of
-  this user with mode 0700; every run sweeps its base before making its own. A directory shared between machines
-  never loses a live run's files to another machine's sweep.
+  machine's processes that are gone (a run killed with SIGKILL or by a memory limit, or one that called `os._exit`),
+  but only those of this user with mode 0700 whose pid is not a live process here and whose lock it can take
+  (without waiting) before deleting. `sweep_earlier` does that at every start of `hetero run` and `hetero profile`,
+  in the system temp directory and the directories the command will use, and says in one line what it found. A
+  directory shared between machines never loses a live run's files to another machine's sweep.
 
 Errors are `PlanPathError`s: exit 3, naming the plan field, which the launcher turns into the plan's file:line.
 torch is not imported here.
@@ -26,22 +36,30 @@ torch is not imported here.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import socket
 import stat
 import tempfile
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero.errors import INVALID_FILE, HeteroError
+from hetero.units import SIZE
 
-# evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes
-KINDS = ("activations", "states", "profile", "exit")
-_NAME = re.compile(r"^hetero-(?:activations|states|profile|exit)-(\d+)-([0-9a-f]{8})-")
+# evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes, and the
+# fresh process `hetero profile` measures returned memory in
+KINDS = ("activations", "states", "profile", "exit", "returned")
+# a final name, or (a leading dot) one still being set up: both carry the owner's pid and host
+_NAME = re.compile(r"^\.?hetero-(?:activations|states|profile|exit|returned)-(\d+)-([0-9a-f]{8})-")
+LOCK = ".lock"  # in every work directory, locked (flock) by its owner for the directory's whole life
 
 
 class PlanPathError(HeteroError):
@@ -56,84 +74,171 @@ class PlanPathError(HeteroError):
 class WorkDir:
     path: Path  # the private directory the run writes in
     made: list[Path] = field(default_factory=list)  # parents created for it, outermost first
+    lock: int | None = None  # the open, locked `.lock` inside: released when the directory is removed
 
     def remove(self) -> None:
-        """Remove the directory with whatever is still in it, then the parents made for it while they are empty."""
+        """Remove the directory with whatever is still in it, then the parents this process made for work
+        directories while they are empty; the lock goes last, once nothing is left to protect."""
         shutil.rmtree(self.path, ignore_errors=True)
-        remove_parents(self.made)
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
+        remove_made(self.path.parent)
+
+
+_made: set[Path] = set()  # directories this process created for work directories and has not removed yet
+_made_lock = threading.Lock()
+
+
+def make_missing(path: Path) -> list[Path]:
+    """Create `path` and its missing parents (0700), remembered as this process's (see remove_made); those created,
+    outermost first. One made meanwhile by another process is left out: it is not ours to remove. On an OSError
+    what was made is removed again and the error raised."""
+    made: list[Path] = []
+    try:
+        for p in [p for p in [path, *path.parents] if not p.exists()][::-1]:
+            try:
+                p.mkdir(mode=0o700)
+            except FileExistsError:  # a run beside this one made it meanwhile
+                continue
+            made.append(p)
+            with _made_lock:
+                _made.add(p)
+    except OSError:
+        remove_made(made[-1] if made else path)
+        raise
+    return made
+
+
+def remove_made(path: Path) -> None:
+    """Remove `path` and the directories above it, innermost first, as long as this process made them and they are
+    empty: the first one not made by us, or not empty (someone put files there meanwhile), stops it."""
+    for p in [path, *path.parents]:
+        with _made_lock:
+            if p not in _made:
+                return
+            try:
+                p.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return
+            _made.discard(p)
 
 
 def remove_parents(made: list[Path]) -> None:
-    """Remove the directories in `made` (outermost first) innermost first, stopping at the first one not empty."""
-    for parent in reversed(made):
-        try:
-            parent.rmdir()
-        except OSError:  # someone else put files there meanwhile: leave it, and them
-            return
+    """Remove the directories in `made` (outermost first) that this process made, innermost first, while empty."""
+    if made:
+        remove_made(made[-1])
 
 
 def create(base: str | None, kind: str, field: str) -> WorkDir:
-    """A new private directory for `kind` files under the plan's `base` (after sweeping dead runs' ones there)."""
+    """A new private, locked directory for `kind` files under the plan's `base` (after sweeping dead runs' ones)."""
     assert kind in KINDS, kind
     root = expand(base, field)
-    made = _make_parents(root, field)
     try:
-        _check_base(root, field)
+        made = make_missing(root)
+    except OSError as e:
+        raise PlanPathError(field, f"cannot create {root}: {e.strerror}", HINT) from None
+    try:
+        check_place(root, field)
         sweep(root)
-        try:
-            path = Path(tempfile.mkdtemp(prefix=f"hetero-{kind}-{os.getpid()}-{host()}-", dir=root))
-        except OSError as e:
-            raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}", HINT) from None
-        _check_private(path, field)
+        return _new(root, kind, field, made)
     except BaseException:
         remove_parents(made)
         raise
-    return WorkDir(path, made)
+
+
+def _new(root: Path, kind: str, field: str, made: list[Path]) -> WorkDir:
+    """Made under a hidden name, locked, then renamed: no sweep ever sees it unlocked."""
+    name = f"hetero-{kind}-{os.getpid()}-{host()}-"
+    lock = None
+    try:
+        hidden = Path(tempfile.mkdtemp(prefix=f".{name}", dir=root))
+    except OSError as e:
+        raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}", HINT) from None
+    path = hidden
+    try:
+        _check_private(hidden, field)
+        lock = os.open(hidden / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        final = root / f"{name}{secrets.token_hex(6)}"
+        os.rename(hidden, final)  # an unpredictable name: nothing can be waiting there
+        path = final
+        _check_private(path, field)
+    except BaseException as e:
+        shutil.rmtree(path, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+        if isinstance(e, OSError):
+            raise PlanPathError(field, f"cannot set up a directory in {root}: {e.strerror}", HINT) from None
+        raise
+    return WorkDir(path, made, lock)
 
 
 HINT = "set it to a directory you own on a disk with free space, e.g. ~/hetero-tmp"
 
 
 def expand(base: str | None, field: str) -> Path:
-    """`base` with `~` expanded; the system temp directory when None. An empty or blank path is refused."""
+    """`base` with `~` expanded, made absolute (a script changing its directory cannot move it); the system temp
+    directory when None. An empty or blank path is refused."""
     if base is None:
         return Path(tempfile.gettempdir())
     if not base.strip():
         raise PlanPathError(field, "empty path", HINT)
-    return Path(os.path.expanduser(base))
+    return Path(os.path.abspath(os.path.expanduser(base)))
 
 
-def _make_parents(root: Path, field: str) -> list[Path]:
-    missing = [p for p in [root, *root.parents] if not p.exists()][::-1]
-    made: list[Path] = []
-    try:
-        for path in missing:
-            try:
-                path.mkdir(mode=0o700)
-            except FileExistsError:  # a run beside this one made it meanwhile: it is not ours to remove
-                continue
-            made.append(path)
-    except OSError as e:
-        remove_parents(made)
-        raise PlanPathError(field, f"cannot create {root}: {e.strerror}", HINT) from None
-    return made
+def check_place(root: Path, field: str) -> None:
+    """The base must be a directory that only we (or root, or our own group) control, or a sticky one like /tmp, and
+    so must every directory above it: one that others could rename lets them redirect everything below it."""
+    _check_base(root, field)
+    # above the path as written (a link in it could be swapped) and above where it leads
+    above = dict.fromkeys([*Path(os.path.abspath(root)).parents, *Path(os.path.realpath(root)).parents])
+    for parent in above:
+        try:
+            st = parent.stat()
+        except OSError as e:
+            raise PlanPathError(field, f"cannot use {root}: {parent}: {e.strerror}", HINT) from None
+        unsafe = _unsafe(st)
+        if unsafe:
+            raise PlanPathError(field, f"{root} is inside {parent}, which {unsafe}: others could rename what is "
+                                       "below it away and put their own directories in its place", HINT)
+
+
+def inspect(base: str | None, field: str) -> None:
+    """What `create` would refuse, found without creating anything: the base (or, where it does not exist yet, the
+    directory it would be made in) and every directory above it (`hetero check`, and `hetero run` before the
+    script starts)."""
+    root = expand(base, field)
+    existing = next((p for p in [root, *root.parents] if os.path.lexists(p)), Path("/"))
+    check_place(existing, field)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = f"create {root}" if existing != root else f"write in {root}"
+        raise PlanPathError(field, f"cannot {what}: {existing} is not writable", HINT)
 
 
 def _check_base(root: Path, field: str) -> None:
-    """The base must be a directory that only we (or root, or our own group) control, or a sticky one like /tmp."""
     try:
         st = root.stat()
     except OSError as e:
         raise PlanPathError(field, f"cannot use {root}: {e.strerror}", HINT) from None
     if not stat.S_ISDIR(st.st_mode):
         raise PlanPathError(field, f"{root} is not a directory", HINT)
+    unsafe = _unsafe(st)
+    if unsafe:
+        raise PlanPathError(field, f"{root} {unsafe}: others could replace hetero's files", HINT)
+
+
+def _unsafe(st: os.stat_result) -> str | None:
+    """Why others could rename entries of a directory with this stat (ssh's rule for a key's path); None: safe."""
     if st.st_uid not in (os.getuid(), 0):
-        raise PlanPathError(field, f"{root} belongs to another user (uid {st.st_uid})", HINT)
+        return f"belongs to another user (uid {st.st_uid})"
     # Writable by a group other than the user's own (umask 002 makes the user's group-writable dirs) or by all.
     others = st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != os.getgid())
     if others and not st.st_mode & stat.S_ISVTX:
-        raise PlanPathError(field, f"others may write in {root} (mode {stat.S_IMODE(st.st_mode):04o}) and it is "
-                                   "not sticky: they could replace hetero's files", HINT)
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) and not sticky"
+    return None
 
 
 def _check_private(path: Path, field: str) -> None:
@@ -143,11 +248,25 @@ def _check_private(path: Path, field: str) -> None:
         raise PlanPathError(field, f"{path} is not a private directory of this user (mode 0700)", HINT)
 
 
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """A dead process's work directory, removed."""
+
+    path: Path
+    pid: int
+    nbytes: int  # what its files held
+
+
 def sweep(root: Path) -> list[Path]:
     """Remove the work directories in `root` whose owning process is gone; those removed.
 
     Only directories named by `create`, owned by this user and of mode 0700 are touched; a live pid (also one reused
-    by an unrelated process) keeps its directory."""
+    by an unrelated process) keeps its directory, and so does a held lock (an owner alive in another PID namespace,
+    where its pid means nothing here)."""
+    return [s.path for s in _sweep(root)]
+
+
+def _sweep(root: Path) -> list[Swept]:
     removed = []
     try:
         entries = list(os.scandir(root))
@@ -162,10 +281,72 @@ def sweep(root: Path) -> list[Path]:
         except OSError:
             continue
         private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
-        if private and not alive(int(match.group(1))):
+        pid = int(match.group(1))
+        if not private or alive(pid):
+            continue
+        lock = _take_lock(Path(entry.path))
+        if lock is False:
+            continue  # its owner holds it: alive, somewhere this process cannot see
+        try:
+            nbytes = _size(Path(entry.path))
             shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
+        finally:
+            if lock is not None:
+                os.close(lock)
+        removed.append(Swept(Path(entry.path), pid, nbytes))
     return removed
+
+
+def _take_lock(path: Path) -> int | None | bool:
+    """The directory's lock taken without waiting (its fd); None: it has no lock file (made before locks were, or
+    half removed); False: someone holds it."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    return fd
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def sweep_earlier(bases: Iterable[str | None]) -> str | None:
+    """Sweep the system temp directory and `bases` (the directories a command is about to use; None: the temp
+    directory); one line saying what earlier hetero processes left behind, or None when they left nothing. Bases that
+    cannot be used are skipped: the command refuses them itself, naming them."""
+    roots: list[Path] = []
+    for base in [None, *bases]:
+        try:
+            root = expand(base, "")
+        except PlanPathError:
+            continue
+        if root.is_dir() and root not in roots:
+            roots.append(root)
+    swept = [s for root in roots for s in _sweep(root)]
+    if not swept:
+        return None
+    pids = sorted({s.pid for s in swept})
+    who = f"an earlier hetero (pid {pids[0]})" if len(pids) == 1 else \
+        f"{len(pids)} earlier hetero processes (pids {', '.join(map(str, pids))})"
+    places = sorted({str(s.path.parent) for s in swept})
+    return (f"{who} ended without cleaning up (killed by SIGKILL or a memory limit, or crashed): removed the "
+            f"{len(swept)} work director{'y' if len(swept) == 1 else 'ies'} left in {', '.join(places)} "
+            f"({SIZE.format_short(sum(s.nbytes for s in swept))})")
 
 
 @functools.cache
@@ -175,7 +356,7 @@ def host() -> str:
 
 
 def alive(pid: int) -> bool:
-    """Whether a process `pid` exists on this machine (whoever owns it)."""
+    """Whether a process `pid` exists in this process's PID namespace (whoever owns it)."""
     try:
         os.kill(pid, 0)
     except OSError as e:

@@ -29,6 +29,17 @@ def test_it_says_it_is_emulated(device):
     assert device.mode(0) is Mode.NORMAL
 
 
+def test_channels_are_pinned_only_when_a_gpu_copies_into_them(monkeypatch):
+    pinning = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine, where pinning starts CUDA
+    monkeypatch.setattr(axdimm, "pinned_host",
+                        lambda nbytes: pinning.append(nbytes) or torch.empty(nbytes, dtype=torch.uint8))
+    with EmulatedAxdimm(channel_capacity_bytes=1 << 16, channels=2) as cpu_model:
+        assert not cpu_model.pinned and pinning == []
+    with EmulatedAxdimm(channel_capacity_bytes=1 << 16, channels=2, pinned=True):
+        assert pinning == [1 << 16, 1 << 16]
+
+
 def test_malloc_free_and_capacity(device):
     parts = [device.malloc(1 << 14, channel=1) for _ in range(4)]
     spans = sorted((a.offset, a.offset + a.nbytes) for a in parts)

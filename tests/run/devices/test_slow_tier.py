@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from hetero.errors import HeteroError
+from hetero.kernels.dha import pinned_host
 from hetero.kernels.standin import StandInDevice
 from hetero.run.devices.evictions import Worker
-from hetero.run.devices.host_pool import CudaHostTier, HostPool, size_class
+from hetero.run.devices.host_pool import HostPool, PinnedTier, size_class
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier, open_tier
-from hetero.run.devices.workdir import host
+from hetero.run.devices.workdir import LOCK, host
 from hetero.schema.plan import ActivationPlan
 
 
@@ -30,8 +31,10 @@ def test_the_plans_directory_holds_the_files_of_this_process_only(tmp_path):
     try:
         assert note is None and os.path.dirname(tier.directory) == str(tmp_path)
         assert os.path.basename(tier.directory).startswith(f"hetero-activations-{os.getpid()}-{host()}-")
-        rest = tier.evict("k", torch.arange(100, dtype=torch.uint8), 60, tier.ready())
-        (name,) = os.listdir(tier.directory)
+        data = torch.arange(100, dtype=torch.uint8)
+        rest = tier.split(data, 60)
+        tier.evict("k", data, 60, tier.ready())
+        (name,) = [n for n in os.listdir(tier.directory) if n != LOCK]  # beside the lock the run holds
         assert os.stat(os.path.join(tier.directory, name)).st_mode & 0o777 == 0o600
         out, marker = tier.fetch("k", 100, rest)
         assert torch.equal(out, torch.arange(100, dtype=torch.uint8)) and tier.wait(marker, out)
@@ -113,13 +116,15 @@ def test_buffers_round_up_to_64kib():
 def test_a_buffer_is_reused_only_once_nothing_views_it():
     pool = HostPool()
     a = pool.take(100_000)
+    where = a.data_ptr()
     assert a.numel() == 100_000 and a.untyped_storage().nbytes() == 128 << 10
     view = torch.empty(0, dtype=torch.float32).set_(a.untyped_storage(), 4, (10,), (1,))  # what autograd got
-    assert not pool.recycle(a)  # the view is alive: handing the memory out again would change its values
+    del a
+    assert pool.idle_bytes == 0  # the view is alive: handing the memory out again would change its values
     del view
-    assert pool.recycle(a) and pool.idle_bytes == 128 << 10
+    assert pool.idle_bytes == 128 << 10  # back by itself, with no private torch use count
     b = pool.take(120_000)
-    assert b.data_ptr() == a.data_ptr() and pool.allocated_bytes == 128 << 10 and pool.idle_bytes == 0
+    assert b.data_ptr() == where and pool.allocated_bytes == 128 << 10 and pool.idle_bytes == 0
 
 
 def test_pinned_buffers_are_allocated_at_their_class_size():
@@ -134,7 +139,7 @@ def test_pinned_buffers_are_allocated_at_their_class_size():
 @pytest.mark.gpu
 def test_pinned_pool_bypasses_torchs_rounding_allocator():
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-    pool = HostPool(pinned=True)
+    pool = HostPool(pinned=True, allocate_pinned=pinned_host)
     a = pool.take(150_000)
     assert a.is_pinned() and pool.allocated_bytes == a.untyped_storage().nbytes() == 3 * (64 << 10)
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
@@ -142,7 +147,7 @@ def test_pinned_pool_bypasses_torchs_rounding_allocator():
 
 @pytest.mark.gpu
 def test_pinned_pool_reuses_a_buffer_once_its_copy_is_done():
-    pool = HostPool(pinned=True)
+    pool = HostPool(pinned=True, allocate_pinned=pinned_host, synchronize=torch.cuda.Event.synchronize)
     a = pool.take(1000)
     assert a.is_pinned() and a.numel() == 1000
     event = torch.cuda.Event()
@@ -152,22 +157,82 @@ def test_pinned_pool_reuses_a_buffer_once_its_copy_is_done():
     assert b.data_ptr() == a.data_ptr() and pool.allocated_bytes == 64 << 10
 
 
+def round_trip(tier: PinnedTier, data: torch.Tensor, evict_bytes: int) -> torch.Tensor:
+    """What tiering does with one storage: split and queue on the model's thread, write, land, fetch, wait."""
+    rest = tier.split(data, evict_bytes)
+    tier.evict("k", data, evict_bytes, tier.ready())
+    landing = tier.landings([data.numel()])[0]
+    out, arrived = tier.fetch("k", data.numel(), rest, landing)
+    del rest, landing
+    tier.wait(arrived, out)
+    tier.delete("k")
+    return out
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
+def test_pinned_tier_round_trip_on_the_stand_in(below, tmp_path):
+    """Partial eviction and back through the stand-in's strict streams: exact bytes; every device buffer made on
+    the compute stream by this (the model's) thread, side streams only copying."""
+    from hetero.kernels.standin import COMPUTE, D2H, PREFETCH
+    from hetero.run.devices.nvme import NvmeStore
+
+    device = StandInDevice()
+    tier = PinnedTier("dram", device, NvmeStore(tmp_path / "nvme") if below else None)
+    try:
+        data = device.buffer(1 << 16)
+        data.copy_(torch.randint(0, 255, (1 << 16,), dtype=torch.uint8))
+        expect = data.clone()
+        out = round_trip(tier, data, 40_000)
+        assert torch.equal(out, expect)
+        assert {a.stream for a in device.allocations} == {COMPUTE}
+        assert {a.thread for a in device.allocations} == {threading.current_thread().name}
+        assert {s for a in device.allocations for s in a.used_by} <= {COMPUTE, D2H, PREFETCH}
+        assert not device.violations
+    finally:
+        tier.close()
+    assert not (tmp_path / "nvme").exists()
+
+
+def test_a_fetched_buffer_whose_record_goes_unwaited_waits_for_its_upload(tmp_path):
+    """A graph dropped after its prefetch was issued: the buffer may go only once the upload into it is done,
+    or the compute stream could get its memory while the upload still writes there."""
+    device = StandInDevice()
+    tier = PinnedTier("dram", device)
+    try:
+        data = torch.ones(1 << 12, dtype=torch.uint8)
+        tier.evict("k", data, data.numel(), tier.ready())
+        out, arrived = tier.fetch("k", data.numel(), None, tier.landings([data.numel()])[0])
+        tier.release(out, arrived)
+        del out
+        assert not device.violations
+        out, arrived = tier.fetch("k", data.numel(), None, tier.landings([data.numel()])[0])
+        del out  # freed with its upload still queued: what the release above prevents
+        assert device.violations
+    finally:
+        tier.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
-def test_cuda_host_tier_round_trip(below, tmp_path):
+def test_cuda_pinned_tier_round_trip(below, tmp_path):
+    """On the GPU: exact bytes, and the fetched buffer's memory goes back to the compute stream's pool (a buffer
+    allocated on a side stream would leave it in that stream's pool, and the compute stream would reserve more)."""
+    from hetero.kernels.dha import CudaDevice
     from hetero.run.devices.nvme import NvmeStore
 
     store = NvmeStore(tmp_path / "nvme") if below else None
-    tier = CudaHostTier("dram", torch.device("cuda", 0), store)
+    device = CudaDevice()
+    tier = PinnedTier("dram", device, store)
     try:
         data = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
         expect = data.clone()
-        rest = tier.evict("k", data, 600_000, tier.ready())
-        del data
-        out, arrived = tier.fetch("k", 1 << 20, rest)
-        tier.wait(arrived, out)
-        tier.delete("k")
+        out = round_trip(tier, data, 600_000)
+        torch.cuda.synchronize()
         assert torch.equal(out, expect)
+        del out
+        reserved = torch.cuda.memory_reserved()
+        again = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # on the compute stream
+        assert torch.cuda.memory_reserved() == reserved and again.numel()  # the fetched buffer's block, reused
     finally:
         tier.close()
     assert not (tmp_path / "nvme").exists()

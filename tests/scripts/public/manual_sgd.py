@@ -1,4 +1,5 @@
-"""A hand-written SGD loop, no torch.optim.
+"""A hand-written SGD loop, no torch.optim, in the shape of pytorch/examples' word language model (its original
+LSTM form): zero the gradients, backward, clip, then `p.data.add_(p.grad, alpha=-lr)` for every parameter.
 
     python manual_sgd.py OUT [STEPS]
 """
@@ -9,16 +10,32 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
+class RNNModel(nn.Module):
+    def __init__(self, ntoken=32, ninp=16, nhid=16):
+        super().__init__()
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, batch_first=True)
+        self.decoder = nn.Linear(nhid, ntoken)
+
+    def forward(self, x):
+        output, _ = self.rnn(self.encoder(x))
+        return self.decoder(output)
+
+
 out, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+model = RNNModel()
+lr = 2.0
 losses = []
 for step in range(steps):
-    loss = F.cross_entropy(model(torch.randn(8, 16)), torch.randint(4, (8,)))
+    data = torch.randint(32, (4, 9))
+    model.zero_grad()
+    output = model(data[:, :-1])
+    loss = F.cross_entropy(output.reshape(-1, 32), data[:, 1:].reshape(-1))
     loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-            p.grad = None
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-lr)
     losses.append(loss.item())
 torch.save({"losses": losses, "state": model.state_dict()}, out)

@@ -1,0 +1,89 @@
+"""Plain training as the profile measured it, and a GPU plan's predictions anchored on it.
+
+The simulator counts what a plan places (parameters, gradients, saved activations, optimizer states) and what it
+times (kernels, copies, updates); a process pays for more: the caching allocator's reserve, workspaces, temporaries
+of backward, the launch gaps of a real step. So on a GPU a plan's prediction starts from plain training's measured
+figures and adds what the plan changes: its GPU peak is torch's reserved peak of plain training (what the process
+holds from the GPU) plus the difference, item by item, between the plan's count and plain training's; its iteration
+is plain training's own step, timed without the profiler's hooks, plus the simulated difference. A plan that moves
+nothing is predicted exactly as measured. Where the profile has no measurement (an older profile), the count itself
+is the prediction, the script's own Adam states included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetero.plan.model import GPU
+from hetero.plan.simulate import Result
+from hetero.schema.plan import Plan
+from hetero.schema.profile import Profile
+
+PLAIN_MEASURED = "plain training (measured reserved peak)"
+PLAIN_COUNTED = "plain training (counted: parameters, gradients, activations, adam states)"
+OWN_STATES = "script's adam states moved off the gpu"
+HETERO_STATES = "hetero's adam states on the gpu"
+PARAMS = "parameters read from host memory (dha)"
+GRADS = "gradients written to host memory"
+ACTIVATIONS = "activations evicted to host memory"
+TRANSIENT_GRAD = "a host gradient made on the gpu first (the largest, briefly)"
+
+
+def plain_of(plan: Plan) -> Plan:
+    """`plan` with nothing moved: the script as it is (its routing kept, which plain DDP pays for alike)."""
+    return replace(plan, layers=[], optimizer=None, activations=None, allocator=None, update_in_backward=None,
+                   recompute=None)
+
+
+def own_gpu_states(profile: Profile) -> int:
+    """Bytes of the script's own Adam(W) states on the GPU under plain training: exp_avg and exp_avg_sq in the
+    parameters' dtype (0 without a GPU, or for another optimizer, whose states never move)."""
+    if profile.machine.gpu is None or profile.training.optimizer == "other":
+        return 0
+    return 2 * sum(x.params_bytes for x in profile.layers)
+
+
+def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result,
+                     hetero_states_bytes: int) -> dict[str, int]:
+    """The predicted GPU peak by what makes it up (its sum is the prediction; negative items are what the plan
+    moves off the GPU). `result` and `plain` are the simulated plan and plain training; `hetero_states_bytes` what
+    the plan's own optimizer keeps on the GPU (`optimizer.device: gpu`)."""
+    own = own_gpu_states(profile)
+    measured = profile.memory.gpu_reserved_peak_bytes if profile.memory is not None else None
+    out = {PLAIN_MEASURED: measured} if measured else {PLAIN_COUNTED: plain.peak_bytes.get(GPU, 0) + own}
+    opt = plan.optimizer
+    if opt is not None:
+        out[OWN_STATES] = -own
+        out[HETERO_STATES] = hetero_states_bytes
+    offloaded = opt is not None and opt.device != "gpu"
+    by_name = {x.name: x.params_bytes for x in profile.layers}
+    out[PARAMS] = -sum(by_name.get(e.name, 0) for e in plan.layers if e.mode == "dha") if offloaded else 0
+    out[GRADS] = -sum(by_name.get(e.name, 0) for e in plan.layers if e.grad == "host") if offloaded else 0
+    out[TRANSIENT_GRAD] = _transient_grad_bytes(profile, plan) if offloaded else 0
+    fast_is_gpu = plan.activations is None or plan.activations.fast == GPU
+    out[ACTIVATIONS] = result.act_peak_bytes - plain.act_peak_bytes if fast_is_gpu else 0
+    return {what: b for what, b in out.items() if b}
+
+
+def _transient_grad_bytes(profile: Profile, plan: Plan) -> int:
+    """Backward writes a Linear layer's gradients into host memory itself (hetero.run.grad_offload); any other
+    layer's host gradient is made on the GPU and copied down, one parameter at a time."""
+    host = {e.name for e in plan.layers if e.grad == "host"}
+    return max((b for x in profile.layers if x.name in host and x.type != "Linear" for b in x.params.values()),
+               default=0)
+
+
+def anchored_iteration_s(profile: Profile, simulated_s: float, plain_simulated_s: float) -> float:
+    """A GPU plan's iteration: plain training's measured step plus the simulated difference (the simulation as is
+    where the profile did not time plain's step)."""
+    measured = profile.training.plain_iteration_s
+    if profile.machine.gpu is None or measured is None:
+        return simulated_s
+    return max(0.0, measured + simulated_s - plain_simulated_s)
+
+
+def counted_budget_bytes(profile: Profile, plan: Plan, budget_bytes: int, plain: Result) -> int:
+    """The GPU budget in the simulator's count, for the searches that compare counts (MemFerry's modes): what
+    the count of an offloading plan may reach so that its anchored prediction stays within `budget_bytes`."""
+    base = sum(gpu_contributors(profile, plain_of(plan), plain, plain, 0).values())
+    return budget_bytes - base + plain.peak_bytes.get(GPU, 0) + own_gpu_states(profile)

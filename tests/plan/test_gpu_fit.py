@@ -1,0 +1,131 @@
+"""GPU plans start from plain training as the profile measured it (hetero.plan.gpu_fit, hetero.plan.plain): plain
+where it fits, a mechanism only where the budget needs it or it is faster, predictions anchored on the measured
+reserved peak and step."""
+
+import dataclasses
+
+import pytest
+
+from hetero.errors import USAGE, HeteroError
+from hetero.plan import gpu_fit, plain
+from hetero.plan.model import GPU
+from hetero.plan.solve import PlanOptions, plan, predict
+from hetero.schema import files
+from hetero.schema.profile import Memory, Profile
+from tests.plan.synthetic import GiB, MiB, gpu_profile
+
+STEP = 0.05  # plain training's measured step, s
+
+
+def measured(profile: Profile, overhead: float = 1.1) -> Profile:
+    """`profile` as if `hetero profile` had timed plain's step and read torch's peaks: the reserved peak is the
+    simulator's count of plain training (its Adam states included) plus `overhead` for what it does not count."""
+    bare = plan(profile, PlanOptions(optimizer_device="none"))
+    counted = predict(profile, bare).peak_bytes[GPU] + plain.own_gpu_states(profile)
+    reserved = int(counted * overhead)
+    return dataclasses.replace(
+        profile, memory=Memory(dram_peak_bytes=4 * GiB, gpu_allocated_peak_bytes=counted,
+                               gpu_reserved_peak_bytes=reserved),
+        training=dataclasses.replace(profile.training, plain_iteration_s=STEP))
+
+
+@pytest.fixture
+def profile() -> Profile:
+    return measured(gpu_profile(12, seed=3))
+
+
+def test_a_training_that_fits_is_planned_plain_and_predicted_as_measured(profile):
+    p = plan(profile, PlanOptions())
+    assert (p.layers, p.optimizer, p.activations) == ([], None, None)
+    assert {"layers", "optimizer", "activations"} <= set(p.omitted)
+    assert p.predicted.iteration_s == STEP
+    assert p.predicted.peak_bytes[GPU] == profile.memory.gpu_reserved_peak_bytes
+    assert p.predicted.gpu == {plain.PLAIN_MEASURED: profile.memory.gpu_reserved_peak_bytes}
+    assert "plain training's predicted peak" in p.budget.why and "fits" in p.budget.why
+    assert files.loads(files.dumps(p)) == p
+
+
+def test_a_gpu_budget_plain_training_exceeds_moves_what_it_must_and_keeps_under_it(profile):
+    reserved = profile.memory.gpu_reserved_peak_bytes
+    budget = reserved // 2
+    p = plan(profile, PlanOptions(gpu_memory_bytes=budget))
+    assert p.optimizer is not None and p.optimizer.device == "host"
+    peak = p.predicted.peak_bytes[GPU]
+    assert peak <= budget * (1 - gpu_fit.HEADROOM)
+    assert sum(p.predicted.gpu.values()) - sum(p.predicted.gpu_saved.values()) == peak
+    assert p.predicted.gpu[plain.PLAIN_MEASURED] == reserved
+    assert p.predicted.gpu_saved[plain.OWN_STATES] == plain.own_gpu_states(profile)
+    assert p.predicted.iteration_s >= STEP  # the budget forces the trade: never faster than plain
+    assert "exceeds it" in p.budget.why
+
+
+def test_no_default_plan_predicts_a_slower_iteration_than_plain_training():
+    for seed in range(5):
+        for profile in (gpu_profile(8, seed=seed), measured(gpu_profile(8, seed=seed))):
+            p = plan(profile, PlanOptions())
+            bare = predict(profile, plain.plain_of(p)).iteration_s
+            reference = STEP if profile.memory is not None else bare
+            assert p.predicted.iteration_s <= reference + 1e-9  # the plan's times are to the ns
+
+
+def test_a_budget_below_any_plan_is_refused_naming_the_least_need_which_then_plans(profile):
+    with pytest.raises(HeteroError, match="is below what any plan reaches: the least is") as refused:
+        plan(profile, PlanOptions(gpu_memory_bytes=64 * MiB))
+    assert refused.value.exit_code == USAGE
+    need = refused.value.hint.split("--gpu-memory ")[1].split()[0]
+    from hetero.units import SIZE
+
+    p = plan(profile, PlanOptions(gpu_memory_bytes=SIZE.parse(need)))
+    assert p.predicted.peak_bytes[GPU] <= SIZE.parse(need)
+
+
+def test_the_reserve_moves_gradients_only_when_the_budget_needs_it(profile):
+    total = sum(x.params_bytes for x in profile.layers)
+    roomy = plan(profile, PlanOptions(optimizer_device="host", reserve=0.2))
+    keep_all = plan(profile, PlanOptions(optimizer_device="host", reserve=1.0))
+    assert [x.grad for x in roomy.layers] == [x.grad for x in keep_all.layers], "gradients that fit stay put"
+    kept_all = sum(x.params_bytes for x, e in zip(profile.layers, keep_all.layers) if e.grad == "gpu")
+    assert kept_all > 0.9 * total  # only those whose host write is faster leave
+    tight_budget = keep_all.predicted.peak_bytes[GPU] - total
+    moved = []
+    for r in (0.0, 0.3, 0.6):
+        p = plan(profile, PlanOptions(optimizer_device="host", reserve=r, gpu_memory_bytes=tight_budget))
+        kept = sum(x.params_bytes for x, e in zip(profile.layers, p.layers) if e.grad == "gpu")
+        assert p.predicted.peak_bytes[GPU] <= tight_budget
+        assert kept == kept_all or kept <= r * total  # the faster of: all kept (and DHA), or the reserve's share
+        moved.append(kept < kept_all)
+    assert any(moved)
+
+
+def test_forced_options_are_honoured_and_what_is_left_out_says_why(profile):
+    tiered = plan(profile, PlanOptions(tier_activations=True))
+    assert tiered.activations is not None and tiered.optimizer is None
+    assert tiered.predicted.peak_bytes[GPU] < profile.memory.gpu_reserved_peak_bytes
+    offloaded = plan(profile, PlanOptions(optimizer_device="host"))
+    assert offloaded.optimizer.device == "host" and "activations" in offloaded.omitted
+    assert "not needed to fit the GPU budget" in offloaded.omitted["activations"]
+    budget = profile.memory.gpu_reserved_peak_bytes * 19 // 20
+    kept = plan(profile, PlanOptions(optimizer_device="none", gpu_memory_bytes=budget))
+    assert kept.optimizer is None and kept.activations is not None  # the only lever left that saves GPU memory
+
+
+def test_the_runtimes_host_work_is_counted_where_the_profile_measured_it(profile):
+    forced = PlanOptions(tier_activations=True)
+    before = plan(profile, forced).predicted.iteration_s
+    m = profile.machine
+    costly = dataclasses.replace(profile, machine=dataclasses.replace(
+        m, cpu=dataclasses.replace(m.cpu, hook_pair_s=1e-4, saved_tensor_s=2e-4),
+        gpu=dataclasses.replace(m.gpu, event_s=1e-5)))
+    after = plan(costly, forced).predicted.iteration_s
+    layers = len(profile.layers)  # each layer's boundary hooks, at least; and every saved storage's trip
+    assert after >= before + layers * 1e-4 - 1e-9
+    assert plan(costly, PlanOptions()).predicted.iteration_s == STEP  # plain training runs none of it
+
+
+def test_on_a_gpu_every_prefetch_is_keyed_to_backward_progress_not_the_clock(profile):
+    """The thread issuing a GPU's work runs ahead of it: a clock would bring every evicted tensor back at once."""
+    tiered = plan(profile, PlanOptions(tier_activations=True))
+    moved = [e for e in tiered.activations.schedule if e.evict_bytes]
+    assert moved and all(e.prefetch_after is not None for e in moved)
+    starts = {x.name: x.bp_start_s for x in profile.layers}
+    assert all(starts[e.prefetch_after] <= max(e.prefetch_at_s, min(starts.values())) for e in moved)
