@@ -288,8 +288,15 @@ class GradientRouting:
         pass  # everything happens at DDP construction, before the capture sees the model
 
     def close(self) -> None:
+        # The script's DDP model keeps its hook state, and with it the paths' gloo groups, until the interpreter
+        # tears down, where destroying a group whose worker threads still run aborts the process ("terminate
+        # called without an active exception"): the groups go now, while Python is whole.
         for sync in self.syncs:
             sync.order.close()
+            groups, sync.groups, sync.pending = list(sync.groups.values()), {}, []
+            if dist.is_initialized():
+                for group in groups:
+                    dist.destroy_process_group(group)
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         return {}  # DDP's buckets belong to the script's model, not to the routing
