@@ -7,8 +7,9 @@ Every world measures its links with hetero's profiler (hetero.profile.peers) and
 (hetero.plan.routing.route) -- "planned" -- and, to show the paths at work where the planner sees no reason to split,
 with a hand-set table -- "split": tensors up to 64 KiB on the latency path, 1 MiB shards, the first tenth of the bytes
 ahead. The model is GPT-shaped (embedding and head of 4 MiB, blocks of 0.25-1 MiB weights, small biases and norms).
-Each round trains one step of every contender, in rotating order, from the same weights; a `no_sync` backward in the
-same round gives the compute alone, so "exposed sync" is backward with sync minus backward without: what the step
+Each hetero contender trains while its runtime is open (closing it tears down its paths' groups): each round is
+one step of it, of plain DDP and of a `no_sync` backward, in rotating order, from the same weights; the `no_sync`
+backward gives the compute alone, so "exposed sync" is backward with sync minus backward without: what the step
 waits for communication. "in flight" is rank 0's time with at least one collective running (hetero's run report
 measures the same); plain DDP is timed through torch's reference `allreduce_hook`, which does what DDP does without
 a hook. Backward times are the slowest rank's per step; medians over the steps are printed.
@@ -39,7 +40,7 @@ from hetero.harness.capture import fingerprint  # noqa: E402
 from hetero.plan.model import Curve  # noqa: E402
 from hetero.plan.routing import Link, route  # noqa: E402
 from hetero.profile import peers  # noqa: E402
-from hetero.run.routing import union_s  # noqa: E402
+from hetero.run.routing import GradientRouting, union_s  # noqa: E402
 from hetero.run.runtime import Runtime  # noqa: E402
 from hetero.schema.plan import Budget, Plan, Predicted, RoutingPlan, Source  # noqa: E402
 
@@ -151,28 +152,38 @@ def _worker(rank: int, world: int, backend: str, steps: int, rdzv: str) -> None:
     backward = statistics.median(_step(models["DDP"], tokens, device, sync=False) for _ in range(3))
     split = RoutingPlan(threshold_bytes=64 * KiB, latency_peer=1, bandwidth_peer=1, shard_bytes=MiB,
                         dual_sync_bytes=grad_bytes // 10)
+    times: dict[str, list[float]] = {"no sync": [], "DDP": []}
     for name, table in (("hetero planned", _planned(device, grad_bytes, backward / 2, backward)),
                         ("hetero split", split)):
         model = _copy(base)
+        # Closing the runtime tears down its paths' groups: its contender trains while the runtime is open.
         with Runtime(_plan(model, table), script=__file__) as runtime:
             models[name] = DDP(model)
-        syncs[name] = runtime.mechanisms[-1].syncs[0]
-        if rank == 0:
-            print(f"{name}: {table}", flush=True)
-    times = {name: [] for name in ["no sync", *models]}
-    for step in range(steps + 2):  # two warm-up rounds: connections, DDP's bucket rebuild
-        names = list(times)
+            syncs[name] = next(m for m in runtime.mechanisms if isinstance(m, GradientRouting)).syncs[0]
+            if rank == 0:
+                print(f"{name}: {table}", flush=True)
+            times[name] = []
+            _rounds(["no sync", "DDP", name], models, syncs, tokens, device, steps, times)
+    counts = [len(t) for t in times.values()]
+    slowest = torch.tensor([t for name in times for t in times[name]], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        per_name = dict(zip(times, (s.tolist() for s in slowest.cpu().split(counts))))
+        _report(world, backend, grad_bytes, per_name, syncs)
+    dist.destroy_process_group()
+
+
+def _rounds(names: list[str], models: dict, syncs: dict, tokens: torch.Tensor, device: torch.device, steps: int,
+            times: dict[str, list[float]]) -> None:
+    """`steps` rounds of one step of every contender in `names`, in rotating order, after two warm-up rounds
+    (connections, DDP's bucket rebuild); each step's backward time is appended to `times[name]`."""
+    for step in range(steps + 2):
         for name in names[step % len(names):] + names[:step % len(names)]:
             took = _step(models.get(name, models["DDP"]), tokens, device, sync=name != "no sync")
             if name == "DDP":
                 syncs[name].end_step()
             if step >= 2:
                 times[name].append(took)
-    slowest = torch.tensor([t for name in times for t in times[name]], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        _report(world, backend, grad_bytes, dict(zip(times, slowest.cpu().view(len(times), -1).tolist())), syncs)
-    dist.destroy_process_group()
 
 
 def _copy(model: nn.Module) -> nn.Module:
@@ -184,9 +195,10 @@ def _copy(model: nn.Module) -> nn.Module:
 def _report(world: int, backend: str, grad_bytes: int, times: dict[str, list[float]], syncs: dict) -> None:
     med = {name: statistics.median(t) for name, t in times.items()}
     exposed = {name: med[name] - med["no sync"] for name in med if name != "no sync"}
-    print(f"\n{world} processes, {backend}, {grad_bytes / MiB:.1f} MiB of gradients, median of {len(times['DDP'])} "
-          f"steps (backward without sync: {med['no sync'] * 1e3:.1f} ms)")
-    flight = {name: statistics.median(syncs[name].step_seconds()[2:]) for name in exposed}  # rank 0's
+    print(f"\n{world} processes, {backend}, {grad_bytes / MiB:.1f} MiB of gradients, medians over "
+          f"{len(times['hetero split'])} steps per contender (backward without sync: {med['no sync'] * 1e3:.1f} ms)")
+    flight = {name: statistics.median(syncs[name].step_seconds()[2:] or syncs[name].step_seconds())
+              for name in exposed}  # rank 0's
     print(f"  {'':16} {'backward ms':>11} {'exposed sync ms':>15} {'x DDP':>6} {'in flight ms':>12} {'x DDP':>6}")
     for name in exposed:
         print(f"  {name:16} {med[name] * 1e3:11.1f} {exposed[name] * 1e3:15.1f} {exposed[name] / exposed['DDP']:6.2f}"
