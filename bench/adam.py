@@ -1,7 +1,7 @@
 """Adam(W) step throughput on this CPU: hetero's kernel beside torch's fused and foreach AdamW and DeepSpeed's CPU
 Adam (when importable), in one run on the same sizes, against the memory-bandwidth bound of 28 bytes per parameter.
 
-    .venv/bin/python bench/adam.py [--sizes 10M,100M] [--repeats 7] [--axdimm]
+    .venv/bin/python bench/adam.py [--sizes 10M,100M] [--repeats 7] [--axdimm] [--bandwidth-size 64M]
 
 DeepSpeed is optional and never installed into the project's venv; to include it, e.g.
     pip install --target /tmp/ds --no-deps deepspeed && pip install --target /tmp/ds einops hjson msgpack ninja \
@@ -157,10 +157,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="10M,100M", help="parameter counts, e.g. 10M,100M")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--axdimm", action="store_true", help="also time the emulated AXDIMM's channels")
+    parser.add_argument("--bandwidth-size", default="64M", help="floats the bandwidth is measured over (at least the "
+                        "largest size), far beyond the caches")
     args = parser.parse_args()
     sizes = [int(COUNT.parse(s)) for s in args.sizes.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    bw_size = max(*sizes, 64 << 20)  # far beyond the caches
+    bw_size = max(*sizes, int(COUNT.parse(args.bandwidth_size)))
     rates = bandwidth(bw_size, args.repeats)
     bw = max(rates.values())
     bound = bw / BYTES_PER_PARAM / 1e6

@@ -3,7 +3,7 @@ called from a worker thread) and an emulated AXDIMM update take while a GEMM loo
 they slow the loop, against a thread streaming memory. What `hetero profile` measures into
 `machine.tiers[].read_beside_compute` / `write_beside_compute` and `machine.axdimm.*_beside_compute`, at more sizes.
 
-    .venv/bin/python bench/beside.py [--dir /tmp]
+    .venv/bin/python bench/beside.py [--dir /tmp] [--disk-mib 1,4,16,64] [--update-params 1024,1048576]
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def row(table: Table, label: str, work) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the disk tier")
+    p.add_argument("--disk-mib", default="1,4,16,64", help="sizes of the disk reads and writes, in MiB")
+    p.add_argument("--update-params", default="1024,1048576", help="sizes of the AXDIMM updates, in parameters")
     a = p.parse_args()
     table = Table(title="one worker beside a GEMM loop on all cores", title_justify="left")
     for col in ("worker", "call alone ms", "call beside ms", "call slower", "GEMM loop slower"):
@@ -46,7 +48,7 @@ def main() -> None:
     dst = torch.zeros_like(src)
     row(table, "memory copy 32MiB (streaming)", lambda: dst.copy_(src))
     with NvmeStore(Path(a.dir) / "hetero-bench-beside") as store:
-        for mib in (1, 4, 16, 64):
+        for mib in (int(n) for n in a.disk_mib.split(",")):
             data, out = torch.ones(mib * MiB, dtype=torch.uint8), torch.zeros(mib * MiB, dtype=torch.uint8)
             store.write_async("x", data).wait()
             row(table, f"disk read {mib}MiB", lambda: store.read_async("x", out).wait())
@@ -54,7 +56,7 @@ def main() -> None:
     with EmulatedAxdimm(channel_capacity_bytes=64 * MiB, channels=1) as device:
         driver = ChannelDriver(device, 0)
         try:
-            for numel in (1024, 2**20):
+            for numel in (int(n) for n in a.update_params.split(",")):
                 update = update_job(AxdimmHome(driver, torch.zeros(numel)), driver, numel)
                 row(table, f"AXDIMM update {numel} params", update)
         finally:

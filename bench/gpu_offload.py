@@ -18,6 +18,7 @@ holds; allocated beside it), ratios to zero; (3) capacity: the
 most blocks each method trains under the same cap. Every measurement runs in its own process (`--worker`), the
 cap set with torch.cuda.set_per_process_memory_fraction, so an out-of-memory run ends cleanly.
 MemFerry's goals: hetero at least 1.3x faster than zero at no more GPU memory, and a model at least 1.5x larger.
+Without CUDA it runs nothing and exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -278,7 +279,8 @@ def params_of(a: argparse.Namespace, n_layer: int) -> int:
 def main() -> None:
     a = parse()
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu_offload.py needs a CUDA GPU; this machine has none")
+        print("bench/gpu_offload.py needs a CUDA GPU; this machine has none", file=sys.stderr)
+        sys.exit(2)
     if a.worker:
         return worker(a)
     name = torch.cuda.get_device_name(0)

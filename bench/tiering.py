@@ -4,7 +4,8 @@
     .venv/bin/python bench/tiering.py [--steps 3] [--warmup 2] [--rounds 3] [--nvme DIR] [--min-tensor 1MiB]
                                       [-- SCRIPT ARGS]
 
-It profiles the script (`hetero profile`), plans (`hetero plan`), keeps the plan's `activations` section only (the
+It profiles the script (`hetero profile`), plans (`hetero plan --tier-activations`: scheduled even where the planner
+would find no memory saved), keeps the plan's `activations` section only (the
 optimizer stays the script's own, so only tiering differs) and fills its `slow_path` from the profile's tier when the
 planner left it out. `--min-tensor` re-solves the schedule with the planner's own TierTrain queue under that threshold
 instead of the planner's. Each configuration then runs in a fresh process, taking turns round by round, so drift in
@@ -75,7 +76,7 @@ def _plan(work: Path, script: list[str], args) -> Path:
     _call(hetero + ["profile", "--steps", "3", "--warmup", "1", "--nvme", nvme, "-o", str(work / "profile.yaml"),
                     *script, *longer])
     _call(hetero + ["plan", "--profile", str(work / "profile.yaml"), "-o", str(work / "plan.yaml"),
-                    "--optimizer-device", "host", "--stay-time", args.stay_time])
+                    "--optimizer-device", "host", "--stay-time", args.stay_time, "--tier-activations"])
     profile = files.load(work / "profile.yaml", expect=Profile)
     plan = files.load(work / "plan.yaml", expect=Plan)
     acts = plan.activations

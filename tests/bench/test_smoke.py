@@ -1,0 +1,186 @@
+"""Every bench/ script runs, at a tiny size, so that none rots unseen (issue 32): each exits as documented and prints
+the lines its readers look for. Nothing here is timed; the figures the benches print are not checked, only that they
+are there. Scripts that need CUDA are checked for their refusal where there is none, and for what they do without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+NUMBER = r"[-+0-9.e]+"
+# tests/bench/tiny-gpt.plan.yaml: `hetero plan --emulate axdimm` of tests/bench/tiny-gpt.profile.yaml, the profile
+# of examples/train_gpt.py with these arguments (and --steps 12)
+TINY_PLAN = "tests/bench/tiny-gpt.plan.yaml"
+TINY_PLAN_GPT = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "64", "--batch-size", "2",
+                 "--seq-len", "16"]
+TINY_GPT = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab", "64", "--batch-size", "1",
+            "--seq-len", "16"]
+
+
+@dataclass(frozen=True)
+class Smoke:
+    script: str
+    args: tuple[str, ...]
+    expect: tuple[str, ...]  # regular expressions, each found in stdout + stderr
+    code: int = 0
+    cuda: bool = False  # run as written only with CUDA; without it `code` is the refusal's exit code
+    slow: bool = False  # beyond the suite's time budget: runs with HETERO_SLOW_BENCH=1 only
+    files: tuple[str, ...] = ()  # paths the run must leave in its folder ({tmp})
+
+
+SMOKES = [
+    Smoke("adam.py", ("--sizes", "10K", "--repeats", "1", "--bandwidth-size", "1M"),
+          (rf"-> Adam bound {NUMBER} M params/s", rf"hetero AdamKernel +{NUMBER} +{NUMBER} +{NUMBER}%",
+           rf"torch AdamW fused +{NUMBER} +1\.00")),
+    Smoke("plan.py", ("--layers", "20", "--repeats", "1"),
+          (rf"plan\(\) on 20 layers: best {NUMBER} s", rf"`hetero plan` on 20 layers .*best {NUMBER} s")),
+    Smoke("heldout_lm.py", ("--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64", "--batch", "1",
+                            "--context", "16", "--steps", "2", "--eval-batches", "1", "--weight-sum"),
+          (rf"step +2 +loss {NUMBER}", rf"eval loss {NUMBER}", rf"weight sum {NUMBER}")),
+    Smoke("lm_heldout.py", ("--device", "cpu", "--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64",
+                            "--batch", "1", "--seq", "16", "--steps", "3"),
+          (rf"final loss {NUMBER}", rf"weight sum {NUMBER}", rf"steady {NUMBER} ms/step")),
+    Smoke("checksum.py", ("{tmp}", "--rounds", "1", "--params", "2000000"),
+          (rf"read +checksums on *: wall +{NUMBER} ms", rf"write checksums off: wall +{NUMBER} ms",
+           rf"zlib.crc32 alone, one thread: .* = {NUMBER} GB/s")),
+    Smoke("beside.py", ("--dir", "{tmp}", "--disk-mib", "1", "--update-params", "1024"),
+          (rf"disk read 1MiB +│ +{NUMBER} │ +{NUMBER} │ +{NUMBER}x", r"disk write 1MiB",
+           rf"AXDIMM update 1024 params +│ +{NUMBER}")),
+    Smoke("allocator.py", ("examples/train_gpt.py", *TINY_GPT, "--steps", "3"),
+          (r"allocator: peak RSS by phase \(MB\): start \d+", r"allocator: heap at each forward end",
+           rf"allocator: per step after the second: CPU {NUMBER} ms")),
+    Smoke("routing.py", ("--nproc", "2", "--steps", "1"),
+          (r"2 processes, gloo, [0-9.]+ MiB of gradients",
+           *(rf"{name} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}"
+             for name in ("DDP", "hetero planned", "hetero split")))),
+    Smoke("recorder.py", ("--plan", TINY_PLAN, "--steps", "3", "--rounds", "1", "--keep", "{tmp}", "--",
+                          "examples/train_gpt.py", *TINY_PLAN_GPT),
+          (rf"round 1: untraced {NUMBER} ms/step, traced {NUMBER}",
+           rf"traced/untraced {NUMBER}x \(the recorder's own estimate: {NUMBER}% of step time in its hooks\)"),
+          files=("run.json", "run.yaml")),
+    Smoke("lanes.py", ("{recorded}/run.json", TINY_PLAN),  # the trace bench/recorder.py kept
+          (r"busy ms per step", rf"compute +│ +fp +│ +{NUMBER} +│ +{NUMBER}",
+           rf"axdimm ch0 +│ +adam +│ +{NUMBER} +│ +{NUMBER}")),
+    Smoke("gpu_all.py", (), (r"gpu-check: no CUDA device here", ), code=2, cuda=True),
+    Smoke("gpu_offload.py", ("--steps", "2"), (r"bench/gpu_offload.py needs a CUDA GPU", ), code=2, cuda=True),
+    # Each of these profiles a script (`hetero profile` measures the machine: 15-30 s here) before it runs anything.
+    Smoke("step.py", (*TINY_GPT, "--steps", "1", "--rounds", "1"),
+          (rf"torch fused +{NUMBER} +{NUMBER} +1\.00x", rf"axdimm overlap +{NUMBER}", rf"host overlap +{NUMBER}"),
+          slow=True),
+    Smoke("tiering.py", ("--steps", "1", "--warmup", "1", "--rounds", "1", "--", "examples/train_gpt.py", *TINY_GPT,
+                         "--steps", "8"),
+          (r"^plan: \d+ of \d+ layers evict", rf"^none +{NUMBER}s", rf"^hetero +{NUMBER}s"), slow=True),
+    Smoke("predict.py", ("--rounds", "1", "--steps", "8"), (r"│ median +│ +[-+0-9]+% │ +[-+0-9]+% │", ), slow=True),
+    Smoke("memory.py", ("--sizes", "1x32x1x16", "--vocab", "64", "--pairs", "1", "--steps", "4"),
+          (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"plan \(default\) +peak",
+           r"measured/predicted [0-9.]+"), slow=True),
+    Smoke("cap.py", ("--limits", "2GiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
+                     "--repeats", "1", "--max-layers", "1"),
+          (r"hetero: 1 layers peak [0-9.]+[KMG]iB",
+           r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$"), slow=True),
+    Smoke("gpu_e2e.py", ("--out", "{tmp}/e2e", "--rounds", "1", "--", "bench/lm_heldout.py", "--device", "cpu",
+                         "--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64", "--batch", "1", "--seq",
+                         "16", "--steps", "8"),
+          (rf"plain-0 +{NUMBER} +1\.000x", rf"hetero-0 +{NUMBER}", r"check: default plan's weight sum .*: equal"),
+          slow=True, files=("e2e/outcomes.json", "e2e/plan.yaml")),
+]
+SMOKES_BY = {s.script: s for s in SMOKES}
+
+
+def bench(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    return subprocess.run([sys.executable, f"bench/{name}", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Each smoke's run and its folder, by script: bench/lanes.py reads the trace bench/recorder.py kept."""
+    return {}
+
+
+def smoke_run(smoke: Smoke, runs: dict, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    if smoke.script not in runs:
+        tmp = tmp_path_factory.mktemp(smoke.script.removesuffix(".py"))
+        recorded = str(smoke_run(SMOKES_BY["recorder.py"], runs, tmp_path_factory)[1]) if "{recorded}" in \
+            " ".join(smoke.args) else ""
+        args = (a.replace("{tmp}", str(tmp)).replace("{recorded}", recorded) for a in smoke.args)
+        runs[smoke.script] = bench(smoke.script, *args), tmp
+    return runs[smoke.script]
+
+
+@pytest.mark.parametrize("smoke", SMOKES, ids=[s.script for s in SMOKES])
+def test_bench_runs_at_a_tiny_size(smoke: Smoke, runs, tmp_path_factory):
+    if smoke.slow and not os.environ.get("HETERO_SLOW_BENCH"):
+        pytest.skip("profiles a script first (15-30 s): beyond the suite's budget; HETERO_SLOW_BENCH=1 runs it")
+    refused = smoke.cuda and not has_cuda()
+    if smoke.cuda and not refused:
+        pytest.skip("runs a GPU benchmark for minutes; `make gpu-check` runs it")
+    done, tmp = smoke_run(smoke, runs, tmp_path_factory)
+    out = done.stdout + done.stderr
+    assert done.returncode == smoke.code, out[-3000:]
+    missing = [p for p in smoke.expect if not re.search(p, out, re.MULTILINE)]
+    assert missing == [], out[-3000:]
+    if refused:
+        assert len(done.stdout.strip().splitlines() + done.stderr.strip().splitlines()) == 1, out  # one line
+        assert "Traceback" not in out
+    assert [f for f in smoke.files if not (tmp / f).exists()] == []
+
+
+def test_every_bench_script_has_a_smoke_run():
+    tested_apart = ["cgroup.py"]  # test_cgroup_keeps_a_command_under_its_limit_or_says_why_not
+    assert sorted([*tested_apart, *(s.script for s in SMOKES)]) == sorted(p.name for p in (REPO / "bench").glob("*.py"))
+
+
+def test_gpu_all_lists_its_pieces_without_cuda():
+    done = bench("gpu_all.py", "--list")
+    assert done.returncode == 0, done.stderr
+    pieces = [line.split(" (up to ")[0] for line in done.stdout.splitlines()]
+    assert pieces == ["tests", "suite", "fits", "heldout", "offload"]
+
+
+def test_gpu_offload_sizes_its_model_without_cuda(monkeypatch):
+    """What bench/gpu_offload.py computes before it needs the GPU: the model's size and the script's arguments."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the module puts examples/ first
+    spec = importlib.util.spec_from_file_location("gpu_offload_bench", REPO / "bench" / "gpu_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["gpu_offload.py", "--n-embd", "64", "--n-head", "2", "--vocab", "128"])
+    a = module.parse()
+    one, two = module.params_of(a, 1), module.params_of(a, 2)
+    block = two - one
+    assert block == 12 * 64 * 64 + 13 * 64  # a GPT block: qkv, proj, 4x MLP weights and biases, two LayerNorms
+    assert one > block  # plus the embeddings and the final norm
+    assert "--n-embd" in module.script_args(a, 3)
+
+
+def test_cgroup_keeps_a_command_under_its_limit_or_says_why_not():
+    """bench/cgroup.py (which cap.py and memory.py run every process through): as root with a memory controller, a
+    command under the limit exits as itself with its peak said, and one over it is killed; otherwise exit 2, one
+    line."""
+    grow = "b = bytearray({} * 2**20); b[::4096] = b'x' * len(b[::4096])"
+    fits = bench("cgroup.py", "--limit", "256MiB", "--", sys.executable, "-c", grow.format(64), timeout=60)
+    if fits.returncode == 2:
+        assert re.fullmatch(r"bench/cgroup.py: cannot create a memory cgroup \(.*\): .*\n", fits.stderr)
+        return
+    assert fits.returncode == 0, fits.stderr
+    peak = re.search(r"exit 0, peak ([0-9.]+)MiB of 256MiB", fits.stderr)
+    assert peak and float(peak.group(1)) >= 64, fits.stderr
+    over = bench("cgroup.py", "--limit", "64MiB", "--", sys.executable, "-c", grow.format(256), timeout=60)
+    assert over.returncode == 137, over.stderr
+    assert "exit 137 (killed by the memory limit)" in over.stderr
