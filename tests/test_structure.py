@@ -1,24 +1,56 @@
-"""The house's shape, drawn from its imports (docs/architecture.md): floors from the CLI down to the schemas, every
-import running down a floor or within one, no import circle, and planning importable without torch."""
+"""The house's shape, drawn from its imports and checked against the one table docs/architecture.md shows: floors
+from the CLI down to the schemas, every import running down a floor or within one, no import circle, each row's
+Imports column what its packages import, and planning importable without torch."""
 
 import ast
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import REPO
 
-# Top to bottom. Packages on one floor may import each other, as long as no circle forms.
-FLOORS = [
-    {"cli", "docs", "__main__"},
-    {"launch"},
-    {"profile"},
-    {"run"},
-    {"harness", "plan", "report", "kernels"},
-    {"schema"},
-    {"units", "errors", "interrupts", "hetero"},
-]
-FLOOR = {package: k for k, floor in enumerate(FLOORS) for package in floor}
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the doc's floor table."""
+
+    floor: int
+    packages: frozenset[str]  # top-level names under hetero/: `cli` for cli/, `units` for units.py, `hetero` itself
+    imports: frozenset[str] | None  # packages outside the row it imports; None: `everything below`
+
+
+def _name(cell: str) -> str:
+    """`cli/` -> cli, `units.py` -> units, `__init__.py` -> hetero (the package's own module)."""
+    name = cell.strip().strip("`").removesuffix("/").removesuffix(".py")
+    return "hetero" if name == "__init__" else name
+
+
+def floor_table(text: str) -> list[Row]:
+    """The table under `## The floors`: Floor | Package | Owns | Imports. In Imports, what a parenthesis says is a
+    comment; `everything below` and `nothing` are words, not names."""
+    section = text.split("## The floors", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].isdigit():
+            continue
+        floor, packages, _, imports = cells
+        names = frozenset(_name(n) for n in re.findall(r"`[^`]+`", packages))
+        listed = re.sub(r"\([^)]*\)", "", imports).strip()
+        if listed == "everything below":
+            rows.append(Row(int(floor), names, None))
+            continue
+        rows.append(Row(int(floor), names, frozenset() if listed == "nothing" else
+                        frozenset(_name(n) for n in listed.split(",") if n.strip())))
+    return rows
+
+
+ROWS = floor_table(ARCHITECTURE.read_text())
+FLOOR = {package: row.floor for row in ROWS for package in row.packages}
 
 
 def modules() -> dict[str, Path]:
@@ -61,14 +93,57 @@ def package(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+def test_the_doc_shows_a_table_of_floors():
+    assert len(ROWS) >= 8 and sorted(FLOOR.values()) == sorted(r.floor for r in ROWS for _ in r.packages)
+    assert len(FLOOR) == sum(len(r.packages) for r in ROWS), "a package in two rows"
+    assert [r.floor for r in ROWS] == sorted(r.floor for r in ROWS)
+
+
 def test_every_package_has_a_floor():
-    assert {package(m) for m in graph()} <= set(FLOOR)
+    """Every package and top-level module of hetero/ is in the doc's table, and every name there exists."""
+    assert {package(m) for m in graph()} == set(FLOOR)
+
+
+def disagreements(rows: list[Row], edges: dict[str, set[str]]) -> list[str]:
+    """Where a row's Imports column is not what its packages import from outside the row."""
+    floor = {package: row.floor for row in rows for package in row.packages}
+    wrong = []
+    for row in rows:
+        actual = {package(b) for a, bs in edges.items() if package(a) in row.packages for b in bs} - row.packages
+        if row.imports is None:  # everything below
+            wrong += [f"{sorted(row.packages)} imports {p}, not below it" for p in actual if floor[p] <= row.floor]
+            continue
+        wrong += [f"{sorted(row.packages)} imports {p}, which its Imports column leaves out"
+                  for p in sorted(actual - row.imports)]
+        wrong += [f"{sorted(row.packages)} lists {p} in its Imports column but imports nothing of it"
+                  for p in sorted(row.imports - actual)]
+    return wrong
+
+
+def test_each_rows_imports_are_what_the_doc_says():
+    """A row's Imports column is what its packages import from outside the row: nothing more, nothing less."""
+    assert disagreements(ROWS, graph()) == []
+
+
+def test_a_doc_that_disagrees_with_the_imports_fails():
+    text, edges = ARCHITECTURE.read_text(), graph()
+    plan_row = next(line for line in text.splitlines() if line.startswith("| 4 | `plan/`"))
+    imports = plan_row.rsplit("|", 2)[1]
+    fewer = floor_table(text.replace(plan_row, plan_row.replace(imports, " units, errors ")))
+    assert "['plan'] imports schema, which its Imports column leaves out" in disagreements(fewer, edges)
+    more = floor_table(text.replace(plan_row, plan_row.replace(imports, imports.rstrip() + ", report ")))
+    assert "['plan'] lists report in its Imports column but imports nothing of it" in disagreements(more, edges)
+    up = floor_table(text.replace("| 5 | `schema/` |", "| 1 | `schema/` |"))
+    assert any(e.startswith("hetero.plan.") and " -> hetero.schema." in e
+               for e in upward({p: r.floor for r in up for p in r.packages}, edges))
+
+
+def upward(floor: dict[str, int], edges: dict[str, set[str]]) -> list[str]:
+    return [f"{a} -> {b}" for a, targets in edges.items() for b in targets if floor[package(a)] > floor[package(b)]]
 
 
 def test_imports_run_down_the_floors():
-    upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets
-              if FLOOR[package(a)] > FLOOR[package(b)]]
-    assert upward == []
+    assert upward(FLOOR, graph()) == []
 
 
 def test_no_import_circle():
