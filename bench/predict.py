@@ -3,6 +3,10 @@ examples/train_gpt.py) repeated in fresh processes, since one run on a shared VM
 
     .venv/bin/python bench/predict.py [--rounds 3] [--steps 30]          # profile + plan + run, each round
     .venv/bin/python bench/predict.py --plan PLAN [--rounds 3]           # only the traced run repeats
+    .venv/bin/python bench/predict.py [...] -- SCRIPT ARGS               # another script (default train_gpt.py)
+
+SCRIPT must take `--steps` and `--log-every` and print `N ms/step` progress lines, as examples/train_gpt.py does;
+under `--plan`, it must build the model the plan was made for.
 
 Prints, per round, the predicted and measured iteration and forward and backward per micro-batch with their relative
 errors (as `hetero report` computes them), then the median of each, the plain script's step time next to the traced
@@ -68,8 +72,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--plan", type=Path, help="repeat only the traced run, under this plan")
+    p.add_argument("script", nargs="*", default=["examples/train_gpt.py"], help="script and its arguments")
     a = p.parse_args()
-    script = ["examples/train_gpt.py", "--steps", str(a.steps), "--log-every", "10"]
+    script = [*a.script, "--steps", str(a.steps), "--log-every", "10"]
     table = Table(title="predicted vs measured (ms)", title_justify="left")
     table.add_column("round")
     for name in ENTRIES:
