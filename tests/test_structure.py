@@ -3,6 +3,7 @@ from the CLI down to the schemas, every import running down a floor or within on
 Imports column what its packages import, and planning importable without torch."""
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -83,6 +84,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache  # parsing every module takes seconds; the tests only read it
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(name, path, known) for name, path in known.items()}
