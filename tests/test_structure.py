@@ -96,7 +96,7 @@ def package(module: str) -> str:
 
 
 def test_the_doc_shows_a_table_of_floors():
-    assert len(ROWS) >= 8 and sorted(FLOOR.values()) == sorted(r.floor for r in ROWS for _ in r.packages)
+    assert len(ROWS) >= 8 and all(row.packages for row in ROWS)
     assert len(FLOOR) == sum(len(r.packages) for r in ROWS), "a package in two rows"
     assert [r.floor for r in ROWS] == sorted(r.floor for r in ROWS)
 
