@@ -33,7 +33,7 @@ def layer_modes(ctx: Context, draft: Plan, pins: Pins, reserve: float = 1.0, bud
     go = gradient_offload.offload(items, reserve)
     template.grads = ["gpu" if keep else "host" for keep in go.keep]
     fixed = {i: pins.layers[x.name].mode for i, x in enumerate(layers) if x.name in pins.layers}
-    device = budget_bytes + ctx.device_bytes - ctx.budget_bytes  # the whole device, in the same terms
+    device = budget_bytes + ctx.gpu_device_bytes - ctx.gpu_budget_bytes  # the whole device, in the same terms
     chosen, why = memferry_solve.solve(costs, template, fixed, device, budget_bytes)
     if chosen is None:  # nothing fits: the placement holding the least on the GPU, for the caller to weigh
         chosen = _fewest_bytes(costs, template, fixed)

@@ -65,7 +65,7 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
     _check_dram(ctx, out)
     if ctx.budget_source is None:
         return out
-    return replace(out, budget=replace(out.budget, why=f"DRAM budget {SIZE.format_short(ctx.dram_bytes)} "
+    return replace(out, budget=replace(out.budget, why=f"DRAM budget {SIZE.format_short(ctx.dram_budget_bytes)} "
                                                        f"({ctx.budget_source})"))
 
 
@@ -77,7 +77,7 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None 
     recomputed = recompute.plan_for(ctx.profile, blocks) if "recompute" in levers else None
     schedules = _activations(ctx, pins, omitted, levers, recomputed)
     route = _routing(ctx, pins, omitted)
-    budget = ctx.dram_bytes if ctx.budget_source is not None else None
+    budget = ctx.dram_budget_bytes if ctx.budget_source is not None else None
     draft = Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
                                model_fingerprint=ctx.profile.model.fingerprint,
                                models=[PlannedModel(name=m.name, fingerprint=m.fingerprint)
@@ -90,7 +90,7 @@ def _solve(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None 
                  recompute=recomputed)
     draft = replace(draft, activations=_pick_schedule(ctx, draft, schedules))
     if ctx.gpu is not None:
-        counted = plain.counted_budget_bytes(ctx.profile, draft, int(ctx.budget_bytes * (1 - gpu_fit.HEADROOM)),
+        counted = plain.counted_budget_bytes(ctx.profile, draft, int(ctx.gpu_budget_bytes * (1 - gpu_fit.HEADROOM)),
                                              predict(ctx.profile, plain.plain_of(draft)))
         draft = layer_modes(ctx, draft, pins, ctx.options.reserve if "host_grads" in levers else 1.0, counted)
     else:
@@ -113,7 +113,7 @@ def _returning_from(ctx: Context, out: Plan) -> Plan:
         return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
             f"{out.allocator.why}; from the start: an iteration saves {SIZE.format_short(saved)} of activations, "
             f"more than the {SIZE.format_short(room - start)} a switch halfway to the budget would leave")))
-    if room - start < ctx.dram_bytes // SWITCH_SHARE:
+    if room - start < ctx.dram_budget_bytes // SWITCH_SHARE:
         return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
             f"{out.allocator.why}; from the start: a switch halfway to the budget would leave "
             f"{SIZE.format_short(room - start)}, less than 1/{SWITCH_SHARE} of it, for what malloc's defaults add "
@@ -279,7 +279,7 @@ def _placement(ctx: Context, device: str) -> axdimm.Placement:
     if device == "axdimm":
         ax = ctx.profile.machine.axdimm
         return axdimm.place(ctx.params, ctx.update_order, ax.channels, ax.channel_capacity_bytes, nvme, "axdimm")
-    return axdimm.place(ctx.params, ctx.update_order, 1, max(0, ctx.dram_bytes - ctx.host_model_bytes), nvme, "host")
+    return axdimm.place(ctx.params, ctx.update_order, 1, max(0, ctx.dram_budget_bytes - ctx.host_model_bytes), nvme, "host")
 
 
 # -- activations --------------------------------------------------------------------------------------------------
@@ -401,9 +401,9 @@ def _routing(ctx: Context, pins: Pins, omitted: dict[str, str]) -> RoutingPlan |
 
 def _check_dram(ctx: Context, out: Plan) -> None:
     host = ctx.host.name
-    if out.predicted.peak_bytes[host] > ctx.dram_bytes:
+    if out.predicted.peak_bytes[host] > ctx.dram_budget_bytes:
         raise HeteroError(f"the plan needs {SIZE.format_short(out.predicted.peak_bytes[host])} of {host}, over the "
-                          f"budget {SIZE.format_short(ctx.dram_bytes)}",
+                          f"budget {SIZE.format_short(ctx.dram_budget_bytes)}",
                           hint="raise --dram-budget, lower --stay-time, or move the optimizer (--optimizer-device)",
                           exit_code=USAGE)
 
