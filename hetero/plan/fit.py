@@ -97,8 +97,8 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
 
 
 def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
-    """The plan under `ctx.dram_budget_bytes`: plain training's when it fits, else the fastest combination of levers that
-    fits; HeteroError (exit 2) when none does. `solve(levers, blocks=None)`: the plan with `levers`, and with
+    """The plan under `ctx.dram_budget_bytes`: plain training's when it fits, else the fastest combination of levers
+    that fits; HeteroError (exit 2) when none does. `solve(levers, blocks=None)`: the plan with `levers`, and with
     `recompute` among them the first `blocks` blocks (all: None)."""
     levers, unusable = available(ctx)
     forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \

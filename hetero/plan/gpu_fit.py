@@ -66,10 +66,10 @@ def available(ctx, pins) -> tuple[list[str], frozenset[str], dict[str, str]]:
     elif "layers" in ctx.profile.unmeasured:
         why["tiering"] = ctx.profile.unmeasured["layers"]
     forced = set()
-    if (o.optimizer_device in ("host", "axdimm") or o.emulate or pins.optimizer is not None or pins.layers) and \
-            "offload" not in why:
+    pinned_offload = pins.get("optimizer") is not None or pins.get("layers")
+    if (o.optimizer_device in ("host", "axdimm") or o.emulate or pinned_offload) and "offload" not in why:
         forced.add("offload")
-    if (o.tier_activations or pins.evictions) and "tiering" not in why:
+    if (o.tier_activations or pins.get("activations")) and "tiering" not in why:
         forced.add("tiering")
     return [x for x in LEVERS if x not in why], frozenset(forced), why
 
