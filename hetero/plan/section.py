@@ -49,6 +49,7 @@ class Step:
     omitted: dict[str, str]  # a section the plan leaves out writes why here, under its name
     predict: Callable[[Plan], Result]  # a plan's simulated iteration on the profiled machine
     build: Callable[[Plan], tuple[Costs, Choices]]  # a plan in the simulator's terms (hetero.plan.choices.build)
+    plain_of: Callable[[Plan], Plan]  # the plan with nothing moved (hetero.plan.sections.plain_of)
 
     def pinned(self, section: str) -> Any:
         return self.pins.get(section)
@@ -112,3 +113,5 @@ class Section:
     host_bytes: Callable[[Profile, Plan, HostPeak], dict[str, int]] = _no_bytes  # account entries, by name
     cost_s: Callable[[Profile, Plan], float] = _no_time  # per iteration, beyond the simulated one
     settle: Callable[[Context, Plan], Plan] | None = None  # the predicted plan, revised by this section
+    absent: Callable[[], Any] = _nothing  # the section's value where the plan leaves it out
+    in_plain: bool = False  # plain training has it too (a DDP all-reduce's routing: plain DDP pays for one alike)

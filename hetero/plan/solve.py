@@ -19,7 +19,7 @@ from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.model import GPU
 from hetero.plan.pins import pins_of
 from hetero.plan.section import Phase, Pins, Step, ns
-from hetero.plan.sections import TABLE
+from hetero.plan.sections import TABLE, plain_of
 from hetero.plan.sections.optimizer_bytes import gpu_state_bytes
 from hetero.plan.sections.routing import ONE_PROCESS, sync_times
 from hetero.plan.simulate import Result
@@ -84,7 +84,8 @@ def _solved(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None
     for section in TABLE:
         if section.phase == phase:
             step = Step(ctx=ctx, pins=pins, levers=levers, blocks=blocks, draft=draft, omitted=draft.omitted,
-                        predict=lambda p: predict(ctx.profile, p), build=lambda p: build(ctx.profile, p))
+                        predict=lambda p: predict(ctx.profile, p), build=lambda p: build(ctx.profile, p),
+                        plain_of=plain_of)
             draft = replace(draft, **{section.name: section.solve(step)})
     return draft
 
@@ -137,7 +138,7 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
         iteration += section.cost_s(profile, plan)
     gpu: dict[str, int] = {}
     if profile.machine.gpu is not None:
-        bare = predict(profile, plain.plain_of(plan))
+        bare = predict(profile, plain_of(plan))
         states = gpu_state_bytes(profile, plan.optimizer, host_tier(profile))
         gpu = plain.gpu_contributors(profile, plan, result, bare, states)
         peak[GPU] = sum(gpu.values())

@@ -8,8 +8,16 @@ the iteration adds their costs in it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hetero.plan.section import Section
 from hetero.plan.sections import activations, allocator, layers, optimizer, recompute, routing, update_in_backward
+from hetero.schema.plan import Plan
 
 TABLE: tuple[Section, ...] = (optimizer.SECTION, allocator.SECTION, update_in_backward.SECTION, recompute.SECTION,
                               activations.SECTION, routing.SECTION, layers.SECTION)
+
+
+def plain_of(plan: Plan) -> Plan:
+    """`plan` with nothing moved: the script as it is (what plain training has too, such as its routing, kept)."""
+    return replace(plan, **{s.name: s.absent() for s in TABLE if not s.in_plain})

@@ -30,8 +30,9 @@ def solve(step: Step) -> list[LayerPlan]:
     if draft.optimizer is None or draft.optimizer.device == "gpu":
         step.omitted["layers"] = ON_GPU
         return []
-    counted = plain.counted_budget_bytes(ctx.profile, draft, int(ctx.gpu_budget_bytes * (1 - gpu_fit.HEADROOM)),
-                                         step.predict(plain.plain_of(draft)))
+    bare = step.plain_of(draft)
+    counted = plain.counted_budget_bytes(ctx.profile, bare, int(ctx.gpu_budget_bytes * (1 - gpu_fit.HEADROOM)),
+                                         step.predict(bare))
     reserve = ctx.options.reserve if "host_grads" in step.levers else 1.0
     return gpu_layers.layer_modes(ctx, draft, step.pinned("layers") or {}, step.build, reserve, counted)
 
@@ -88,4 +89,4 @@ def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[str, str]:
 
 
 SECTION = Section(name="layers", phase="whole", solve=solve, pinned=pinned, static_bytes=static_bytes, choose=choose,
-                  settle=settle)
+                  settle=settle, absent=list)

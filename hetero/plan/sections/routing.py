@@ -55,4 +55,4 @@ def sync_times(profile: Profile, plan: Plan) -> list[float]:
             else 0.0 for x in profile.layers]
 
 
-SECTION = Section(name="routing", phase="draft", solve=solve, pinned=pinned, choose=choose)
+SECTION = Section(name="routing", phase="draft", solve=solve, pinned=pinned, choose=choose, in_plain=True)
