@@ -103,7 +103,7 @@ def peak_drop(profile: Profile, recomputed: RecomputePlan | None) -> int:
     return max(0, min(drop, above_step))
 
 
-def plan_for(profile: Profile, count: int | None = None) -> RecomputePlan | None:
+def section(profile: Profile, count: int | None = None) -> RecomputePlan | None:
     """The first `count` units (all of them: None) as a plan section, in forward order; None when there is none."""
     found, refused = units(profile)
     taken = found if count is None else found[:count]

@@ -12,7 +12,7 @@ RECOMPUTED = "activations recomputed in backward"  # its host-memory account ent
 
 
 def solve(step: Step) -> RecomputePlan | None:
-    return recompute.plan_for(step.ctx.profile, step.blocks) if "recompute" in step.levers else None
+    return recompute.section(step.ctx.profile, step.blocks) if "recompute" in step.levers else None
 
 
 def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
