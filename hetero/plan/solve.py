@@ -76,7 +76,7 @@ def _empty(ctx: Context, omitted: dict[str, str]) -> Plan:
                                       for m in ctx.profile.model.models]),
                 budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
                               reserve=ctx.options.reserve),
-                layers=[], optimizer=None, activations=None, routing=None, predicted=UNPREDICTED, omitted=omitted)
+                predicted=UNPREDICTED, omitted=omitted, **{s.name: s.absent() for s in TABLE})
 
 
 def _solved(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None, draft: Plan, phase: Phase) -> Plan:
