@@ -43,9 +43,9 @@ class Context:
     device: OptimizerDevice | None  # None: --optimizer-device none, the script's optimizer stays its own
     params: list[axdimm.Param]
     update_order: list[int]
-    device_bytes: int
-    budget_bytes: int
-    dram_bytes: int
+    gpu_device_bytes: int  # the whole GPU's memory (0 without a GPU)
+    gpu_budget_bytes: int  # GPU memory the plan may use (--gpu-memory, else the whole device; 0 without a GPU)
+    dram_budget_bytes: int  # host memory the plan may use (--dram-budget, the memory cgroup, else the host tier)
     budget_source: str | None  # where a DRAM budget came from: the option or the memory cgroup; None: no budget
     host_model_bytes: int  # host memory besides optimizer states: parameters, gradients, activations without a GPU
     links: list[routing.Link]
@@ -63,7 +63,7 @@ def context(profile: Profile, o: PlanOptions) -> Context:
     if not m.tiers:
         raise HeteroError("the profile lists no memory tiers", hint="re-run `hetero profile`", exit_code=USAGE)
     host = next((t for t in m.tiers if t.kind == "dram"), m.tiers[0])
-    device_bytes, budget = _gpu_budget(m.gpu, o)
+    gpu_device, gpu_budget = _gpu_budget(m.gpu, o)
     if not 0 <= o.reserve <= 1:
         raise HeteroError(f"--reserve {o.reserve:g} is not a fraction", hint="use a value from 0 to 1", exit_code=USAGE)
     dram, source = _dram_budget(m, host, o)
@@ -74,8 +74,9 @@ def context(profile: Profile, o: PlanOptions) -> Context:
     links, ranks = routing.links(profile)
     return Context(profile=profile, options=o, gpu=m.gpu, host=host, fast=fast, slow=_slow_tier(profile, o, fast),
                    nvme=axdimm.nvme_tier(profile), device=_device(profile, o), params=params,
-                   update_order=axdimm.update_order(profile, params), device_bytes=device_bytes, budget_bytes=budget,
-                   dram_bytes=dram, budget_source=source, host_model_bytes=model, links=links, ranks=ranks)
+                   update_order=axdimm.update_order(profile, params), gpu_device_bytes=gpu_device,
+                   gpu_budget_bytes=gpu_budget, dram_budget_bytes=dram, budget_source=source, host_model_bytes=model,
+                   links=links, ranks=ranks)
 
 
 CGROUP = "the memory cgroup the profile ran in"

@@ -97,8 +97,8 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
 
 
 def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
-    """The plan under `ctx.dram_bytes`: plain training's when it fits, else the fastest combination of levers that
-    fits; HeteroError (exit 2) when none does. `solve(levers, blocks=None)`: the plan with `levers`, and with
+    """The plan under `ctx.dram_budget_bytes`: plain training's when it fits, else the fastest combination of levers
+    that fits; HeteroError (exit 2) when none does. `solve(levers, blocks=None)`: the plan with `levers`, and with
     `recompute` among them the first `blocks` blocks (all: None)."""
     levers, unusable = available(ctx)
     forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \
@@ -114,7 +114,7 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
             if chosen not in seen:
                 p = solve(chosen)
                 seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
-    budget, room = ctx.dram_bytes, room_bytes(ctx)
+    budget, room = ctx.dram_budget_bytes, room_bytes(ctx)
     base = seen[forced]
     fitting = [c for c in seen.values() if c.peak_bytes <= room]
     if not fitting:
@@ -186,7 +186,7 @@ def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
 
 def room_bytes(ctx) -> int:
     """The most the predicted peak may be under the budget."""
-    return int(ctx.dram_bytes * (1 - HEADROOM))
+    return int(ctx.dram_budget_bytes * (1 - HEADROOM))
 
 
 def allocator_cost_s(profile) -> float:
@@ -199,7 +199,7 @@ def allocator_cost_s(profile) -> float:
 
 
 def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced: frozenset[str]) -> str:
-    source = (f"DRAM budget {SIZE.format_short(ctx.dram_bytes)} ({ctx.budget_source}; the prediction keeps "
+    source = (f"DRAM budget {SIZE.format_short(ctx.dram_budget_bytes)} ({ctx.budget_source}; the prediction keeps "
               f"{HEADROOM:.0%} under it)")
     if best is base and not best.levers:
         return f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits, nothing moved"

@@ -11,70 +11,31 @@ the saved-activation peak. Recomputed blocks (the plan's `recompute`) never allo
 they lower it with either allocator (hetero.plan.recompute.peak_drop).
 
 `contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
-`hetero run` names its largest entries when the process nears the budget.
+`hetero run` names its largest entries when the process nears the budget. Each section writes its own entries
+(`Section.host_bytes`, hetero.plan.section); the entry names are re-exported here for the account's readers.
 """
 
 from __future__ import annotations
 
-from hetero.plan import axdimm, recompute
-from hetero.plan.choices import host_static_bytes
-from hetero.schema.plan import ActivationPlan, NvmeOverflow, OptimizerPlan, Plan
+from hetero.plan.choices import host_tier, static_bytes
+from hetero.plan.section import HostPeak
+from hetero.plan.sections import TABLE
+from hetero.plan.sections.activations import EVICTED, TIERING
+from hetero.plan.sections.allocator import BELOW_SWITCH
+from hetero.plan.sections.optimizer_bytes import ADAM_STATE_BYTES_PER_PARAM, OPTIMIZER, STAGING, STATES
+from hetero.plan.sections.recompute import RECOMPUTED
+from hetero.plan.sections.update_in_backward import GRADS_FREED
+from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 
-ADAM_STATE_BYTES_PER_PARAM = 8  # fp32 m and v, as torch's Adam(W) keeps them beside each parameter
+__all__ = ["ADAM_STATE_BYTES_PER_PARAM", "BELOW_SWITCH", "EVICTED", "GRADS_FREED", "OPTIMIZER", "RECOMPUTED",
+           "STAGING", "STATES", "TIERING", "contributors", "dram_peak_bytes", "returns_memory"]
+
 PLAIN = "plain training"  # its measured peak
 PLAIN_RETURNED = "plain training, memory returned"  # its peak measured with freed memory returned
-STATES = "script's adam states"
-OPTIMIZER = "hetero optimizer"  # master copies, states, gradient buffers, an emulated AXDIMM's channels
-STAGING = "nvme state staging"
 MOVED_IN = "moved in from the gpu"
-TIERING = "activation store buffers"
-EVICTED = "evicted activations"
-GRADS_FREED = "gradients freed in backward"
-RECOMPUTED = "activations recomputed in backward"
-BELOW_SWITCH = "malloc's defaults below the switch"  # a plan whose allocator returns memory from `from_bytes` on
-
-
-def own_states_in_host(profile: Profile) -> int:
-    """Bytes of the script's own Adam states that live in host memory under plain training (with its parameters,
-    so only without a GPU)."""
-    if profile.machine.gpu is not None or profile.training.optimizer not in ("adam", "adamw"):
-        return 0
-    return ADAM_STATE_BYTES_PER_PARAM * sum(p.num_params for p in axdimm.params(profile))
-
-
-def staging_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
-    """Host memory the runtime holds to stage NVMe-held states when the host updates them
-    (hetero.run.nvme_states): two slots of master, m and v sized for the largest staged piece (a GPU's parameter
-    whole, with a gradient buffer each; a CPU's in pieces), and the state store's bounce buffers."""
-    if optimizer is None or optimizer.device != "host" or optimizer.nvme is None:
-        return 0
-    tier = {s.param: s.tier for s in optimizer.states}
-    spilled = [p.num_params for p in axdimm.params(profile) if tier.get(p.name) == "nvme"]
-    if not spilled:
-        return 0
-    gpu = profile.machine.gpu is not None
-    piece = max(spilled) if gpu else min(max(spilled), NvmeOverflow.STAGING_PIECE_PARAMS)
-    buffers = 4 if gpu or optimizer.nvme.grads else 3  # master, m, v (and a gradient: a GPU's, or one from NVMe)
-    return NvmeOverflow.STAGING_SLOTS * buffers * 4 * piece + \
-        NvmeOverflow.STORE_THREADS * NvmeOverflow.STORE_CHUNK_BYTES
-
-
-def added_host_bytes(profile: Profile, optimizer: OptimizerPlan | None) -> int:
-    """What the optimizer section holds in host memory for the whole iteration beyond plain training: offloaded
-    states, master copies and gradient buffers, an emulated AXDIMM's channels, staging (negative: it holds less)."""
-    if optimizer is None:
-        return 0
-    return (host_static_bytes(profile, optimizer) - host_static_bytes(profile, None) - own_states_in_host(profile)
-            + staging_bytes(profile, optimizer))
-
-
-def grads_freed_in_backward(profile: Profile) -> int:
-    """What updating in backward (the plan's `update_in_backward`) takes off the peak: every gradient but the
-    largest parameter's (a tied embedding's lives through the whole backward), less the two parameter-sized
-    temporaries torch's Adam makes for that parameter's update, which now fall inside backward."""
-    sizes = [p.num_params for p in axdimm.params(profile)]
-    return max(0, 4 * (sum(sizes) - 3 * max(sizes, default=0)))
+# The order plans have always listed their entries in; an entry not here follows them, in the sections' order.
+ORDER = (PLAIN, PLAIN_RETURNED, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED, RECOMPUTED, TIERING)
 
 
 def returns_memory(profile: Profile, plan: Plan) -> bool:
@@ -90,23 +51,17 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     fast tier (0 with a GPU, where host memory is where they go instead); `evicted_saving`: how much tiering lowers
     the saved-activation peak in host memory (counted only where freed memory is returned)."""
     assert profile.memory is not None
-    returned = returns_memory(profile, plan)
+    host, returned = host_tier(profile), returns_memory(profile, plan)
     out = {PLAIN_RETURNED: profile.memory.dram_peak_returned_bytes} if returned else \
         {PLAIN: profile.memory.dram_peak_bytes}
-    if plan.optimizer is not None:
-        own, staging = own_states_in_host(profile), staging_bytes(profile, plan.optimizer)
-        out[STATES] = -own
-        out[OPTIMIZER] = added_host_bytes(profile, plan.optimizer) + own - staging
-        out[STAGING] = staging
-    moved_in = simulated_host_peak - host_static_bytes(profile, plan.optimizer) - evicted_from_host_peak
+    moved_in = simulated_host_peak - static_bytes(profile, plan)[host] - evicted_from_host_peak
     out[MOVED_IN] = max(0, moved_in)
-    out[EVICTED] = -evicted_saving if returned else 0
-    out[GRADS_FREED] = -grads_freed_in_backward(profile) if plan.update_in_backward is not None else 0
-    out[RECOMPUTED] = -recompute.peak_drop(profile, plan.recompute)
-    tiered = evicted_from_host_peak and plan.activations is not None and \
-        any(e.evict_bytes for e in plan.activations.schedule)
-    out[TIERING] = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES if tiered else 0
-    return {what: b for what, b in out.items() if b}
+    peak = HostPeak(host=host, simulated_bytes=simulated_host_peak, evicted_from_peak=evicted_from_host_peak,
+                    evicted_saving=evicted_saving, memory_returned=returned)
+    for section in TABLE:
+        out.update(section.host_bytes(profile, plan, peak))
+    ordered = {what: out[what] for what in ORDER if what in out} | out
+    return {what: b for what, b in ordered.items() if b}
 
 
 def dram_peak_bytes(profile: Profile, plan: Plan, simulated_host_peak: int, evicted_from_host_peak: int,

@@ -66,10 +66,10 @@ def available(ctx, pins) -> tuple[list[str], frozenset[str], dict[str, str]]:
     elif "layers" in ctx.profile.unmeasured:
         why["tiering"] = ctx.profile.unmeasured["layers"]
     forced = set()
-    if (o.optimizer_device in ("host", "axdimm") or o.emulate or pins.optimizer is not None or pins.layers) and \
-            "offload" not in why:
+    pinned_offload = pins.get("optimizer") is not None or pins.get("layers")
+    if (o.optimizer_device in ("host", "axdimm") or o.emulate or pinned_offload) and "offload" not in why:
         forced.add("offload")
-    if (o.tier_activations or pins.evictions) and "tiering" not in why:
+    if (o.tier_activations or pins.get("activations")) and "tiering" not in why:
         forced.add("tiering")
     return [x for x in LEVERS if x not in why], frozenset(forced), why
 
@@ -87,7 +87,7 @@ def fit(ctx, pins, solve: Callable[[frozenset[str]], Plan]) -> Plan:
                 seen[chosen] = Candidate(chosen, solve(chosen))
             except HeteroError as e:  # MemFerry found no placement within the device: names its least need
                 seen[chosen] = Candidate(chosen, None, e.message)
-    budget = ctx.budget_bytes
+    budget = ctx.gpu_budget_bytes
     fitting = [c for c in seen.values() if c.plan is not None and c.peak_bytes <= room_bytes(c, budget)]
     if not fitting:
         raise _too_small(ctx, seen, unusable)
@@ -111,7 +111,7 @@ def _too_small(ctx, seen: dict[frozenset[str], Candidate], unusable: dict[str, s
     least = min(planned, key=lambda c: c.peak_bytes)
     need = least.peak_bytes if not least.levers else least.peak_bytes / (1 - HEADROOM)
     return HeteroError(
-        f"the GPU budget {SIZE.format_short(ctx.budget_bytes, 4)} ({source}) is below what any plan reaches: the "
+        f"the GPU budget {SIZE.format_short(ctx.gpu_budget_bytes, 4)} ({source}) is below what any plan reaches: the "
         f"least is {SIZE.format_short(least.peak_bytes, 4)} predicted, with {_names(least.levers) or 'nothing moved'}"
         + _unusable_text(unusable),
         hint=f"use --gpu-memory {SIZE.format_short(need + (1 << 20), 3)} or more, or train a smaller model or batch"
@@ -123,9 +123,9 @@ def _explained(ctx, best: Candidate, seen: dict[frozenset[str], Candidate], fitt
                unusable: dict[str, str]) -> Plan:
     """`best`'s plan with the budget's `why`, and each section it leaves out saying what it would have cost."""
     plain = seen.get(frozenset())
-    source = (f"GPU budget {SIZE.format_short(ctx.budget_bytes)} "
+    source = (f"GPU budget {SIZE.format_short(ctx.gpu_budget_bytes)} "
               f"({'--gpu-memory' if ctx.options.gpu_memory_bytes is not None else 'the whole device'})")
-    if plain is not None and plain.plan is not None and plain.peak_bytes <= room_bytes(plain, ctx.budget_bytes):
+    if plain is not None and plain.plan is not None and plain.peak_bytes <= room_bytes(plain, ctx.gpu_budget_bytes):
         fits = f"plain training's predicted peak {SIZE.format_short(plain.peak_bytes)} fits"
     elif plain is not None and plain.plan is not None:
         fits = f"plain training's predicted peak {SIZE.format_short(plain.peak_bytes)} exceeds it"
@@ -136,7 +136,7 @@ def _explained(ctx, best: Candidate, seen: dict[frozenset[str], Candidate], fitt
                 f"{short_time(best.iteration_s)} per iteration"
     else:
         moved = f"nothing moved ({short_time(best.iteration_s)} per iteration)"
-    others = "; ".join(f"{_names(c.levers) or 'plain'}: {_outcome(c, ctx.budget_bytes)}"
+    others = "; ".join(f"{_names(c.levers) or 'plain'}: {_outcome(c, ctx.gpu_budget_bytes)}"
                        for c in seen.values() if c is not best)
     why = f"{source}: {fits}; {moved}, the fastest of {fitting} that fit ({others})" + _unusable_text(unusable)
     out = replace(best.plan, budget=replace(best.plan.budget, why=why))

@@ -3,45 +3,37 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
 
 from hetero.plan import gradient_offload, memferry, memferry_solve
-from hetero.plan.choices import build
 from hetero.plan.context import Context
 from hetero.plan.model import Choices, Costs
-from hetero.plan.pins import Pins, pinned_field
 from hetero.schema.plan import LayerPlan, Plan
 
-NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"
 
-
-def layer_modes(ctx: Context, draft: Plan, pins: Pins, reserve: float = 1.0, budget_bytes: int = 0) -> Plan:
-    """`draft` with every layer's GPU mode and gradient place (MemFerry, GO-MemFerry): at most `reserve` of the
-    gradient bytes kept on the GPU, and the simulator's count of GPU bytes within `budget_bytes` (the GPU budget in
-    the count's terms, hetero.plan.plain). An optimizer on the GPU leaves every layer where the script puts it."""
+def layer_modes(ctx: Context, draft: Plan, kept: dict[str, LayerPlan], build: Callable[[Plan], tuple[Costs, Choices]],
+                reserve: float = 1.0, budget_bytes: int = 0) -> list[LayerPlan]:
+    """Every layer's GPU mode and gradient place under `draft`, an optimizer off the GPU (MemFerry, GO-MemFerry):
+    at most `reserve` of the gradient bytes kept on the GPU, and the simulator's count of GPU bytes within
+    `budget_bytes` (the GPU budget in the count's terms, hetero.plan.plain). `kept`: the entries pinned in an
+    earlier plan, by layer; `build`: a plan in the simulator's terms (hetero.plan.choices.build)."""
     layers = ctx.profile.layers
-    if ctx.gpu is None:
-        return replace(draft, omitted=draft.omitted | {"layers": NO_GPU})
-    if draft.optimizer is None or draft.optimizer.device == "gpu":
-        return replace(draft, layers=[], omitted=draft.omitted | {
-            "layers": "the optimizer updates parameters on the GPU: every parameter and gradient stays there"})
-    costs, template = build(ctx.profile, draft)
+    costs, template = build(draft)
     items = [gradient_offload.GradItem(name=c.name, size_bytes=c.params_bytes,
-                                       pinned=pinned_field(pins, c.name, "grad"),
+                                       pinned=kept[c.name].grad if c.name in kept else None,
                                        gain_s=None if c.bp_grad_host_s is None else c.bp_grad_host_s - c.bp_s)
              for c in costs.layers]
     go = gradient_offload.offload(items, reserve)
     template.grads = ["gpu" if keep else "host" for keep in go.keep]
-    fixed = {i: pins.layers[x.name].mode for i, x in enumerate(layers) if x.name in pins.layers}
-    device = budget_bytes + ctx.device_bytes - ctx.budget_bytes  # the whole device, in the same terms
+    fixed = {i: kept[x.name].mode for i, x in enumerate(layers) if x.name in kept}
+    device = budget_bytes + ctx.gpu_device_bytes - ctx.gpu_budget_bytes  # the whole device, in the same terms
     chosen, why = memferry_solve.solve(costs, template, fixed, device, budget_bytes)
     if chosen is None:  # nothing fits: the placement holding the least on the GPU, for the caller to weigh
         chosen = _fewest_bytes(costs, template, fixed)
         why = [f"no placement fits the GPU budget: the one holding the least there ({mode})" for mode in chosen.modes]
-    entries = [pins.layers.get(x.name) or LayerPlan(name=x.name, mode=chosen.modes[i], grad=template.grads[i],
-                                                  why=f"{why[i]}; grad: {go.why[i]}")
-               for i, x in enumerate(layers)]
-    return replace(draft, layers=entries, budget=replace(draft.budget, grad_grid_bytes=go.grid_bytes))
+    return [kept.get(x.name) or LayerPlan(name=x.name, mode=chosen.modes[i], grad=template.grads[i],
+                                         why=f"{why[i]}; grad: {go.why[i]}")
+            for i, x in enumerate(layers)]
 
 
 def _fewest_bytes(costs: Costs, template: Choices, fixed: dict[int, str]) -> memferry_solve.Evaluated:

@@ -12,8 +12,6 @@ is the prediction, the script's own Adam states included.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hetero.plan.model import GPU
 from hetero.plan.simulate import Result
 from hetero.schema.plan import Plan
@@ -27,12 +25,6 @@ PARAMS = "parameters read from host memory (dha)"
 GRADS = "gradients written to host memory"
 ACTIVATIONS = "activations evicted to host memory"
 TRANSIENT_GRAD = "a host gradient made on the gpu first (the largest, briefly)"
-
-
-def plain_of(plan: Plan) -> Plan:
-    """`plan` with nothing moved: the script as it is (its routing kept, which plain DDP pays for alike)."""
-    return replace(plan, layers=[], optimizer=None, activations=None, allocator=None, update_in_backward=None,
-                   recompute=None)
 
 
 def own_gpu_states(profile: Profile) -> int:
@@ -82,8 +74,9 @@ def anchored_iteration_s(profile: Profile, simulated_s: float, plain_simulated_s
     return max(0.0, measured + simulated_s - plain_simulated_s)
 
 
-def counted_budget_bytes(profile: Profile, plan: Plan, budget_bytes: int, plain: Result) -> int:
+def counted_budget_bytes(profile: Profile, bare: Plan, budget_bytes: int, plain: Result) -> int:
     """The GPU budget in the simulator's count, for the searches that compare counts (MemFerry's modes): what
-    the count of an offloading plan may reach so that its anchored prediction stays within `budget_bytes`."""
-    base = sum(gpu_contributors(profile, plain_of(plan), plain, plain, 0).values())
+    the count of an offloading plan may reach so that its anchored prediction stays within `budget_bytes`. `bare`:
+    the plan with nothing moved (hetero.plan.sections.plain_of), `plain` its simulated iteration."""
+    base = sum(gpu_contributors(profile, bare, plain, plain, 0).values())
     return budget_bytes - base + plain.peak_bytes.get(GPU, 0) + own_gpu_states(profile)

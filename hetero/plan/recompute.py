@@ -75,23 +75,24 @@ def layers_of(profile: Profile, blocks: list[str]) -> set[str]:
             if any(layer.name == b or layer.name.startswith(b + ".") for b in blocks)}
 
 
-def chosen(profile: Profile, plan: RecomputePlan | None) -> list[Unit]:
-    """The units of the blocks `plan` recomputes (a block the profile does not know counts for nothing)."""
-    if plan is None:
+def chosen(profile: Profile, recomputed: RecomputePlan | None) -> list[Unit]:
+    """The units of the blocks the section `recomputed` names (a block the profile does not know counts for
+    nothing)."""
+    if recomputed is None:
         return []
     by_name = {b.name: b for b in profile.blocks}
-    found = [_unit(profile, by_name[name]) for name in plan.blocks if name in by_name]
+    found = [_unit(profile, by_name[name]) for name in recomputed.blocks if name in by_name]
     return [u for u in found if u is not None]
 
 
-def cost_s(profile: Profile, plan: RecomputePlan | None) -> float:
+def cost_s(profile: Profile, recomputed: RecomputePlan | None) -> float:
     """What recomputation adds to an iteration: each chosen block's forward once more, every micro-batch."""
-    return sum(u.forward_s for u in chosen(profile, plan)) * profile.training.grad_accumulation
+    return sum(u.forward_s for u in chosen(profile, recomputed)) * profile.training.grad_accumulation
 
 
-def peak_drop(profile: Profile, plan: RecomputePlan | None) -> int:
+def peak_drop(profile: Profile, recomputed: RecomputePlan | None) -> int:
     """What recomputation takes off the process's predicted peak (see the module's docstring)."""
-    chosen_units = chosen(profile, plan)
+    chosen_units = chosen(profile, recomputed)
     if not chosen_units:
         return 0
     savings = [u.saving_bytes for u in chosen_units]
@@ -102,7 +103,7 @@ def peak_drop(profile: Profile, plan: RecomputePlan | None) -> int:
     return max(0, min(drop, above_step))
 
 
-def plan_for(profile: Profile, count: int | None = None) -> RecomputePlan | None:
+def section(profile: Profile, count: int | None = None) -> RecomputePlan | None:
     """The first `count` units (all of them: None) as a plan section, in forward order; None when there is none."""
     found, refused = units(profile)
     taken = found if count is None else found[:count]

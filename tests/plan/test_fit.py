@@ -5,6 +5,7 @@ import pytest
 
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import fit, footprint
+from hetero.plan.sections.update_in_backward import grads_freed_in_backward
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
 from hetero.schema.profile import Memory, Profile
@@ -147,7 +148,7 @@ def without_nvme(profile: Profile) -> Profile:
 
 def test_updating_in_backward_is_the_free_lever_where_freeing_the_gradients_is_enough(cpu):
     cpu = without_nvme(cpu)
-    freed = footprint.grads_freed_in_backward(cpu)
+    freed = grads_freed_in_backward(cpu)
     assert 0 < freed < PLAIN - RETURNED
     p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - freed)))
     assert p.update_in_backward is not None and (p.optimizer, p.allocator) == (None, None)
@@ -163,7 +164,7 @@ def test_a_script_that_needs_every_gradient_at_once_is_not_updated_in_backward(c
         cpu.training.clips_grad = True
     else:
         cpu.training.grad_accumulation = 2
-    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - footprint.grads_freed_in_backward(cpu))))
+    p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - grads_freed_in_backward(cpu))))
     assert p.update_in_backward is None and "not updating each parameter in backward" in p.budget.why
     assert ("clips gradients" if script == "clips" else "accumulates 2 backward passes") in p.budget.why
 
@@ -174,7 +175,7 @@ def test_without_plains_own_peak_memory_is_returned_only_near_the_budget_and_the
                         returned_step_s=cpu.training.iteration_s)
     p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
     # returning memory alone fits too, but malloc's defaults run up to a mark: the equally fast, lower peak
-    returned = RETURNED - footprint.grads_freed_in_backward(cpu)
+    returned = RETURNED - grads_freed_in_backward(cpu)
     assert p.update_in_backward is not None
     halfway = (returned + fit.room_bytes(fit_context(cpu, PLAIN))) // 2
     assert 0 <= halfway - p.allocator.from_bytes < MiB  # in whole MiB

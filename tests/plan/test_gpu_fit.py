@@ -9,6 +9,7 @@ import pytest
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import gpu_fit, plain
 from hetero.plan.model import GPU
+from hetero.plan.sections import plain_of
 from hetero.plan.solve import PlanOptions, plan, predict
 from hetero.schema import files
 from hetero.schema.profile import Memory, Profile
@@ -63,7 +64,7 @@ def test_no_default_plan_predicts_a_slower_iteration_than_plain_training():
     for seed in range(5):
         for profile in (gpu_profile(8, seed=seed), measured(gpu_profile(8, seed=seed))):
             p = plan(profile, PlanOptions())
-            bare = predict(profile, plain.plain_of(p)).iteration_s
+            bare = predict(profile, plain_of(p)).iteration_s
             reference = STEP if profile.memory is not None else bare
             assert p.predicted.iteration_s <= reference + 1e-9  # the plan's times are to the ns
 

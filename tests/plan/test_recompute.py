@@ -60,7 +60,7 @@ def test_the_fit_recomputes_the_fewest_blocks_that_keep_the_budget_and_counts_th
 
 def test_blocks_that_cannot_be_recomputed_are_left_out_with_why(cpu):
     cpu.blocks[1] = Block(name="h.1", input_bytes=MiB, recomputable=False, why="its forward changes its buffers")
-    assert "not h.1: its forward changes its buffers" in recompute.plan_for(cpu).why
+    assert "not h.1: its forward changes its buffers" in recompute.section(cpu).why
     for b in cpu.blocks:
         b.recomputable, b.why = False, "randomness it cannot replay"
     p = plan(cpu, budget(860 * MiB))
@@ -74,7 +74,7 @@ def test_blocks_that_cannot_be_recomputed_are_left_out_with_why(cpu):
 def test_recomputing_saves_nothing_below_what_the_optimizer_step_holds(cpu):
     saved = sum(x.saved_bytes for x in cpu.layers)
     params = sum(x.num_params for x in cpu.layers)
-    everything = recompute.plan_for(cpu)
+    everything = recompute.section(cpu)
     assert recompute.peak_drop(cpu, everything) == min(
         sum(u.saving_bytes for u in recompute.units(cpu)[0]) - max(u.saving_bytes for u in recompute.units(cpu)[0]),
         saved - recompute.STEP_BYTES_PER_PARAM * params)

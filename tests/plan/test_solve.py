@@ -8,7 +8,7 @@ import pytest
 
 from hetero.errors import HeteroError
 from hetero.plan.gradient_offload import grid_bytes
-from hetero.plan.gpu_layers import NO_GPU
+from hetero.plan.sections.layers import NO_GPU
 from hetero.plan.solve import ONE_PROCESS, PlanOptions, plan, predict
 from hetero.schema import files
 from hetero.schema.plan import Plan

@@ -1,0 +1,23 @@
+"""The plan's sections, one module each, in the order the planner goes through them (hetero.plan.section says what
+each contributes). Adding a section on the plan side: its module, and its entry here.
+
+The order: `draft` sections are solved in it, each from the ones before (update_in_backward only where the
+optimizer section left the script's optimizer), then the `whole` ones; sections left out say why in this order;
+the iteration adds their costs in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetero.plan.section import Section
+from hetero.plan.sections import activations, allocator, layers, optimizer, recompute, routing, update_in_backward
+from hetero.schema.plan import Plan
+
+TABLE: tuple[Section, ...] = (optimizer.SECTION, allocator.SECTION, update_in_backward.SECTION, recompute.SECTION,
+                              activations.SECTION, routing.SECTION, layers.SECTION)
+
+
+def plain_of(plan: Plan) -> Plan:
+    """`plan` with nothing moved: the script as it is (what plain training has too, such as its routing, kept)."""
+    return replace(plan, **{s.name: s.absent() for s in TABLE if not s.in_plain})
