@@ -53,6 +53,7 @@ from hetero.harness.saved_tensors import SHADOW, chain
 from hetero.kernels import dha
 from hetero.kernels.dha import Device, carve, offsets
 from hetero.run.grad_offload import HostGrads
+from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import LayerPlan, Plan
 from hetero.schema.profile import ROOT_LAYER
 from hetero.units import SIZE
@@ -119,22 +120,35 @@ def schedule(entries: list[LayerPlan], modules: list[str], params: list[str]) ->
                           if owned[e.name]))
 
 
-def shadow_model(plan: Plan) -> list[ShadowModel]:
-    """The mechanism for the plan's `layers` section: none without layers, and none when every layer stays on the
-    GPU (gfgb, grad gpu) under an optimizer that updates there."""
-    if not plan.layers:
-        return []
-    if plan.optimizer is None or plan.optimizer.device == "gpu":
-        moved = [e for e in plan.layers if e.mode != "gfgb" or e.grad != "gpu"]
+@dataclass(frozen=True, slots=True)
+class ShadowConfig:
+    """The plan's `layers` section, and where the optimizer updates the weights they place."""
+
+    layers: list[LayerPlan]
+    updated_on: str  # the optimizer section's device; `gpu` also for the script's own optimizer
+
+    @classmethod
+    def of(cls, plan: Plan) -> ShadowConfig | None:
+        """None: the plan has no layers section."""
+        if not plan.layers:
+            return None
+        return cls(plan.layers, plan.optimizer.device if plan.optimizer is not None else "gpu")
+
+
+def shadow_model(config: ShadowConfig) -> ShadowModel | None:
+    """The mechanism for the plan's `layers` section: none when every layer stays on the GPU (gfgb, grad gpu)
+    under an optimizer that updates there."""
+    if config.updated_on == "gpu":
+        moved = [e for e in config.layers if e.mode != "gfgb" or e.grad != "gpu"]
         if not moved:
-            return []
+            return None
         dha.devices.check()  # the refusal below is for a GPU machine; elsewhere, that there is none comes first
         raise HeteroError(f"layer {moved[0].name} is `mode: {moved[0].mode}, grad: {moved[0].grad}`, but the optimizer "
                           "updates on the GPU: DHA and host gradients need the master weights in host memory",
                           hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
                           exit_code=INVALID_FILE)
     dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
-    return [ShadowModel(plan)]
+    return ShadowModel(config.layers)
 
 
 # -- the mechanism ------------------------------------------------------------------------------------------------
@@ -191,11 +205,11 @@ def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> Lay
     return st
 
 
-class ShadowModel:
+class ShadowModel(Mechanism):
     """The plan's `layers` section, carried out on a device (the GPU, or the CPU stand-in in tests)."""
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    def __init__(self, layers: list[LayerPlan]):
+        self.entries = layers
         self.device: Device | None = None  # the model's own GPU, opened at bind
         self.layers: list[LayerState] = []
         self.grads: HostGrads | None = None
@@ -213,7 +227,7 @@ class ShadowModel:
         if self.layers:
             return
         modules, params = dict(model.named_modules()), dict(model.named_parameters())
-        sched = schedule(self.plan.layers, list(modules), list(params))
+        sched = schedule(self.entries, list(modules), list(params))
         # Here, not when the runtime was made: a torchrun worker picks its GPU (set_device, model.to) in between.
         self.device = dha.devices.for_model(model)
         self.copied, self.boundary = self.device.event("copies"), self.device.event("step")

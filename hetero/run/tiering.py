@@ -46,6 +46,7 @@ from hetero.kernels.dha import Device
 from hetero.run.devices.evictions import RESIDENT, Mover, Record
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import GPU, open_tier
+from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
 
@@ -91,7 +92,7 @@ class TieredPass:
     backward: bool = False
 
 
-class ActivationTiering:
+class ActivationTiering(Mechanism):
     """The plan's `activations` section, as a runtime mechanism."""
 
     def __init__(self, plan: ActivationPlan):
@@ -125,9 +126,6 @@ class ActivationTiering:
         self.unpacked = None  # the recorder's callback: a layer's saved tensor was read back (its backward start)
 
     # -- phases ------------------------------------------------------------------------------------------------
-
-    def install(self, patches, need_model) -> None:
-        """Nothing of torch is replaced: tiering works through hooks on the model, registered by `bind`."""
 
     def bind(self, model: nn.Module) -> None:
         layers = self._layers(model)
