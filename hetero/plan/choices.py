@@ -8,6 +8,7 @@ from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, routing, tiering
 from hetero.plan.model import GPU, Choices, Costs, LayerCosts, costs, timed
 from hetero.schema.plan import LayerPlan, OptimizerPlan, Plan
+from hetero.schema import tiers
 from hetero.schema.profile import Profile
 
 
@@ -46,8 +47,8 @@ def build(profile: Profile, plan: Plan) -> tuple[Costs, Choices]:
 
 
 def host_tier(profile: Profile) -> str:
-    """The name of the host-memory tier."""
-    return next((t.name for t in profile.machine.tiers if t.kind == "dram"), profile.machine.tiers[0].name)
+    """The name of the profile's host-memory tier (hetero.schema.tiers)."""
+    return tiers.host_tier(profile.machine.tiers).name
 
 
 def grads_on_nvme(profile: Profile, optimizer: OptimizerPlan | None) -> bool:
