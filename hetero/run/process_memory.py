@@ -15,6 +15,8 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
+from hetero.schema.run import ProcessPeaks
+
 
 @dataclass(frozen=True, slots=True)
 class GpuPeak:
@@ -80,6 +82,15 @@ def gpu_peak(device) -> GpuPeak | None:
 
     return GpuPeak(allocated_bytes=torch.cuda.max_memory_allocated(device),
                    reserved_bytes=torch.cuda.max_memory_reserved(device))
+
+
+def peaks(model) -> ProcessPeaks:
+    """The process's own peaks so far: VmHWM, and torch's on the model's GPU (None: no model, or not on a GPU)."""
+    device = next((p.device for p in model.parameters()), None) if model is not None else None
+    gpu = gpu_peak(device)
+    return ProcessPeaks(dram_peak_bytes=dram_peak_bytes(),
+                        gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
+                        gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)
 
 
 def peak_line(measured: int, predicted: int | None, plain: int | None, what: str = "dram peak",
