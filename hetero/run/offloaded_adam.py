@@ -17,7 +17,7 @@ from hetero.kernels.adam import Hyperparameters
 from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import NvmeStaging, on_host
 from hetero.run.states import FP32, Update, launch
-from hetero.run.torch_optim import parameters, several_ranks, torch_step, updates_the_model
+from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ class Offloaded:
         if self._homes is not None or self._own:
             return
         order = parameters(self)
-        if not updates_the_model(self, names):
+        if not updates_the_model(self, ids(names)):
             self._own = True
             return
         if self._unplaceable is not None:

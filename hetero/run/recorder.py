@@ -33,7 +33,7 @@ from hetero.run import process_memory, spans
 from hetero.run.devices.residency import UNTIERED
 from hetero.run.mechanism import Mechanism
 from hetero.run.tiering import ACTIVATIONS, ActivationTiering
-from hetero.run.torch_optim import updates_any
+from hetero.run.torch_optim import ids, updates_any
 from hetero.schema import files, trace
 from hetero.schema.plan import ActivationPrediction, Plan
 from hetero.schema.series import sweep
@@ -91,6 +91,7 @@ class Recorder(spans.Sink, Mechanism):
         self.tiering = next((m for m in others if isinstance(m, ActivationTiering)), None)
         self.window = _Window()
         self.model: nn.Module | None = None
+        self.model_ids: set[int] = set()
         self.optimizer: torch.optim.Optimizer | None = None
         self.profiler: LayerProfiler | None = None
         self.clock: CpuClock | CudaClock = CpuClock()
@@ -107,7 +108,7 @@ class Recorder(spans.Sink, Mechanism):
                         register_optimizer_step_post_hook(self._step_end)]
 
     def bind(self, model: nn.Module) -> None:
-        self.model = model
+        self.model, self.model_ids = model, ids(model.parameters())
         self.clock = CudaClock() if next(model.parameters()).device.type == "cuda" else CpuClock()
         schedule = self.plan.activations.schedule if self.plan.activations else []
         wanted = {x.name for x in self.plan.layers} | {e.layer for e in schedule}
@@ -142,7 +143,7 @@ class Recorder(spans.Sink, Mechanism):
             mb.first_unpack[i] = self.clock.mark()
 
     def _ours(self, optimizer) -> bool:
-        if self.optimizer is None and self.model is not None and updates_any(optimizer, self.model.parameters()):
+        if self.optimizer is None and self.model is not None and updates_any(optimizer, self.model_ids):
             self.optimizer = optimizer
         return optimizer is self.optimizer
 

@@ -55,6 +55,7 @@ from hetero.kernels.dha import Device, carve, offsets
 from hetero.run.grad_offload import HostGrads
 from hetero.run.mechanism import Mechanism
 from hetero.run.shadow_layout import LayerStorage, schedule
+from hetero.run.torch_optim import ids, updates_any
 from hetero.schema.plan import LayerPlan, Plan
 from hetero.schema.profile import ROOT_LAYER
 from hetero.units import SIZE
@@ -174,7 +175,7 @@ class ShadowModel(Mechanism):
             st = place(self.device, spec, [params[n] for n in spec.params])
             self.layers.append(st)
             self._hook(modules["" if spec.name == ROOT_LAYER else spec.name], st)
-        self.ids = {id(p) for st in self.layers for p in st.params}
+        self.ids = ids(p for st in self.layers for p in st.params)
         if sched.host_grads():
             self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
         self.handles += [hooks.forward(model, self._forward_done, always_call=True),
@@ -250,7 +251,7 @@ class ShadowModel(Mechanism):
     # -- the step boundary ----------------------------------------------------------------------------------------
 
     def _ours(self, optimizer) -> bool:
-        return bool(self.layers) and any(id(p) in self.ids for g in optimizer.param_groups for p in g["params"])
+        return bool(self.layers) and updates_any(optimizer, self.ids)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):

@@ -66,20 +66,23 @@ def parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def updates_any(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> bool:
-    """Whether `optimizer` updates any of `params` (the planned model's): the one way the runtime tells the model's
-    optimizer from a second model's."""
-    wanted = {id(p) for p in params}
-    return any(id(p) in wanted for p in parameters(optimizer))
+def ids(params: Iterable[torch.nn.Parameter]) -> set[int]:
+    """What `updates_any` and `updates_the_model` take: the parameters' identities (tensors compare by value)."""
+    return {id(p) for p in params}
 
 
-def updates_the_model(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> bool:
-    """`updates_any`, where a mix cannot be planned: True when `optimizer` updates only the model's `params`,
-    False for none of them (a second model's optimizer, e.g. a GAN's other half, stays torch's own); an optimizer
-    that updates both is refused."""
-    wanted = {id(p) for p in params}
+def updates_any(optimizer: torch.optim.Optimizer, model: set[int]) -> bool:
+    """Whether `optimizer` updates any of the planned model's parameters (`ids(...)`): the one way the runtime tells
+    the model's optimizer from a second model's."""
+    return any(id(p) in model for p in parameters(optimizer))
+
+
+def updates_the_model(optimizer: torch.optim.Optimizer, model: set[int]) -> bool:
+    """`updates_any`, where a mix cannot be planned: True when `optimizer` updates only the model's parameters
+    (`ids(...)`), False for none of them (a second model's optimizer, e.g. a GAN's other half, stays torch's own);
+    an optimizer that updates both is refused."""
     mine = parameters(optimizer)
-    outside = [p for p in mine if id(p) not in wanted]
+    outside = [p for p in mine if id(p) not in model]
     if outside and len(outside) < len(mine):
         raise HeteroError(f"the script's {type(optimizer).__name__} also updates {len(outside)} parameter(s) outside "
                           "the planned model", exit_code=UNSUPPORTED_SCRIPT,

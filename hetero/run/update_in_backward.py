@@ -23,7 +23,7 @@ import torch
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.script import StopScript
 from hetero.run.mechanism import Mechanism
-from hetero.run.torch_optim import (parameters, refusing_clipping, replace_adam, replace_clipping, several_ranks,
+from hetero.run.torch_optim import (ids, parameters, refusing_clipping, replace_adam, replace_clipping, several_ranks,
                                      torch_step, updates_the_model)
 from hetero.schema.plan import UpdateInBackward
 
@@ -54,7 +54,7 @@ class InBackward:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_final)
 
-    def bind(self, model_params) -> None:
+    def bind(self, model_params: set[int]) -> None:
         if self._mine is None:
             self._mine = updates_the_model(self, model_params)
 
@@ -87,7 +87,7 @@ class UpdatesInBackward(Mechanism):
     def __init__(self, section: UpdateInBackward):
         self.section = section
         self.optimizers: list[InBackward] = []
-        self.model_params: set[torch.nn.Parameter] | None = None
+        self.model_params: set[int] | None = None  # ids (hetero.run.torch_optim.ids)
 
     def install(self, patches, need_model) -> None:
         def first_use(opt: InBackward) -> None:
@@ -101,7 +101,7 @@ class UpdatesInBackward(Mechanism):
         replace_clipping(patches, lambda clip: refuse)
 
     def bind(self, model: torch.nn.Module) -> None:
-        self.model_params = set(model.parameters())
+        self.model_params = ids(model.parameters())
         for opt in self.optimizers:
             opt.bind(self.model_params)
 
