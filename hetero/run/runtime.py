@@ -2,6 +2,8 @@
 
 Each plan section is carried out by one mechanism (hetero.run.mechanism), built by the factory `MECHANISMS` names
 for it from that section alone and the shared services it declares, and driven in the order of its `Phase`.
+A new mechanism is a `Mechanism` subclass in its own module, defining only the calls it uses, and one `Entry` here;
+the run reaches it by type (`Runtime.find`), never by its position.
 """
 
 from __future__ import annotations
