@@ -9,6 +9,7 @@ from typing import Any
 from hetero.plan.model import GPU, Choices, Costs, costs, timed
 from hetero.plan.section import Translation
 from hetero.plan.sections import TABLE
+from hetero.schema import tiers
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 
@@ -49,5 +50,5 @@ def static_bytes(profile: Profile, plan: Plan) -> dict[str, int]:
 
 
 def host_tier(profile: Profile) -> str:
-    """The name of the host-memory tier."""
-    return next((t.name for t in profile.machine.tiers if t.kind == "dram"), profile.machine.tiers[0].name)
+    """The name of the profile's host-memory tier (hetero.schema.tiers)."""
+    return tiers.host_tier(profile.machine.tiers).name

@@ -8,6 +8,7 @@ from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, routing, tiering
 from hetero.plan.model import GPU
 from hetero.schema.plan import OptimizerDevice, Plan
+from hetero.schema.tiers import HOST_KIND, host_tier
 from hetero.schema.profile import Gpu, Profile, Tier
 from hetero.units import SIZE
 
@@ -62,7 +63,7 @@ def context(profile: Profile, o: PlanOptions) -> Context:
     m = profile.machine
     if not m.tiers:
         raise HeteroError("the profile lists no memory tiers", hint="re-run `hetero profile`", exit_code=USAGE)
-    host = next((t for t in m.tiers if t.kind == "dram"), m.tiers[0])
+    host = host_tier(m.tiers)
     gpu_device, gpu_budget = _gpu_budget(m.gpu, o)
     if not 0 <= o.reserve <= 1:
         raise HeteroError(f"--reserve {o.reserve:g} is not a fraction", hint="use a value from 0 to 1", exit_code=USAGE)
@@ -158,6 +159,6 @@ def _slow_tier(profile: Profile, o: PlanOptions, fast: str) -> str | None:
                               hint="re-run `hetero profile` to measure it, or pick another tier", exit_code=USAGE)
         return tier.name
     if profile.machine.gpu:
-        return next(t.name for t in tiers if t.kind == "dram") if any(t.kind == "dram" for t in tiers) else None
+        return next((t.name for t in tiers if t.kind == HOST_KIND), None)  # host memory
     usable = [t for t in tiers if t.name != fast and t.kind != "hbm" and t.read and t.write]
     return next((t.name for t in usable if t.kind == "nvme"), usable[0].name if usable else None)

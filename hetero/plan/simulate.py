@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from hetero.plan.background import Background
 from hetero.plan.model import GPU, Choices, Costs, Update, host_time_s, timed
 from hetero.schema import trace
+from hetero.schema.series import levels, sweep
 from hetero.schema.trace import Count, Span, TierUse, memory_track
 
 
@@ -326,19 +327,11 @@ def _activation_events(st: _State, tiered: bool) -> tuple[list[tuple[float, int]
 
 
 def _sweep(events: list[tuple[float, int]], horizon: float) -> tuple[int, int, list[tuple[float, int]]]:
-    """Peak and time-averaged bytes in use over [0, horizon], and the usage after each event."""
-    used = peak = 0
-    area = 0.0
-    last = 0.0
-    curve = []
-    for t, delta in sorted(events):  # at equal times, frees (negative) come first: no false peak
-        area += used * (t - last)
-        last = t
-        used += delta
-        peak = max(peak, used)
-        curve.append((t, used))
-    avg = int(area / horizon) if horizon > 0 else 0
-    return peak, avg, curve
+    """Peak and time-averaged bytes in use over [0, horizon], and the usage after each event (hetero.schema.series:
+    the recorder's rule for the measured bytes)."""
+    curve = levels(events)
+    swept = sweep(curve, 0.0, horizon)
+    return max(0, swept.peak_bytes), swept.avg_bytes if horizon > 0 else 0, curve
 
 
 def chrome_trace(result: Result) -> dict:

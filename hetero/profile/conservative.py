@@ -24,8 +24,8 @@ from hetero.plan.fit import HEADROOM
 from hetero.plan.footprint import ADAM_STATE_BYTES_PER_PARAM
 from hetero.run import process_memory
 from hetero.run.ddp_sync import DdpSync
+from hetero.run.mechanism import Patches
 from hetero.run.optimizer import OptimizerOffload
-from hetero.run.runtime import Patches
 from hetero.schema.plan import NvmeOverflow, OptimizerPlan, StatePlacement
 from hetero.units import COUNT, SIZE
 

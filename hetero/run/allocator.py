@@ -20,6 +20,7 @@ import sys
 import threading
 
 from hetero.run import process_memory
+from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
 
@@ -57,8 +58,8 @@ def trim() -> bool:
     return libc is not None and libc.malloc_trim(ctypes.c_size_t(0)) >= 0
 
 
-class ReturnFreedMemory:
-    """Applies the plan's `allocator` section for the run (a runtime Mechanism): from the start, or, with
+class ReturnFreedMemory(Mechanism):
+    """Applies the plan's `allocator` section for the run: from the start, or, with
     `from_bytes`, once a watching thread sees the resident set reach it."""
 
     def __init__(self, plan: AllocatorPlan, interval_s: float = WATCH_INTERVAL_S):
@@ -93,9 +94,6 @@ class ReturnFreedMemory:
                 self._apply()
                 return
 
-    def bind(self, model) -> None:
-        pass
-
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -113,6 +111,3 @@ class ReturnFreedMemory:
         if self.returned_at is None:
             return [f"malloc kept its defaults: the process stayed under {SIZE.format_short(self.plan.from_bytes)}"]
         return [f"malloc returned freed memory ({settings}) from {SIZE.format_short(self.returned_at)} resident on"]
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from hetero.plan import footprint
 from hetero.run import process_memory
-from hetero.schema.plan import Plan
+from hetero.run.mechanism import Mechanism
+from hetero.schema.plan import Budget, Predicted
 from hetero.units import SIZE
 
 MARGIN = 0.05  # warn within 5% of the budget
@@ -69,16 +70,17 @@ def over_line(peak: int, budget: int, predicted: int, worst: Blame | None) -> st
             f"({SIZE.format_short(worst.measured_bytes - worst.predicted_bytes)} more)")
 
 
-class BudgetWatch:
-    """A runtime Mechanism: watches the peak against `plan.budget.dram_budget_bytes` from install to close.
-    `others`: the run's other mechanisms, whose host memory it measures when the budget is passed."""
+class BudgetWatch(Mechanism):
+    """Watches the peak against `budget.dram_budget_bytes` from install to close, by the plan's `predicted`
+    account. `earlier`: the run's other mechanisms, whose host memory it measures when the budget is passed."""
 
-    def __init__(self, plan: Plan, others: list | tuple = (), interval_s: float = INTERVAL_S, out=None):
-        self.budget = plan.budget.dram_budget_bytes
-        self.contributors = dict(plan.predicted.dram)
-        self.account = dict(plan.predicted.dram) | {k: -b for k, b in plan.predicted.dram_saved.items()}
+    def __init__(self, budget: Budget, predicted: Predicted, earlier: list[Mechanism] | tuple = (),
+                 interval_s: float = INTERVAL_S, out=None):
+        self.budget = budget.dram_budget_bytes
+        self.contributors = dict(predicted.dram)
+        self.account = dict(predicted.dram) | {k: -b for k, b in predicted.dram_saved.items()}
         self.predicted = sum(self.account.values())
-        self.others = others
+        self.others = earlier
         self.interval_s = interval_s
         self.out = out or sys.stderr
         self.warned: str | None = None  # the line printed near the budget, once
@@ -90,9 +92,6 @@ class BudgetWatch:
     def install(self, patches, need_model) -> None:
         self._thread = threading.Thread(target=self._watch, name="hetero-budget-watch", daemon=True)
         self._thread.start()
-
-    def bind(self, model) -> None:
-        pass
 
     def check(self) -> None:
         """Compare the peak so far with the budget; warn the first time it is within the margin, and say so the
@@ -130,6 +129,3 @@ class BudgetWatch:
             return [f"the DRAM budget {budget} was not kept: {self.over}"]
         return [f"the DRAM budget {budget} was kept: peak {SIZE.format_short(self.peak)} "
                 f"({self.peak / self.budget:.0%} of it)"]
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}

@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from hetero.run.mechanism import Mechanism
+
 CommHook = Callable[[object, object], torch.futures.Future]
 
 
@@ -68,7 +70,7 @@ def _hook(state, bucket):  # unannotated: DDP rejects the string annotations `fr
 Attach = Callable[[DistributedDataParallel], "tuple[object, CommHook] | None"]
 
 
-class DdpSync:
+class DdpSync(Mechanism):
     """Installs the one hook on every DDP model built during the run, when some mechanism needs it."""
 
     def __init__(self):
@@ -111,14 +113,3 @@ class DdpSync:
         patches.set(DistributedDataParallel, "__init__", __init__)
         patches.set(DistributedDataParallel, "register_comm_hook", register_comm_hook)
 
-    def bind(self, model: nn.Module) -> None:
-        pass  # DDP models are hooked when built, before the capture sees the inner model
-
-    def close(self) -> None:
-        pass
-
-    def summary(self) -> list[str]:
-        return []
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}

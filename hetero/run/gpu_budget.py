@@ -16,7 +16,8 @@ from torch import nn
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.kernels import dha
 from hetero.kernels.dha import Device
-from hetero.schema.plan import Plan
+from hetero.run.mechanism import Mechanism
+from hetero.schema.plan import Budget, Predicted
 from hetero.units import SIZE
 
 GPU = "gpu"  # the GPU's key in `predicted.peak` (hetero.plan.model.GPU)
@@ -30,16 +31,13 @@ def overrun_line(budget: int, predicted: int | None, measured: int) -> str:
             f"{SIZE.format_short(measured)} reserved when an allocation failed")
 
 
-class GpuBudget:
-    """A runtime Mechanism: caps the model's GPU at the plan's budget from bind to close; explains its overrun."""
+class GpuBudget(Mechanism):
+    """Caps the model's GPU at the plan's budget from bind to close; explains its overrun."""
 
-    def __init__(self, plan: Plan):
-        self.budget = plan.budget.gpu_memory_bytes
-        self.predicted = plan.predicted.peak_bytes.get(GPU)
+    def __init__(self, budget: Budget, predicted: Predicted):
+        self.budget = budget.gpu_memory_bytes
+        self.predicted = predicted.peak_bytes.get(GPU)
         self.device: Device | None = None
-
-    def install(self, patches, need_model) -> None:
-        """Nothing before the model is known: which GPU is the model's."""
 
     def bind(self, model: nn.Module) -> None:
         try:
@@ -61,9 +59,3 @@ class GpuBudget:
         if self.device is not None:
             self.device.limit(None)
             self.device = None
-
-    def summary(self) -> list[str]:
-        return []
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}

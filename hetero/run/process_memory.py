@@ -15,6 +15,9 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
+from hetero.schema.run import ProcessPeaks
+from hetero.units import SIZE
+
 
 @dataclass(frozen=True, slots=True)
 class GpuPeak:
@@ -76,18 +79,25 @@ def gpu_peak(device) -> GpuPeak | None:
     """torch's peaks on `device` (a torch.device), or None when it is not a CUDA device."""
     if getattr(device, "type", None) != "cuda":
         return None
-    import torch
+    import torch  # here: the launcher reads the process's memory without importing torch
 
     return GpuPeak(allocated_bytes=torch.cuda.max_memory_allocated(device),
                    reserved_bytes=torch.cuda.max_memory_reserved(device))
+
+
+def peaks(model) -> ProcessPeaks:
+    """The process's own peaks so far: VmHWM, and torch's on the model's GPU (None: no model, or not on a GPU)."""
+    device = next((p.device for p in model.parameters()), None) if model is not None else None
+    gpu = gpu_peak(device)
+    return ProcessPeaks(dram_peak_bytes=dram_peak_bytes(),
+                        gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
+                        gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)
 
 
 def peak_line(measured: int, predicted: int | None, plain: int | None, what: str = "dram peak",
               plain_estimated: bool = False) -> str:
     """`dram peak 1.2GiB: 0.98x plain's 1.22GiB (a fresh process, profiled); predicted 1.21GiB, measured -1%`:
     plain's peak as the profile measured it the way this one is (what a memory limit charges)."""
-    from hetero.units import SIZE
-
     line = f"{what} {SIZE.format_short(measured)}"
     if plain:
         how = "estimated: profiled under a budget" if plain_estimated else "profiled in a fresh process"
@@ -100,8 +110,6 @@ def peak_line(measured: int, predicted: int | None, plain: int | None, what: str
 def gpu_peak_line(device, predicted: int | None) -> str | None:
     """`gpu peak reserved 2.4GiB; predicted 2.5GiB, measured -4%; allocated 2.3GiB`, for torch's peaks on
     `device`; None when it is not a CUDA device."""
-    from hetero.units import SIZE
-
     peak = gpu_peak(device)
     if peak is None:
         return None

@@ -20,19 +20,17 @@ from torch.utils.checkpoint import checkpoint
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness import hooks
+from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import RecomputePlan
 
 
-class Recompute:
-    """A runtime Mechanism: checkpoints the plan's blocks from `bind` to `close`."""
+class Recompute(Mechanism):
+    """Checkpoints the plan's blocks from `bind` to `close`."""
 
     def __init__(self, plan: RecomputePlan):
         self.plan = plan
         self.overrides: list[hooks.Override] = []
         self.recomputed = 0  # forwards of a chosen block run through checkpoint
-
-    def install(self, patches, need_model) -> None:
-        pass
 
     def bind(self, model: nn.Module) -> None:
         missing = [name for name in self.plan.blocks if not _has(model, name)]
@@ -59,9 +57,6 @@ class Recompute:
             return []
         return [f"recompute: {len(self.plan.blocks)} blocks kept only their inputs, {self.recomputed} block forwards "
                 "recomputed in backward (torch.utils.checkpoint, use_reentrant=False)"]
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}
 
 
 def _has(model: nn.Module, name: str) -> bool:

@@ -29,12 +29,16 @@ from hetero import __version__
 from hetero.errors import HeteroError
 from hetero.harness.layer_timing import CpuClock, CudaClock, LayerProfiler, PassTokens, resolve, summarize
 from hetero.harness.layers import layers_named
-from hetero.plan.model import GPU
 from hetero.run import process_memory, spans
+from hetero.run.devices.residency import UNTIERED
+from hetero.run.mechanism import Mechanism
 from hetero.run.tiering import ACTIVATIONS, ActivationTiering
+from hetero.run.torch_optim import ids, updates_any
 from hetero.schema import files, trace
 from hetero.schema.plan import ActivationPrediction, Plan
-from hetero.schema.run import ProcessPeaks, Run, RunLayer, RunSource, RunTiming, StepEnd
+from hetero.schema.series import sweep
+from hetero.schema.tiers import plan_tiers
+from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
 from hetero.units import measured
 
 
@@ -77,15 +81,17 @@ class _Window:
     start: float = 0.0
 
 
-class Recorder(spans.Sink):
-    """A runtime mechanism that records; it changes nothing the script computes."""
+class Recorder(spans.Sink, Mechanism):
+    """A runtime mechanism that records; it changes nothing the script computes. `plan`: the whole plan, whose
+    digest and layers the run's summary names; `others`: the run's other mechanisms, whose bytes it samples."""
 
-    def __init__(self, plan: Plan, out: Outputs, others: list):
+    def __init__(self, plan: Plan, out: Outputs, others: list[Mechanism]):
         super().__init__()
         self.plan, self.out, self.others = plan, out, others
         self.tiering = next((m for m in others if isinstance(m, ActivationTiering)), None)
         self.window = _Window()
         self.model: nn.Module | None = None
+        self.model_ids: set[int] = set()
         self.optimizer: torch.optim.Optimizer | None = None
         self.profiler: LayerProfiler | None = None
         self.clock: CpuClock | CudaClock = CpuClock()
@@ -102,7 +108,7 @@ class Recorder(spans.Sink):
                         register_optimizer_step_post_hook(self._step_end)]
 
     def bind(self, model: nn.Module) -> None:
-        self.model = model
+        self.model, self.model_ids = model, ids(model.parameters())
         self.clock = CudaClock() if next(model.parameters()).device.type == "cuda" else CpuClock()
         schedule = self.plan.activations.schedule if self.plan.activations else []
         wanted = {x.name for x in self.plan.layers} | {e.layer for e in schedule}
@@ -112,7 +118,7 @@ class Recorder(spans.Sink):
         self.profiler = LayerProfiler(model, layers, self.clock, saved_tensors=self.tiering is None)
         self.index = {spec.name: i for i, spec in enumerate(layers)}
         if self.tiering is not None:
-            self.tiering.unpacked = self._unpacked
+            self.tiering.on_unpack(self._unpacked)
 
     def close(self) -> None:
         self._stop()
@@ -128,12 +134,6 @@ class Recorder(spans.Sink):
               f"(recording overhead {run.timing.overhead:.1%}); compare with the plan: hetero report "
               f"{self.out.summary} --plan {self.out.plan_path}", file=sys.stderr)
 
-    def summary(self) -> list[str]:
-        return []
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}
-
     # -- the window ----------------------------------------------------------------------------------------------
 
     def _unpacked(self, layer: str) -> None:
@@ -143,10 +143,8 @@ class Recorder(spans.Sink):
             mb.first_unpack[i] = self.clock.mark()
 
     def _ours(self, optimizer) -> bool:
-        if self.optimizer is None and self.model is not None:
-            owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            if any(id(p) in owned for p in self.model.parameters()):
-                self.optimizer = optimizer
+        if self.optimizer is None and self.model is not None and updates_any(optimizer, self.model_ids):
+            self.optimizer = optimizer
         return optimizer is self.optimizer
 
     def _step_start(self, optimizer, args, kwargs) -> None:
@@ -185,14 +183,14 @@ class Recorder(spans.Sink):
 
     def _sample(self) -> None:
         """Every tier's bytes now, read under the tiering ledger's lock so its change events agree with it."""
-        lock = self.tiering.ledger.lock if self.tiering is not None else contextlib.nullcontext()
+        lock = self.tiering.lock if self.tiering is not None else contextlib.nullcontext()
         with lock:
             resident = self._resident()
-            late = self.tiering.ledger.late if self.tiering is not None else 0
+            late = self.tiering.late_prefetches() if self.tiering is not None else 0
             self.window.ends.append(Sample(self.step, perf_counter(), resident, late))
 
     def _resident(self) -> dict[str, dict[str, int]]:
-        names = tier_names(self.plan)
+        names = plan_tiers(self.plan)
         out: dict[str, dict[str, int]] = {}
         for m in [self, *self.others]:
             for role, sources in m.resident_bytes().items():
@@ -259,10 +257,9 @@ class Recorder(spans.Sink):
         changes = [(e.at, tier, source, n) for e in self.window.ends
                    for tier, sources in e.resident.items() for source, n in sources.items()]
         if self.tiering is not None:
-            ledger = self.tiering.ledger
             end = self.window.ends[-1].at
-            changes += [(ledger.start + t, tier, ACTIVATIONS, n) for t, tier, n in list(ledger.events)
-                        if tier != "saved" and self.window.start <= ledger.start + t <= end]
+            changes += [(t, tier, ACTIVATIONS, n) for tier, points in self.tiering.activation_series().items()
+                        if tier != UNTIERED for t, n in points if self.window.start <= t <= end]
         current: dict[str, dict[str, int]] = {}
         out: list[trace.Count] = []
         for t, tier, source, n in sorted(changes, key=lambda c: c[0]):
@@ -300,33 +297,17 @@ class Recorder(spans.Sink):
                    late_prefetches=ends[-1].late_prefetches - ends[0].late_prefetches, layers=layers,
                    steps=[StepEnd(step=e.step, at_s=measured(e.at - self.window.start),
                                   resident_bytes={tier: sum(s.values()) for tier, s in e.resident.items()})
-                          for e in ends[1:]], process=_process_peaks(self.model))
+                          for e in ends[1:]], process=process_memory.peaks(self.model))
 
     def _activations(self) -> ActivationPrediction | None:
         """Time-averaged and peak saved bytes in the fast tier over the window, with the tiering and without."""
         if self.tiering is None:
             return None
-        ledger, start, end = self.tiering.ledger, self.window.start, self.window.ends[-1].at
-        fast, saved = ledger.tiers[0], ledger.tiers[2]
-        series = {fast: [], saved: []}
-        for t, tier, n in list(ledger.events):
-            if tier in series:
-                series[tier].append((ledger.start + t, n))
-        (avg_f, peak_f), (avg_s, peak_s) = (_sweep(series[k], start, end) for k in (fast, saved))
-        return ActivationPrediction(avg_fast_bytes=avg_f, peak_fast_bytes=peak_f, avg_fast_untiered_bytes=avg_s,
-                                    peak_fast_untiered_bytes=peak_s)
-
-
-def tier_names(plan: Plan) -> dict[str, str]:
-    """The plan's names for the roles mechanisms report bytes under: host memory, the NVMe tier, the GPU."""
-    acts, peaks = plan.activations, list(plan.predicted.peak_bytes)
-    host = acts.fast if acts is not None and acts.fast != GPU else next((k for k in peaks if k != GPU), "dram")
-    opt_nvme = plan.optimizer.nvme if plan.optimizer else None
-    if acts is not None and (opt_nvme is None or acts.slow_path == opt_nvme.path):
-        nvme = acts.slow
-    else:
-        nvme = next((k for k in peaks if k not in (GPU, host)), "nvme")
-    return {"host": host, "nvme": nvme, "gpu": GPU}
+        series, start, end = self.tiering.activation_series(), self.window.start, self.window.ends[-1].at
+        fast, untiered = (sweep(series[k], start, end) for k in (self.tiering.plan.fast, UNTIERED))
+        return ActivationPrediction(avg_fast_bytes=fast.avg_bytes, peak_fast_bytes=fast.peak_bytes,
+                                    avg_fast_untiered_bytes=untiered.avg_bytes,
+                                    peak_fast_untiered_bytes=untiered.peak_bytes)
 
 
 def own_segments(intervals: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
@@ -353,15 +334,6 @@ def own_segments(intervals: list[tuple[int, float, float]]) -> list[tuple[int, f
     return sorted(out, key=lambda x: x[1])
 
 
-def _process_peaks(model) -> ProcessPeaks:
-    """The process's own peaks so far: VmHWM, and torch's on the model's GPU."""
-    device = next((p.device for p in model.parameters()), None) if model is not None else None
-    gpu = process_memory.gpu_peak(device)
-    return ProcessPeaks(dram_peak_bytes=process_memory.dram_peak_bytes(),
-                        gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
-                        gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)
-
-
 def _peaks(counters: list[trace.Count]) -> dict[str, int]:
     peaks: dict[str, int] = {}
     for _, track, values in counters:
@@ -369,15 +341,3 @@ def _peaks(counters: list[trace.Count]) -> dict[str, int]:
         peaks[tier] = max(peaks.get(tier, 0), sum(values.values()))
     return peaks
 
-
-def _sweep(points: list[tuple[float, int]], start: float, end: float) -> tuple[int, int]:
-    """Time-average and peak over [start, end] of a step function given by its (time, new value) changes."""
-    value = next((n for t, n in reversed(points) if t <= start), 0)
-    peak, area, last = value, 0.0, start
-    for t, n in points:
-        if start < t <= end:
-            area += value * (t - last)
-            last, value = t, n
-            peak = max(peak, value)
-    area += value * (end - last)
-    return (int(area / (end - start)) if end > start else value), peak

@@ -52,8 +52,9 @@ from hetero.harness.capture import fingerprint, unwrap
 from hetero.harness.layer_timing import CpuClock, CudaClock
 from hetero.harness.script import StopScript
 from hetero.run.ddp_sync import DdpSync
+from hetero.run.mechanism import Mechanism, NeedModel
 from hetero.run.spans import span as record_span
-from hetero.schema.plan import Plan, RoutingPlan
+from hetero.schema.plan import Plan, Predicted, RoutingPlan
 from hetero.units import SIZE, TIME
 
 PRIORITY, LATENCY, BANDWIDTH = "priority", "latency", "bandwidth"
@@ -254,22 +255,21 @@ def _checked(fut: torch.futures.Future, buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-class GradientRouting:
+class GradientRouting(Mechanism):
     """Routes the all-reduce of every DDP model of the planned model, chosen right after DDP builds it (the hook
     must be in place before the first backward; the runtime's capture only sees the inner model, at its first
     forward). `DdpSync` owns DDP's one hook; routing supplies the all-reduce it runs."""
 
-    def __init__(self, plan: Plan, ddp: DdpSync):
-        assert plan.routing is not None
-        self.plan, self.routing, self.ddp = plan, plan.routing, ddp
+    def __init__(self, routing: RoutingPlan, ddp: DdpSync, fingerprint: str, predicted: Predicted):
+        self.routing, self.ddp, self.fingerprint, self.predicted_s = routing, ddp, fingerprint, predicted.sync_s
         self.syncs: list[Sync] = []
         self.skipped: list[str] = []
 
-    def install(self, patches, need_model: Callable[[object], None]) -> None:
+    def install(self, patches, need_model: NeedModel) -> None:
         self.ddp.on_build(self._attach)
 
     def _attach(self, ddp: DistributedDataParallel) -> tuple[Sync, Callable[[Sync, object], object]] | None:
-        if fingerprint(unwrap(ddp)) != self.plan.source.model_fingerprint:
+        if fingerprint(unwrap(ddp)) != self.fingerprint:
             self.skipped.append(f"a DDP model of {type(unwrap(ddp)).__name__} that is not the planned model")
             return None
         world = dist.get_world_size()
@@ -284,9 +284,6 @@ class GradientRouting:
         self.syncs.append(sync)
         return sync, Sync.__call__
 
-    def bind(self, model: nn.Module) -> None:
-        pass  # everything happens at DDP construction, before the capture sees the model
-
     def close(self) -> None:
         # The script's DDP model keeps its hook state, and with it the paths' gloo groups, until the interpreter
         # tears down, where destroying a group whose worker threads still run aborts the process ("terminate
@@ -297,9 +294,6 @@ class GradientRouting:
             if dist.is_initialized():
                 for group in groups:
                     dist.destroy_process_group(group)
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}  # DDP's buckets belong to the script's model, not to the routing
 
     def summary(self) -> list[str]:
         lines = [f"routing: left {what} alone" for what in self.skipped]
@@ -312,7 +306,7 @@ class GradientRouting:
         moved = ", ".join(f"{path} {SIZE.format_short(b)} in {n}" for path, (b, n) in sync.moved.items())
         lines.append(f"routing: {len(seconds)} step(s) over {sync.world} ranks; per step {moved} message(s)")
         steady = seconds[1:] or seconds  # the first step also connects the groups and rebuilds DDP's buckets
-        return lines + drift(statistics.median(steady), len(steady), predicted_sync_s(self.plan))
+        return lines + drift(statistics.median(steady), len(steady), self.predicted_s)
 
 
 def drift(measured_s: float, steps: int, predicted: float | None) -> list[str]:

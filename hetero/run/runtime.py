@@ -1,79 +1,88 @@
 """The runtime of `hetero run`: carry out a plan on a script while it runs, deciding nothing itself.
 
-Each plan section is carried out by one mechanism (the offloaded optimizer, activation tiering, ...), driven
-through the same phases: `install` before the script runs (swap torch classes, register hooks); `bind` when the
-model appears (the root module with the plan's fingerprint, at its first forward, before anything runs on it);
-`close` after the script, however it ended (an error, Ctrl-C), which restores torch and removes every file made.
+Each plan section is carried out by one mechanism (hetero.run.mechanism), built by the factory `MECHANISMS` names
+for it from that section alone and the shared services it declares, and driven in the order of its `Phase`.
+A new mechanism is a `Mechanism` subclass in its own module, defining only the calls it uses, and one `Entry` here;
+the run reaches it by type (`Runtime.find`), never by its position.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.capture import Capture, fingerprint
+from hetero.run.allocator import ReturnFreedMemory
+from hetero.run.budget_watch import BudgetWatch
+from hetero.run.ddp_sync import DdpSync
+from hetero.run.gpu_budget import GpuBudget
+from hetero.run.mechanism import M, Mechanism, Patches, Phase, Services, find
+from hetero.run.optimizer import OptimizerOffload
+from hetero.run.recompute import Recompute
 from hetero.run.recorder import Outputs, Recorder
+from hetero.run.routing import GradientRouting
+from hetero.run.shadow import ShadowConfig, shadow_model
+from hetero.run.tiering import ActivationTiering
+from hetero.run.update_in_backward import UpdatesInBackward
 from hetero.schema.plan import Plan
 
 
-class Patches:
-    """Attributes of torch replaced for the run, restored in reverse order at the end."""
+@dataclass(frozen=True)
+class Entry:
+    """One mechanism of the table: `section(plan)` is what it carries out (None: the plan asks for none), and
+    `build(section, **services)` makes it (None: nothing to carry out), given the `Services` fields in `needs`."""
 
-    def __init__(self):
-        self._saved: list[tuple[object, str, object]] = []
-
-    def set(self, owner: object, name: str, value: object) -> None:
-        self._saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    def restore(self) -> None:
-        while self._saved:
-            owner, name, original = self._saved.pop()
-            setattr(owner, name, original)
+    phase: Phase
+    section: Callable[[Plan], object | None]
+    build: Callable[..., Mechanism | None]
+    needs: tuple[str, ...] = ()
 
 
-class Mechanism(Protocol):
-    """What carries out one section of the plan."""
-
-    def install(self, patches: Patches, need_model: Callable[[object], None]) -> None: ...
-    def bind(self, model: nn.Module) -> None: ...
-    def close(self) -> None: ...
-    def summary(self) -> list[str]: ...
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        """Bytes it holds now, by tier (a tier name, or the role `host`, `nvme`, `gpu`) and by what they are."""
+def _offloaded(plan: Plan):
+    return plan.optimizer if plan.optimizer is not None and plan.optimizer.device != "gpu" else None
 
 
-def mechanisms(plan: Plan) -> list[Mechanism]:
-    """The mechanisms this plan asks for."""
-    from hetero.run.allocator import ReturnFreedMemory
-    from hetero.run.budget_watch import BudgetWatch
-    from hetero.run.ddp_sync import DdpSync
-    from hetero.run.gpu_budget import GpuBudget
-    from hetero.run.optimizer import OptimizerOffload
-    from hetero.run.recompute import Recompute
-    from hetero.run.routing import GradientRouting
-    from hetero.run.shadow import shadow_model
-    from hetero.run.tiering import ActivationTiering
-    from hetero.run.update_in_backward import UpdatesInBackward
+def _synced(plan: Plan) -> bool | None:
+    """DDP's hook is needed by routing and by updates overlapped with backward."""
+    offloaded = _offloaded(plan)
+    return True if plan.routing is not None or (offloaded is not None and offloaded.overlap_backward) else None
 
-    ddp = DdpSync()  # DDP's one communication hook, shared by routing and the optimizer's overlapped updates
-    found: list[Mechanism] = [*shadow_model(plan)]  # bound first: the others see parameters where the plan puts them
-    if plan.optimizer is not None and plan.optimizer.device != "gpu":
-        found.append(OptimizerOffload(plan.optimizer, ddp))
-    found += [UpdatesInBackward(plan.update_in_backward)] if plan.update_in_backward is not None else []
-    found += [ActivationTiering(plan.activations)] if plan.activations is not None else []
-    found += [Recompute(plan.recompute)] if plan.recompute is not None else []
-    found += [GradientRouting(plan, ddp)] if plan.routing is not None else []
-    overlapped = plan.optimizer is not None and plan.optimizer.device != "gpu" and plan.optimizer.overlap_backward
-    found += [ddp] if overlapped or plan.routing is not None else []
-    # first: malloc's settings must hold before any other mechanism allocates
-    found[:0] = [ReturnFreedMemory(plan.allocator)] if plan.allocator is not None else []
-    found += [GpuBudget(plan)] if plan.budget.gpu_memory_bytes else []
-    return found + ([BudgetWatch(plan, list(found))] if plan.budget.dram_budget_bytes else [])
+
+MECHANISMS: tuple[Entry, ...] = (  # within a phase, in this order
+    Entry(Phase.MEMORY, lambda plan: plan.allocator, ReturnFreedMemory),
+    Entry(Phase.PLACEMENT, ShadowConfig.of, shadow_model),
+    Entry(Phase.OPTIMIZER, _offloaded, OptimizerOffload, needs=("ddp",)),
+    Entry(Phase.OPTIMIZER, lambda plan: plan.update_in_backward, UpdatesInBackward),
+    Entry(Phase.ACTIVATIONS, lambda plan: plan.activations, ActivationTiering),
+    Entry(Phase.ACTIVATIONS, lambda plan: plan.recompute, Recompute),
+    Entry(Phase.COMMUNICATION, lambda plan: plan.routing, GradientRouting, needs=("ddp", "fingerprint", "predicted")),
+    Entry(Phase.COMMUNICATION, _synced, lambda _, ddp: ddp, needs=("ddp",)),
+    Entry(Phase.BUDGET, lambda plan: plan.budget if plan.budget.gpu_memory_bytes else None, GpuBudget,
+          needs=("predicted",)),
+    Entry(Phase.WATCH, lambda plan: plan.budget if plan.budget.dram_budget_bytes else None, BudgetWatch,
+          needs=("predicted", "earlier")),
+    Entry(Phase.RECORD, lambda plan: plan, lambda plan, record, earlier: Recorder(plan, record, earlier)
+          if record is not None else None, needs=("record", "earlier")),  # the digest of the whole plan
+)
+
+
+def mechanisms(plan: Plan, record: Outputs | None = None, table: tuple[Entry, ...] = MECHANISMS) -> list[Mechanism]:
+    """The mechanisms this plan asks for (and the recorder, given `record`), in the order of their phases."""
+    services = Services(fingerprint=plan.source.model_fingerprint, budget=plan.budget, predicted=plan.predicted,
+                        ddp=DdpSync(), record=record)
+    found: list[Mechanism] = []
+    for entry in sorted(table, key=lambda e: e.phase):
+        section = entry.section(plan)
+        if section is None:
+            continue
+        given = replace(services, earlier=list(found))
+        made = entry.build(section, **{name: getattr(given, name) for name in entry.needs})
+        found += [made] if made is not None else []
+    return found
 
 
 class Runtime:
@@ -81,11 +90,13 @@ class Runtime:
         self.plan, self.allow_stale = plan, allow_stale
         self.capture = Capture(self._found, script, fingerprint=plan.source.model_fingerprint,
                                parts=[(m.name, m.fingerprint) for m in plan.source.models])
-        self.mechanisms = mechanisms(plan)
-        if record is not None:  # last: it reads the others' bytes
-            self.mechanisms.append(Recorder(plan, record, list(self.mechanisms)))
+        self.mechanisms = mechanisms(plan, record)
         self.patches = Patches()
         self.model: nn.Module | None = None
+
+    def find(self, kind: type[M]) -> M | None:
+        """The run's mechanism of type `kind` (None: the plan has none)."""
+        return find(self.mechanisms, kind)
 
     def __enter__(self) -> Runtime:
         self.capture.__enter__()
@@ -122,5 +133,4 @@ class Runtime:
 
     def explain(self, error: BaseException) -> HeteroError | None:
         """The one-line error a mechanism has for the script's exception (an overrun of its budget), or None."""
-        return next((e for m in self.mechanisms if hasattr(m, "explain") and (e := m.explain(error)) is not None),
-                    None)
+        return next((e for m in self.mechanisms if (e := m.explain(error)) is not None), None)

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
+from hetero.errors import INVALID_FILE, HeteroError
 from hetero.harness import hooks
 from hetero.harness.capture import calling
 from hetero.harness.layers import before_backward
@@ -53,88 +53,42 @@ from hetero.harness.saved_tensors import SHADOW, chain
 from hetero.kernels import dha
 from hetero.kernels.dha import Device, carve, offsets
 from hetero.run.grad_offload import HostGrads
+from hetero.run.mechanism import Mechanism
+from hetero.run.shadow_layout import LayerStorage, schedule
+from hetero.run.torch_optim import ids, updates_any
 from hetero.schema.plan import LayerPlan, Plan
 from hetero.schema.profile import ROOT_LAYER
 from hetero.units import SIZE
 
-# -- the pure part: plan -> storage per parameter and the stream plan ---------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
-class LayerStorage:
-    name: str
-    mode: str  # gfgb | dha | dfgb
-    grad: str  # gpu | host
-    params: tuple[str, ...]  # qualified names of the parameters this layer places
+class ShadowConfig:
+    """The plan's `layers` section, and where the optimizer updates the weights they place."""
+
+    layers: list[LayerPlan]
+    updated_on: str  # the optimizer section's device; `gpu` also for the script's own optimizer
+
+    @classmethod
+    def of(cls, plan: Plan) -> ShadowConfig | None:
+        """None: the plan has no layers section."""
+        if not plan.layers:
+            return None
+        return cls(plan.layers, plan.optimizer.device if plan.optimizer is not None else "gpu")
 
 
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    """What the shadow model does and when, for the layers (in forward order) that own parameters."""
-
-    layers: tuple[LayerStorage, ...]
-
-    def storage(self) -> dict[str, str]:
-        """Each placed parameter's mode."""
-        return {p: x.mode for x in self.layers for p in x.params}
-
-    def copies_after_step(self) -> list[str]:
-        """GFGB layers, in forward order: copied on the copy stream after the step, one event each."""
-        return [x.name for x in self.layers if x.mode == "gfgb"]
-
-    def waits_before_forward(self) -> list[str]:
-        """Layers whose forward waits for their own copy event."""
-        return self.copies_after_step()
-
-    def copies_after_forward(self) -> list[str]:
-        """DFGB layers, in backward order: copied at the model's forward end, each after its own forward ended."""
-        return [x.name for x in reversed(self.layers) if x.mode == "dfgb"]
-
-    def switches_before_backward(self) -> list[str]:
-        """Layers whose storage switches from the host view to the device copy when their backward starts."""
-        return [x.name for x in self.layers if x.mode == "dfgb"]
-
-    def host_grads(self) -> list[str]:
-        return [p for x in self.layers if x.grad == "host" for p in x.params]
-
-
-def schedule(entries: list[LayerPlan], modules: list[str], params: list[str]) -> Schedule:
-    """Each parameter (by qualified name) belongs to the deepest plan layer whose module contains it: the module
-    owning it directly (module granularity) or its repeated block (block granularity); none leaves it as it is."""
-    known = {name or ROOT_LAYER for name in modules}
-    unknown = [e.name for e in entries if e.name not in known]
-    if unknown:
-        raise HeteroError(f"the plan's layers section names {len(unknown)} layer(s) the model does not have: "
-                          f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}",
-                          hint="profile and plan again for this model", exit_code=STALE_PLAN)
-    by_module = {"" if e.name == ROOT_LAYER else e.name: e for e in entries}
-    owned: dict[str, list[str]] = {e.name: [] for e in entries}
-    for param in params:
-        path = param.split(".")[:-1]
-        owner = next((by_module[".".join(path[:k])] for k in range(len(path), -1, -1)
-                      if ".".join(path[:k]) in by_module), None)
-        if owner is not None:
-            owned[owner.name].append(param)
-    return Schedule(tuple(LayerStorage(e.name, e.mode, e.grad, tuple(owned[e.name])) for e in entries
-                          if owned[e.name]))
-
-
-def shadow_model(plan: Plan) -> list[ShadowModel]:
-    """The mechanism for the plan's `layers` section: none without layers, and none when every layer stays on the
-    GPU (gfgb, grad gpu) under an optimizer that updates there."""
-    if not plan.layers:
-        return []
-    if plan.optimizer is None or plan.optimizer.device == "gpu":
-        moved = [e for e in plan.layers if e.mode != "gfgb" or e.grad != "gpu"]
+def shadow_model(config: ShadowConfig) -> ShadowModel | None:
+    """The mechanism for the plan's `layers` section: none when every layer stays on the GPU (gfgb, grad gpu)
+    under an optimizer that updates there."""
+    if config.updated_on == "gpu":
+        moved = [e for e in config.layers if e.mode != "gfgb" or e.grad != "gpu"]
         if not moved:
-            return []
+            return None
         dha.devices.check()  # the refusal below is for a GPU machine; elsewhere, that there is none comes first
         raise HeteroError(f"layer {moved[0].name} is `mode: {moved[0].mode}, grad: {moved[0].grad}`, but the optimizer "
                           "updates on the GPU: DHA and host gradients need the master weights in host memory",
                           hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
                           exit_code=INVALID_FILE)
     dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
-    return [ShadowModel(plan)]
+    return ShadowModel(config.layers)
 
 
 # -- the mechanism ------------------------------------------------------------------------------------------------
@@ -191,11 +145,11 @@ def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> Lay
     return st
 
 
-class ShadowModel:
+class ShadowModel(Mechanism):
     """The plan's `layers` section, carried out on a device (the GPU, or the CPU stand-in in tests)."""
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    def __init__(self, layers: list[LayerPlan]):
+        self.entries = layers
         self.device: Device | None = None  # the model's own GPU, opened at bind
         self.layers: list[LayerState] = []
         self.grads: HostGrads | None = None
@@ -213,7 +167,7 @@ class ShadowModel:
         if self.layers:
             return
         modules, params = dict(model.named_modules()), dict(model.named_parameters())
-        sched = schedule(self.plan.layers, list(modules), list(params))
+        sched = schedule(self.entries, list(modules), list(params))
         # Here, not when the runtime was made: a torchrun worker picks its GPU (set_device, model.to) in between.
         self.device = dha.devices.for_model(model)
         self.copied, self.boundary = self.device.event("copies"), self.device.event("step")
@@ -221,7 +175,7 @@ class ShadowModel:
             st = place(self.device, spec, [params[n] for n in spec.params])
             self.layers.append(st)
             self._hook(modules["" if spec.name == ROOT_LAYER else spec.name], st)
-        self.ids = {id(p) for st in self.layers for p in st.params}
+        self.ids = ids(p for st in self.layers for p in st.params)
         if sched.host_grads():
             self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
         self.handles += [hooks.forward(model, self._forward_done, always_call=True),
@@ -297,7 +251,7 @@ class ShadowModel:
     # -- the step boundary ----------------------------------------------------------------------------------------
 
     def _ours(self, optimizer) -> bool:
-        return bool(self.layers) and any(id(p) in self.ids for g in optimizer.param_groups for p in g["params"])
+        return bool(self.layers) and updates_any(optimizer, self.ids)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):

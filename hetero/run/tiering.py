@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from time import perf_counter
 
 import torch
@@ -41,57 +41,17 @@ from hetero.harness.layers import LayerSpec, before_backward, layers_named, shar
 from hetero.harness.models import roots
 from hetero.harness.saved_tensors import TIERING, chain
 from hetero.harness.script import StopScript
-from hetero.kernels import dha
-from hetero.kernels.dha import Device
-from hetero.run.devices.evictions import RESIDENT, Mover, Record
+from hetero.run.devices.evictions import RESIDENT, Group, Mover, Record, Saved, TieredPass
 from hetero.run.devices.residency import Ledger
-from hetero.run.devices.slow_tier import GPU, open_tier
+from hetero.run.devices.slow_tier import model_gpu, open_tier
+from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import ActivationPlan
 from hetero.units import relative_change, short_size, short_time
 
 ACTIVATIONS = "saved activations"  # what the tiers' bytes are, in the run's memory counters
 
 
-@dataclass(eq=False, slots=True)
-class Saved:
-    """What the pack hook hands autograd instead of a tensor: the storage's record and how to view it again."""
-
-    record: Record
-    tensor: torch.Tensor | None  # kept as is: not movable
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass(eq=False)
-class Group:
-    """A layer's saved storages in one micro-batch."""
-
-    layer: str
-    mb: TieredPass
-    budget: int  # bytes the plan evicts
-    committed: int = 0  # bytes queued for eviction so far
-    ended: bool = False  # the layer's forward has ended (at least once)
-    requested: bool = False  # its prefetch was queued: nothing more leaves
-    records: dict[int, weakref.ref] = field(default_factory=dict)
-
-    def live(self) -> list[Record]:
-        return [r for r in (ref() for ref in list(self.records.values())) if r is not None]
-
-
-@dataclass(eq=False)
-class TieredPass:
-    start: float
-    timed: list[tuple[float, str]]  # prefetches due by time (from the forward start), earliest first
-    groups: dict[str, Group] = field(default_factory=dict)
-    storages: dict[int, weakref.ref] = field(default_factory=dict)  # data_ptr -> record
-    pending: list[Record] = field(default_factory=list)  # saved before the first layer started
-    started: set[str] = field(default_factory=set)  # layers whose backward started
-    backward: bool = False
-
-
-class ActivationTiering:
+class ActivationTiering(Mechanism):
     """The plan's `activations` section, as a runtime mechanism."""
 
     def __init__(self, plan: ActivationPlan):
@@ -122,17 +82,14 @@ class ActivationTiering:
         self.last_ended: str | None = None
         self.param_storages: set[int] = set()
         self.sharded = False  # FSDP2: the parameters' storages are read again at each layer's start
-        self.unpacked = None  # the recorder's callback: a layer's saved tensor was read back (its backward start)
+        self.unpack_listeners: list[Callable[[str], None]] = []  # told each layer whose saved tensor is read back
 
     # -- phases ------------------------------------------------------------------------------------------------
-
-    def install(self, patches, need_model) -> None:
-        """Nothing of torch is replaced: tiering works through hooks on the model, registered by `bind`."""
 
     def bind(self, model: nn.Module) -> None:
         layers = self._layers(model)
         self.model, self.sharded = model, sharded(model)
-        tier, self.note = open_tier(self.plan, _gpu(self.plan, model))
+        tier, self.note = open_tier(self.plan, model_gpu(self.plan, model))
         self.mover, self.device = Mover(tier, self.ledger), tier.device
         for spec in layers:
             self.names[id(spec.module)] = spec.name
@@ -176,6 +133,19 @@ class ActivationTiering:
         with self.lock:
             fast, slow, _ = self.ledger.now
         return {self.plan.fast: {ACTIVATIONS: fast}, self.plan.slow: {ACTIVATIONS: slow}}
+
+    def on_unpack(self, listener: Callable[[str], None]) -> None:
+        """`listener(layer)` is called at each read of a saved tensor of `layer` (its backward has started)."""
+        self.unpack_listeners.append(listener)
+
+    def activation_series(self) -> dict[str, list[tuple[float, int]]]:
+        """Saved-activation bytes over time (hetero.run.devices.residency.Ledger.series)."""
+        return self.ledger.series()
+
+    def late_prefetches(self) -> int:
+        """Prefetches not complete when autograd asked, so far."""
+        with self.lock:
+            return self.ledger.late
 
     def _layers(self, model: nn.Module) -> list[LayerSpec]:
         """The profile's layers: the granularity under which every layer the schedule names exists."""
@@ -317,8 +287,8 @@ class ActivationTiering:
         record = saved.record
         if record.group is not None:
             self._started(record.group.mb, record.group.layer)
-            if self.unpacked is not None:
-                self.unpacked(record.group.layer)
+            for listener in self.unpack_listeners:
+                listener(record.group.layer)
         if saved.tensor is not None:
             return saved.tensor
         data = self.mover.data(record)  # uint8, where the storage's bytes are (it may start inside a larger buffer)
@@ -369,13 +339,3 @@ class ActivationTiering:
             if group.committed:
                 self.mover.prefetch(reversed(group.records.values()))  # backward's order: the last saved first
 
-
-def _gpu(plan: ActivationPlan, model: nn.Module) -> Device | None:
-    """The model's GPU, where the plan tiers GPU memory and there is one."""
-    if plan.fast != GPU:
-        return None
-    try:
-        dha.devices.check()
-    except HeteroError:
-        return None
-    return dha.devices.for_model(model)

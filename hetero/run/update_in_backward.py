@@ -15,19 +15,30 @@ section only for scripts whose profile saw one backward per step and no clipping
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.script import StopScript
-from hetero.run.optimizer import refusing_clipping, replace_adam, several_ranks, torch_step, updates_the_model
+from hetero.run.mechanism import Mechanism
+from hetero.run.torch_optim import (ids, parameters, refusing_clipping, replace_adam, replace_clipping, several_ranks,
+                                     torch_step, updates_the_model)
 from hetero.schema.plan import UpdateInBackward
 
 
-class InBackward:
-    """Mixed into torch's Adam/AdamW by `UpdatesInBackward`, which sets `on_first_use` for the run."""
+@dataclass(frozen=True, slots=True)
+class InBackwardConfig:
+    on_first_use: Callable[[object], None]  # (optimizer): the runtime binds the model's parameters before an update
 
-    on_first_use = None  # callable(optimizer): the runtime binds the model's parameters before the first update
-    replaces = None  # the torch class this one stands in for
+
+class InBackward:
+    """Mixed into torch's Adam/AdamW by `UpdatesInBackward` (hetero.run.torch_optim.replace_adam), which gives the
+    class its `config` and `replaces` (the torch class it stands in for) for the run."""
+
+    config: InBackwardConfig
+    replaces: type
 
     def __init__(self, *args, **kwargs):
         self._group_of: dict[torch.nn.Parameter, dict] = {}
@@ -43,13 +54,13 @@ class InBackward:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_final)
 
-    def bind(self, model_params) -> None:
+    def bind(self, model_params: set[int]) -> None:
         if self._mine is None:
-            self._mine = updates_the_model(self, list(self._group_of), model_params)
+            self._mine = updates_the_model(self, model_params)
 
     def _grad_final(self, p: torch.nn.Parameter) -> None:
         if self._mine is None:
-            type(self).on_first_use(self)
+            self.config.on_first_use(self)
         if not self._mine:
             return
         if p in self._updated:
@@ -70,45 +81,37 @@ class InBackward:
         return torch_step(self.replaces, self, closure)
 
 
-class UpdatesInBackward:
+class UpdatesInBackward(Mechanism):
     """Carries out the plan's `update_in_backward` (a runtime Mechanism)."""
 
     def __init__(self, section: UpdateInBackward):
         self.section = section
         self.optimizers: list[InBackward] = []
-        self.model_params: set[torch.nn.Parameter] | None = None
+        self.model_params: set[int] | None = None  # ids (hetero.run.torch_optim.ids)
 
     def install(self, patches, need_model) -> None:
         def first_use(opt: InBackward) -> None:
             need_model(opt)  # binds every optimizer through bind() below
             opt.bind(self.model_params)
 
-        replace_adam(patches, InBackward, {"on_first_use": staticmethod(first_use)}, self.optimizers,
+        replace_adam(patches, InBackward, InBackwardConfig(first_use), self.optimizers,
                      lambda opt: opt.bind(self.model_params) if self.model_params is not None else None)
         refuse = refusing_clipping("the plan updates each parameter during backward (update_in_backward)",
                                    "hetero plan updates in backward only for scripts that do not clip")
-        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-            for name in ("clip_grad_norm_", "clip_grad_value_"):
-                patches.set(owner, name, refuse)
+        replace_clipping(patches, lambda clip: refuse)
 
     def bind(self, model: torch.nn.Module) -> None:
-        self.model_params = set(model.parameters())
+        self.model_params = ids(model.parameters())
         for opt in self.optimizers:
             opt.bind(self.model_params)
-
-    def close(self) -> None:
-        pass
 
     def summary(self) -> list[str]:
         mine = [opt for opt in self.optimizers if opt._mine]
         if not mine:
             return []
-        params = sum(p.numel() for opt in mine for p in opt._group_of)
+        params = sum(p.numel() for opt in mine for p in parameters(opt))
         return [(f"the script's {self.section.kind} updated {params / 1e6:.2f}M parameters during backward, each "
                  "gradient freed once used (torch's own arithmetic)")]
-
-    def resident_bytes(self) -> dict[str, dict[str, int]]:
-        return {}
 
 
 def _second_backward() -> HeteroError:

@@ -103,6 +103,8 @@ class NvmeOverflow:
                       "from the moment each is final until `step()` reads it with the states: host memory holds "
                       "none between backward and step, and `.grad` is None meanwhile (a clip brings them back "
                       "first).", default=False)
+    tier: str | None = doc("The profile's name of the tier `path` is on (hetero.schema.tiers: the NVMe role of the "
+                           "run's memory accounting); null in plans written before it.", default=None)
 
     def problems(self) -> list[tuple[str, str]]:
         return [("path", "empty path (give a directory)")] if not self.path.strip() else []

@@ -41,7 +41,7 @@ def settled(steps: tier_steps.TierSteps, model: nn.Module) -> None:
         out.register_hook(lambda grad: until(mover.writer.idle))
 
     model.register_forward_hook(backward_waits_for_the_writer)
-    steps.tiering.unpacked = lambda layer: until(mover.reader.idle)
+    steps.tiering.on_unpack(lambda layer: until(mover.reader.idle))
 
 
 class Settled(tier_steps.TierSteps):

@@ -74,10 +74,10 @@ def test_the_watch_warns_once_near_the_budget_naming_the_largest_contributors():
     plan.predicted = Predicted(iteration_s=1.0, peak_bytes={}, dram={"plain training": 3 << 30, "staging": 1 << 20,
                                                                        "hetero optimizer": 1 << 30})
     out = io.StringIO()
-    far = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=4 * now)), out=out)
+    far = BudgetWatch(replace(plan.budget, dram_budget_bytes=4 * now), plan.predicted, out=out)
     far.check()
     assert far.warned is None and out.getvalue() == ""
-    near = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=int(now / 0.97))), out=out)
+    near = BudgetWatch(replace(plan.budget, dram_budget_bytes=int(now / 0.97)), plan.predicted, out=out)
     near.check()
     near.check()
     lines = out.getvalue().splitlines()
@@ -99,14 +99,14 @@ def test_passing_the_budget_is_said_at_once_with_the_peak_and_the_entry_most_to_
     plan.predicted = Predicted(iteration_s=1.0, peak_bytes={}, dram={"plain training": now // 2},
                                dram_saved={"gradients freed in backward": 1 << 20})
     out = io.StringIO()
-    watch = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=now // 2)), out=out)
+    watch = BudgetWatch(replace(plan.budget, dram_budget_bytes=now // 2), plan.predicted, out=out)
     watch.check()
     watch.check()
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and "is over the plan's" in lines[0] and "most to blame by the plan's account: plain " \
         "training" in lines[0]
     assert watch.summary()[0].startswith(f"the DRAM budget {SIZE.format_short(now // 2)} was not kept")
-    kept = BudgetWatch(replace(plan, budget=replace(plan.budget, dram_budget_bytes=4 * now)), out=out)
+    kept = BudgetWatch(replace(plan.budget, dram_budget_bytes=4 * now), plan.predicted, out=out)
     kept.check()
     assert kept.summary()[0].startswith(f"the DRAM budget {SIZE.format_short(4 * now)} was kept")
 

@@ -23,7 +23,7 @@ from hetero.kernels.standin import StandInDevice
 from hetero.run import shadow, tiering
 from hetero.run.devices.evictions import Record, Worker
 from hetero.run.grad_offload import HostGrads
-from hetero.run.optimizer import Offloaded
+from hetero.run.offloaded_adam import Offloaded
 from hetero.run.runtime import Runtime
 from hetero.run.shadow import ShadowModel
 from hetero.run.states import Driver

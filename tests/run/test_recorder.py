@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from hetero.cli.main import main
-from hetero.run.recorder import _sweep, own_segments
+from hetero.run.recorder import own_segments
 from hetero.schema import files
 from hetero.schema.run import Run
 from tests.conftest import REPO, cuda_reported_in
@@ -116,11 +116,6 @@ def test_own_segments_split_a_parent_around_its_children():
     # layer 0 runs [0, 10] with children 1 [2, 4] and 2 [6, 7]; layer 3 runs [12, 13]
     got = own_segments([(1, 2, 4), (0, 0, 10), (2, 6, 7), (3, 12, 13)])
     assert got == [(0, 0, 2), (1, 2, 4), (0, 4, 6), (2, 6, 7), (0, 7, 10), (3, 12, 13)]
-
-
-def test_sweep_averages_a_step_function_over_the_window():
-    # 10 before the window, 30 from t=2 to 3, 0 from t=3: average over [1, 5] = (10*1 + 30*1) / 4
-    assert _sweep([(0.0, 10), (2.0, 30), (3.0, 0), (9.0, 50)], 1.0, 5.0) == (10, 30)
 
 
 def test_a_trace_whose_summary_would_overwrite_the_plan_is_refused(tmp_path, capfd, repo):

@@ -19,7 +19,8 @@ from hetero.harness.script import StopScript
 from hetero.kernels.dha import same_memory
 from hetero.kernels.standin import StandInDevice
 from hetero.run.runtime import Runtime
-from hetero.run.shadow import ShadowModel, schedule
+from hetero.run.shadow import ShadowModel
+from hetero.run.shadow_layout import schedule
 from hetero.schema.plan import LayerPlan, Plan
 from tests.run.plans import optimizer_plan
 

@@ -19,6 +19,7 @@ from hetero.harness.script import StopScript
 from hetero.plan.model import chunks
 from hetero.run.devices.evictions import Mover
 from hetero.run.runtime import Runtime
+from hetero.run.tiering import ActivationTiering
 from hetero.schema.plan import ActivationPlan, Budget, Eviction, Plan, Predicted, Source
 from tests.waits import until
 
@@ -127,14 +128,14 @@ def run_both(name: str, make, nvme, evict, trigger="next", min_tensor=1024, accu
     ref_model, model = make(), make()
     ref = train(ref_model, name, accum=accum)
     runtime = Runtime(tiering_plan(model, str(nvme), evict, trigger, min_tensor), script=__file__)
-    between = (lambda step: until(runtime.mechanisms[0].mover.writer.idle)) if drain else None
+    between = (lambda step: until(runtime.find(ActivationTiering).mover.writer.idle)) if drain else None
     with runtime:
         out = train(model, name, accum=accum, between=between)
     assert_close(torch.tensor(out), torch.tensor(ref))
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert_close(p, q)
     assert not nvme.exists() or os.listdir(nvme) == []
-    return runtime.mechanisms[0]
+    return runtime.find(ActivationTiering)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -163,7 +164,7 @@ def test_evicted_memory_is_released_until_backward(tmp_path):
     model = tiny_gpt()
     with Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB), script=__file__) as runtime:
         train(model, "gpt", steps=1)
-        tiering = runtime.mechanisms[0]
+        tiering = runtime.find(ActivationTiering)
         out = model(batch("gpt", 1)[0])
         until(tiering.mover.writer.idle)
         fast, slow, saved = tiering.ledger.now
@@ -212,7 +213,7 @@ def test_what_was_evicted_last_comes_back_first(tmp_path, monkeypatch):
     runtime = Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB, trigger="time"), script=__file__)
 
     def backward_starts(step):
-        until(runtime.mechanisms[0].mover.writer.idle)
+        until(runtime.find(ActivationTiering).mover.writer.idle)
         fetched.append(None)
 
     with runtime:
@@ -252,17 +253,17 @@ def test_evaluation_forwards_are_left_alone(tmp_path):
     model = small_cnn()
     with Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB), script=__file__) as runtime:
         train(model, "cnn", steps=1)
-        before = runtime.mechanisms[0].ledger.report().evictions
+        before = runtime.find(ActivationTiering).ledger.report().evictions
         with torch.no_grad():
             model(batch("cnn", 0)[0])
-        assert runtime.mechanisms[0].ledger.report().evictions == before
+        assert runtime.find(ActivationTiering).ledger.report().evictions == before
 
 
 def test_a_graph_dropped_without_backward_leaves_no_file(tmp_path):
     model = tiny_gpt()
     with Runtime(tiering_plan(model, str(tmp_path / "nvme"), GiB), script=__file__) as runtime:
         train(model, "gpt", steps=1)
-        tiering = runtime.mechanisms[0]
+        tiering = runtime.find(ActivationTiering)
         loss = model(batch("gpt", 1)[0]).sum()
         until(lambda: len(tiering.mover.tier.store) > 0)
         del loss
@@ -277,7 +278,7 @@ def test_an_exception_in_the_script_leaves_no_file(tmp_path):
     with pytest.raises(KeyError), Runtime(tiering_plan(model, str(nvme), GiB), script=__file__) as runtime:
         train(model, "gpt", steps=2)
         loss = model(batch("gpt", 2)[0]).sum()  # evicted activations in flight
-        until(lambda: len(runtime.mechanisms[0].mover.tier.store) > 0)
+        until(lambda: len(runtime.find(ActivationTiering).mover.tier.store) > 0)
         raise KeyError(loss.item())
     assert not nvme.exists()
 
@@ -301,7 +302,7 @@ def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
     assert_close(torch.tensor(out), torch.tensor(ref))
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert_close(p, q)
-    assert runtime.mechanisms[0].ledger.report().evictions > 0
+    assert runtime.find(ActivationTiering).ledger.report().evictions > 0
     assert stand_in.allocations and {a.stream for a in stand_in.allocations} == {COMPUTE}
     assert {a.thread for a in stand_in.allocations} == {threading.current_thread().name}
     used = {s for a in stand_in.allocations for s in a.used_by}
@@ -338,5 +339,5 @@ def test_gpu_training_equals_plain_pytorch(below, tmp_path):
     assert_close(torch.tensor(out), torch.tensor(ref))
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert_close(p, q)
-    assert runtime.mechanisms[0].ledger.report().evictions > 0
+    assert runtime.find(ActivationTiering).ledger.report().evictions > 0
     assert not (tmp_path / "nvme").exists()

@@ -127,7 +127,7 @@ def _placed(ctx: Context, omitted: dict[str, str], levers: frozenset[str]) -> Op
                              why=f"--optimizer-device gpu: every state on the GPU; {overlap_why}")
     placement = _placement(ctx, device)
     rates = ctx.rates(device)
-    nvme = NvmeOverflow(path=ctx.nvme.path or ctx.nvme.name, size_bytes=placement.nvme_bytes) \
+    nvme = NvmeOverflow(path=ctx.nvme.path or ctx.nvme.name, tier=ctx.nvme.name, size_bytes=placement.nvme_bytes) \
         if placement.nvme_bytes else None
     ax = ctx.profile.machine.axdimm
     out = OptimizerPlan(kind=training.optimizer, device=device, backend=ax.backend if device == "axdimm" else None,
@@ -163,7 +163,7 @@ def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:
     total = sum(axdimm.state_bytes(p) for p in ctx.params)
     out = OptimizerPlan(kind=training.optimizer, device="host", overlap_backward=False,
                         micro_batches=training.grad_accumulation,
-                        nvme=NvmeOverflow(path=nvme.path or nvme.name, size_bytes=total, grads=grads),
+                        nvme=NvmeOverflow(path=nvme.path or nvme.name, tier=nvme.name, size_bytes=total, grads=grads),
                         states=[StatePlacement(param=p.name, tier="nvme") for p in ctx.params])
     staging = optimizer_bytes.staging_bytes(ctx.profile, out)
     kept = (f"each gradient ({SIZE.format_short(sum(4 * p.num_params for p in ctx.params))} in all) is written "

@@ -42,7 +42,8 @@ def static_bytes(profile: Profile, optimizer: OptimizerPlan | None, host: str) -
         elif tier == "gpu":
             out[GPU] = out.get(GPU, 0) + 8 * p.num_params + (4 * p.num_params if _narrow(profile) else 0)
     if optimizer and optimizer.nvme:
-        tier = next((t for t in m.tiers if t.path == optimizer.nvme.path), axdimm.nvme_tier(profile))
+        tier = next((t for t in m.tiers if t.name == optimizer.nvme.tier), None) or \
+            next((t for t in m.tiers if t.path == optimizer.nvme.path), axdimm.nvme_tier(profile))
         if tier is not None:
             out[tier.name] = out.get(tier.name, 0) + optimizer.nvme.size_bytes
     return out

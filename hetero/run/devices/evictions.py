@@ -26,7 +26,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from time import perf_counter
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -47,6 +48,48 @@ class Deletion(NamedTuple):
     layer: str
 
 
+@dataclass(eq=False, slots=True)
+class Saved:
+    """What the pack hook hands autograd instead of a tensor: the storage's record and how to view it again."""
+
+    record: Record
+    tensor: torch.Tensor | None  # kept as is: not movable
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(eq=False)
+class Group:
+    """A layer's saved storages in one micro-batch: what activation tiering (hetero.run.tiering) evicts and
+    prefetches together."""
+
+    layer: str
+    mb: TieredPass
+    budget: int  # bytes the plan evicts
+    committed: int = 0  # bytes queued for eviction so far
+    ended: bool = False  # the layer's forward has ended (at least once)
+    requested: bool = False  # its prefetch was queued: nothing more leaves
+    records: dict[int, weakref.ref] = field(default_factory=dict)
+
+    def live(self) -> list[Record]:
+        return [r for r in (ref() for ref in list(self.records.values())) if r is not None]
+
+
+@dataclass(eq=False)
+class TieredPass:
+    """One micro-batch's forward and backward as tiering sees them: its layers' groups and progress."""
+
+    start: float
+    timed: list[tuple[float, str]]  # prefetches due by time (from the forward start), earliest first
+    groups: dict[str, Group] = field(default_factory=dict)
+    storages: dict[int, weakref.ref] = field(default_factory=dict)  # data_ptr -> record
+    pending: list[Record] = field(default_factory=list)  # saved before the first layer started
+    started: set[str] = field(default_factory=set)  # layers whose backward started
+    backward: bool = False
+
+
 class Record:
     """One saved storage. Autograd's saved variables hold it; when the last one goes, its bytes leave the ledger
     and a copy still in the slow tier is deleted."""
@@ -60,7 +103,7 @@ class Record:
         self.data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage) if movable else None
         self.rest: torch.Tensor | None = None  # the part a partial eviction keeps in fast memory
         self.state, self.evict_bytes = RESIDENT, 0
-        self.group: Any = None  # the owning layer's group (hetero.run.tiering), with its `layer` name
+        self.group: Group | None = None  # the layer that saved it last (hetero.run.tiering decides)
         self.ready = self.marker = self.back = self.error = None
         self.late, self.resident, self.slow = False, self.nbytes, 0
         self.fetched = False  # `data` is a buffer the tier handed out, to give back when done

@@ -15,6 +15,7 @@ from time import perf_counter
 
 from hetero.schema.trace import TierUse
 
+UNTIERED = "saved"  # the series of every saved byte wherever it is: the fast tier's without tiering
 EVENTS = 200_000  # about 10 MB of tuples: enough for a report of the first steps of any run
 
 
@@ -35,7 +36,7 @@ class Residency:
 
 class Ledger:
     def __init__(self, fast: str, slow: str):
-        self.tiers = (fast, slow, "saved")
+        self.tiers = (fast, slow, UNTIERED)
         self.lock = threading.RLock()  # re-entered by finalizers of records freed while it is held
         self.now = [0, 0, 0]  # fast, slow, saved
         self.peak = [0, 0, 0]
@@ -61,6 +62,15 @@ class Ledger:
                     if len(self.events) < EVENTS:
                         self.events.append(TierUse(t - self.start, self.tiers[i], self.now[i]))
             self.last = t
+
+    def series(self) -> dict[str, list[tuple[float, int]]]:
+        """Each tier's bytes over time, by name (and UNTIERED's), as (perf_counter seconds, bytes from then on)
+        points in time order."""
+        with self.lock:
+            out: dict[str, list[tuple[float, int]]] = {tier: [] for tier in self.tiers}
+            for t, tier, n in self.events:
+                out[tier].append((self.start + t, n))
+        return out
 
     def report(self) -> Residency:
         with self.lock:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from hetero.errors import STALE_PLAN, HeteroError
+from hetero.kernels import dha
 from hetero.kernels.dha import Device
 from hetero.run.devices.host_pool import HostPool, PinnedTier
 from hetero.run.devices.nvme import NvmeStore
@@ -136,3 +137,14 @@ def _private(path: str | None, workers: int) -> NvmeStore:
 
 
 FIELD = "activations.slow_path"  # the plan's key for the directory, for errors that name its line
+
+
+def model_gpu(plan: ActivationPlan, model: torch.nn.Module) -> Device | None:
+    """The model's GPU, where the plan tiers GPU memory and there is one."""
+    if plan.fast != GPU:
+        return None
+    try:
+        dha.devices.check()
+    except HeteroError:
+        return None
+    return dha.devices.for_model(model)

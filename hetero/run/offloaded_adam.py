@@ -1,0 +1,299 @@
+"""The offloaded Adam(W) optimizer itself: mixed into torch's own classes for a run (hetero.run.optimizer), it
+keeps each parameter's fp32 master weights and states in their homes (hetero.run.homes) and runs the updates there,
+launched from the gradient hooks when they overlap backward, else from `step()`; `state_dict()` is torch's format."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
+from hetero.harness.script import StopScript
+from hetero.kernels.adam import Hyperparameters
+from hetero.run.homes import Homes, ParamState
+from hetero.run.nvme_states import NvmeStaging, on_host
+from hetero.run.states import FP32, Update, launch
+from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Where an optimizer's states are. 4 fp32 buffers per parameter live on the device (master, m, v, gradient);
+    3 in NVMe files (no gradient)."""
+
+    device: int
+    nvme: int
+    params: int  # parameters placed so far (0 before the first step)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """How a run's offloaded optimizers behave: the same for every one the script builds."""
+
+    homes_for: Callable[[], Homes]  # the states' homes, from the plan's optimizer section
+    on_first_use: Callable[[object], None]  # (optimizer): the runtime binds parameter names before the first update
+    synced: Callable[[torch.nn.Parameter], bool]  # DDP averages its gradient; `bucket_synced` launches its update
+    micro_batches: int = 1
+    overlap: bool = False
+    keep_grads: bool = False  # the plan's nvme.grads
+    strict: bool = True  # False (the profile's): an optimizer hetero's Adam cannot replace stays torch's, unrefused
+
+
+class Offloaded:
+    """Mixed into torch's Adam/AdamW by `OptimizerOffload` (hetero.run.torch_optim.replace_adam), which gives the
+    class its `config` and `replaces` (the torch class it stands in for) for the run."""
+
+    config: OffloadConfig
+    replaces: type
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._params: dict[torch.nn.Parameter, ParamState] = {}
+        self._group_of: dict[torch.nn.Parameter, dict] = {}
+        self._buckets: dict[torch.nn.Parameter, Bucket] = {}
+        self._homes: Homes | None = None
+        self._pending_state: dict | None = None
+        self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
+        self._unplaceable: str | None = None  # why hetero's Adam cannot take its place (amsgrad, bad constants)
+        for group in self.param_groups:
+            try:
+                Hyperparameters.from_param_group(group)
+            except HeteroError as e:
+                self._own = not self.config.strict
+                self._unplaceable = e.message
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and (self.config.overlap or self.config.keep_grads):
+                    p.register_post_accumulate_grad_hook(self._grad_final)
+
+    def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
+        """Give the states their homes; called by the runtime once it knows the model. `names`: the parameters whose
+        states the plan places. An optimizer none of whose parameters are among them (a model the plan leaves to
+        the script, e.g. a GAN's other half) stays torch's own; one that mixes them with others cannot be placed
+        and is refused, as is one hetero's Adam cannot take the place of (amsgrad)."""
+        if self._homes is not None or self._own:
+            return
+        order = parameters(self)
+        if not updates_the_model(self, ids(names)):
+            self._own = True
+            return
+        if self._unplaceable is not None:
+            raise StopScript(HeteroError(
+                f"{self._unplaceable}, but the plan offloads the script's {type(self).__name__}",
+                hint="plan again from a profile of this script: hetero plan leaves such an optimizer to the script",
+                exit_code=UNSUPPORTED_SCRIPT))
+        self._homes = self.config.homes_for()
+        self._params = self._homes.build([(names[p], p) for p in order])
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
+        self._buckets = buckets({p: names[p] for p, slot in self._params.items() if slot.home is not None})
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+
+    def close(self) -> None:
+        if self._homes is not None:
+            self._homes.close()
+
+    def state_bytes(self) -> StateBytes:
+        on_device = [p.numel() for p, s in self._params.items() if s.home is not None]
+        in_files = [p.numel() for p, s in self._params.items() if s.home is None]
+        return StateBytes(4 * FP32 * sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
+
+    def staging(self) -> NvmeStaging | None:
+        """Where its states beyond the device's live on their way to and from NVMe (None: none, or not bound)."""
+        return self._homes.staging if self._homes is not None else None
+
+    def _group(self, p: torch.nn.Parameter) -> dict:
+        return self._group_of[p]
+
+    def _grad_final(self, p: torch.nn.Parameter) -> None:
+        if self._homes is None and not self._own:
+            self.config.on_first_use(self)
+        if self._own:
+            return
+        slot = self._params[p]
+        slot.grads_seen += 1
+        if slot.home is None and self.config.keep_grads and on_host(p):
+            self._keep(p, slot)
+        elif slot.grads_seen == self.config.micro_batches and slot.home is not None and not self.config.synced(p):
+            self._launch(p, slot, p.grad)
+
+    def _keep(self, p: torch.nn.Parameter, slot: ParamState) -> None:
+        if several_ranks():
+            raise StopScript(HeteroError(
+                "the plan keeps gradients on NVMe (optimizer.nvme.grads), but this script trains on several ranks, "
+                "whose gradient all-reduce needs them in memory", hint="set `grads: false` under optimizer.nvme, or "
+                "plan again from a profile of this run", exit_code=STALE_PLAN))
+        self._homes.staging.keep_grad(slot.name, p.grad)
+        p.grad = None
+
+    def bring_back_grads(self) -> None:
+        """Every kept gradient back in `.grad`, as plain training would have it now."""
+        if self._homes is None or self._homes.staging is None:
+            return
+        for p, slot in self._params.items():
+            if slot.name in self._homes.staging.kept:
+                p.grad = self._homes.staging.take_grad(slot.name, p)
+
+    def forget_grads(self, params: set[torch.nn.Parameter] | None = None) -> None:
+        """Drop the kept gradients of `params` (all: None): the script set those gradients to None or zero."""
+        if self._homes is None or self._homes.staging is None:
+            return
+        kept = self._homes.staging.kept
+        kept -= {slot.name for p, slot in self._params.items() if params is None or p in params}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.forget_grads()
+
+    def bucket_synced(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """DDP averaged these gradients: launch the updates of those whose last micro-batch this was. The
+        post-accumulate-grad hook (which counts micro-batches) runs inside AccumulateGrad, before DDP's own
+        post-hook marks the parameter ready, so the count is current when the bucket completes."""
+        for p, grad in zip(params, grads):
+            slot = self._params.get(p)
+            if slot is not None and slot.home is not None and slot.grads_seen == self.config.micro_batches:
+                self._launch(p, slot, grad)
+
+    def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor) -> None:
+        """`p`'s update joins its bucket, which goes to the drivers once it is complete (or at the step)."""
+        slot.step += 1
+        slot.launched = True
+        bucket = self._buckets[p]
+        update = Update(slot.home, grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        with bucket.lock:  # DDP's buckets may complete on another thread than autograd's
+            bucket.waiting.append(update)
+            complete = bucket.take() if len(bucket.waiting) == bucket.size else None
+        if complete:
+            launch(complete)
+
+    def step(self, closure=None):
+        if self._homes is None and not self._own:
+            self.config.on_first_use(self)
+        if self._own:
+            return torch_step(self.replaces, self, closure)
+        return self._offloaded_step(closure)
+
+    @torch.no_grad()
+    def _offloaded_step(self, closure):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_micro_batches()
+        spilled = []
+        kept = self._kept()
+        for p, slot in self._params.items():
+            if (p.grad is None and slot.name not in kept) or slot.launched:
+                continue
+            if slot.home is None:
+                slot.step += 1
+                spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
+            else:
+                self._launch(p, slot, p.grad)
+        for bucket in {id(b): b for b in self._buckets.values()}.values():
+            with bucket.lock:
+                left = bucket.take()
+            if left:  # some of its parameters had no gradient this step
+                launch(left)
+        if spilled:
+            self._homes.staging.update_all(spilled)
+        self._homes.drain()
+        for p, slot in self._params.items():
+            if slot.launched:
+                slot.home.copy_back(p)
+            slot.launched, slot.grads_seen = False, 0
+        return loss
+
+    def _check_micro_batches(self) -> None:
+        if not self.config.overlap:
+            return
+        kept = self._kept()
+        seen = {slot.grads_seen for p, slot in self._params.items() if p.grad is not None or slot.name in kept}
+        if seen - {self.config.micro_batches}:
+            raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
+                f"the plan overlaps updates with the backward of micro-batch {self.config.micro_batches} of each "
+                f"step, but "
+                f"this step had {max(seen)} backward pass(es)",
+                hint="profile and plan again (the script's gradient accumulation changed), or pass --allow-stale "
+                     "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN))
+
+    def _kept(self) -> set[str]:
+        staging = self._homes.staging if self._homes is not None else None
+        return set(staging.kept) if staging is not None else set()
+
+    def state_dict(self) -> dict:
+        """torch's Adam state_dict, read back from wherever the states live."""
+        if self._own:
+            return super().state_dict()
+        if self._homes is not None:
+            self._homes.drain()
+        saved = self.state
+        self.state = defaultdict(dict, {p: self._export(p, slot) for p, slot in self._params.items() if slot.step})
+        try:
+            return super().state_dict()
+        finally:
+            self.state = saved
+
+    def _export(self, p: torch.nn.Parameter, slot: ParamState) -> dict:
+        n = p.numel()
+        if slot.home is None:
+            exp_avg, exp_avg_sq = self._homes.staging.states(slot.name, n)
+        else:
+            exp_avg, exp_avg_sq = torch.empty(n), torch.empty(n)
+            slot.home.store(torch.empty(n), exp_avg, exp_avg_sq)
+        return {"step": torch.tensor(float(slot.step)), "exp_avg": exp_avg.view_as(p).to(p.device),
+                "exp_avg_sq": exp_avg_sq.view_as(p).to(p.device)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # torch's checks and casting; then the states move to their homes
+        if self._own:
+            return
+        loaded, self.state = self.state, defaultdict(dict)
+        if self._homes is None:
+            self._pending_state = dict(loaded)
+        else:
+            self._apply_state(loaded)
+
+    def _apply_state(self, loaded: dict) -> None:
+        self._homes.drain()
+        for p, slot in self._params.items():
+            if p not in loaded:
+                continue
+            s = loaded[p]
+            slot.step = int(s["step"])
+            master, m, v = (t.detach().reshape(-1).float().cpu() for t in (p.data, s["exp_avg"], s["exp_avg_sq"]))
+            if slot.home is None:
+                self._homes.staging.load(slot.name, master, m, v)
+            else:
+                slot.home.load(master, m, v)
+        self._pending_state = None
+
+
+@dataclass(eq=False, slots=True)
+class Bucket:
+    """The parameters of one module: their updates go to the drivers together (hetero.run.states.launch)."""
+
+    size: int
+    waiting: list[Update]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self) -> list[Update]:
+        out, self.waiting = self.waiting, []
+        return out
+
+
+def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bucket]:
+    """Each parameter's bucket: the parameters its module owns directly (a Linear's weight and bias, whose gradients
+    one backward node makes)."""
+    by_module: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
+    for p, name in names.items():
+        by_module[name.rpartition(".")[0]].append(p)
+    out = {}
+    for params in by_module.values():
+        bucket = Bucket(len(params), [])
+        out.update(dict.fromkeys(params, bucket))
+    return out
