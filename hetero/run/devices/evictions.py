@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from time import perf_counter
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
