@@ -17,12 +17,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hetero.schema.sources import profile_of  # noqa: E402
 from hetero.errors import HeteroError  # noqa: E402
 from hetero.plan.solve import predict  # noqa: E402
 from hetero.schema import files  # noqa: E402
 from hetero.schema.plan import Plan  # noqa: E402
 from hetero.schema.run import Run  # noqa: E402
+from hetero.schema.sources import profile_of  # noqa: E402
 
 
 def measured(trace: Path) -> Counter:

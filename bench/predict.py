@@ -29,11 +29,11 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hetero.schema.sources import profile_of  # noqa: E402
 from hetero.report.compare import compare  # noqa: E402
 from hetero.schema import files  # noqa: E402
 from hetero.schema.plan import Plan  # noqa: E402
 from hetero.schema.run import Run  # noqa: E402
+from hetero.schema.sources import profile_of  # noqa: E402
 
 ENTRIES = ("iteration", "forward (per micro-batch)", "backward (per micro-batch)")
 HETERO = [sys.executable, "-m", "hetero"]

@@ -38,7 +38,7 @@ from hetero.launch.plain import Expected, exec_plain
 from hetero.launch.preflight import Checked, check_plan
 from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, traceback_of
 from hetero.run.devices import workdir
-from hetero.run.devices.workdir import PlanPathError
+from hetero.run.devices.places import PlanPathError
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetero.errors import STALE_PLAN, FileProblems, HeteroError, Problem
-from hetero.run.devices import workdir
+from hetero.run.devices import places
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
@@ -56,7 +56,7 @@ def check_plan(plan_path: Path, allow_stale: bool = False, skip_profile_check: b
     problems += _directories(plan, plan_path)
     if problems:
         hint = (f"edit those entries, or plan again: hetero plan --profile {find_profile(plan, plan_path)} "
-                f"-o {plan_path}") if found else workdir.HINT
+                f"-o {plan_path}") if found else places.HINT
         raise FileProblems(problems, hint=hint)
     return Checked(plan, profile, warnings)
 
@@ -105,7 +105,7 @@ def _directories(plan: Plan, plan_path: Path) -> list[Problem]:
     problems = []
     for base, field in used:
         try:
-            workdir.inspect(base, field)
-        except workdir.PlanPathError as e:
+            places.inspect(base, field)
+        except places.PlanPathError as e:
             problems.append(Problem(str(plan_path), e.message, files.line_of(plan_path, field)))
     return problems

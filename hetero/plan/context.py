@@ -8,8 +8,8 @@ from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, routing, tiering
 from hetero.plan.model import GPU
 from hetero.schema.plan import OptimizerDevice, Plan
-from hetero.schema.tiers import HOST_KIND, host_tier
 from hetero.schema.profile import Gpu, Profile, Tier
+from hetero.schema.tiers import HOST_KIND, host_tier
 from hetero.units import SIZE
 
 

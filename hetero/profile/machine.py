@@ -218,7 +218,7 @@ def _private_store(nvme_dir: str | None, workers: int = 2):
     """A store in a private work directory under `nvme_dir` (the temp directory when None), removed on close;
     a directory that cannot be used is a usage error naming --nvme."""
     from hetero.run.devices.nvme import NvmeStore
-    from hetero.run.devices.workdir import PlanPathError
+    from hetero.run.devices.places import PlanPathError
 
     try:
         return NvmeStore.private(nvme_dir, "profile", "--nvme", workers=workers)

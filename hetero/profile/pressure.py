@@ -34,6 +34,7 @@ from hetero.run import process_memory
 from hetero.schema.profile import Layer
 from hetero.units import SIZE
 
+
 class UnderPressure:
     """Installed before the script runs; `close` takes every override back."""
 

@@ -35,10 +35,19 @@ from hetero.profile import dha, machine, peers, recompute, returned, tier_steps
 from hetero.profile.conservative import Conservative
 from hetero.profile.pressure import UnderPressure
 from hetero.run import allocator, process_memory
-from hetero.run.devices import workdir
+from hetero.run.devices import places, workdir
 from hetero.schema import files
-from hetero.schema.profile import (Block, Layer, Machine, Memory, ModelInfo, Profile, ScriptOptimizer, TrainedModel,
-                                    Training)
+from hetero.schema.profile import (
+    Block,
+    Layer,
+    Machine,
+    Memory,
+    ModelInfo,
+    Profile,
+    ScriptOptimizer,
+    TrainedModel,
+    Training,
+)
 from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -72,7 +81,7 @@ class ProfileOptions:
         if self.nvme_dir is not None:  # refused now, not after the script ran: a private work dir can be made there
             try:
                 workdir.create(self.nvme_dir, "profile", "--nvme").remove()
-            except workdir.PlanPathError as e:
+            except places.PlanPathError as e:
                 raise HeteroError(e.message, hint=e.hint, exit_code=USAGE) from None
 
 
@@ -299,7 +308,8 @@ class _Session:
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
         if self.steps_done == warmup:
-            self.memory = _memory(self.device, self.budgeted, self.conservative)  # the warm-up steps ran untouched: plain's own peaks
+            # the warm-up steps ran untouched: plain's own peaks
+            self.memory = _memory(self.device, self.budgeted, self.conservative)
             self.profiler.attach()
         elif self.steps_done == total:
             self.profiler.detach()

@@ -36,9 +36,9 @@ from hetero.run.tiering import ACTIVATIONS, ActivationTiering
 from hetero.run.torch_optim import ids, updates_any
 from hetero.schema import files, trace
 from hetero.schema.plan import ActivationPrediction, Plan
+from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
 from hetero.schema.series import sweep
 from hetero.schema.tiers import plan_tiers
-from hetero.schema.run import Run, RunLayer, RunSource, RunTiming, StepEnd
 from hetero.units import measured
 
 

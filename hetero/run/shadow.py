@@ -60,6 +60,7 @@ from hetero.schema.plan import LayerPlan, Plan
 from hetero.schema.profile import ROOT_LAYER
 from hetero.units import SIZE
 
+
 @dataclass(frozen=True, slots=True)
 class ShadowConfig:
     """The plan's `layers` section, and where the optimizer updates the weights they place."""

@@ -23,8 +23,16 @@ import torch
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.script import StopScript
 from hetero.run.mechanism import Mechanism
-from hetero.run.torch_optim import (ids, parameters, refusing_clipping, replace_adam, replace_clipping, several_ranks,
-                                     torch_step, updates_the_model)
+from hetero.run.torch_optim import (
+    ids,
+    parameters,
+    refusing_clipping,
+    replace_adam,
+    replace_clipping,
+    several_ranks,
+    torch_step,
+    updates_the_model,
+)
 from hetero.schema.plan import UpdateInBackward
 
 

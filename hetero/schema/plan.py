@@ -300,7 +300,8 @@ class Plan:
         return (all(e.mode == "gfgb" and e.grad == "gpu" for e in self.layers)
                 and (self.optimizer is None or self.optimizer.device == "gpu") and self.activations is None
                 and self.routing is None and self.allocator is None and self.update_in_backward is None
-                and self.recompute is None and self.budget.dram_budget_bytes is None and self.budget.gpu_memory_bytes is None)
+                and self.recompute is None and self.budget.dram_budget_bytes is None
+                and self.budget.gpu_memory_bytes is None)
 
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.layers, "layers")

@@ -13,7 +13,7 @@ import pytest
 from hetero.cli.main import main
 from hetero.run.devices import workdir
 from hetero.run.devices.nvme import NvmeStore
-from hetero.run.devices.workdir import PlanPathError
+from hetero.run.devices.places import PlanPathError
 from hetero.schema import files
 from tests.cli.test_run import TRAIN, net
 from tests.profile import scripts

@@ -5,7 +5,6 @@ profile found it cannot recompute are left out, with why."""
 import pytest
 
 from hetero.errors import USAGE, HeteroError
-
 from hetero.plan import fit, footprint, recompute
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hetero.launch.launcher import run_here
 from hetero.harness.script import run_script
+from hetero.launch.launcher import run_here
 from hetero.profile import peers
 from hetero.profile.profiler import ProfileOptions, assemble, measure_script
 from hetero.schema import files

@@ -18,7 +18,6 @@ from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
 
-
 def _fully_shard() -> bool:
     """torch.distributed.fsdp.fully_shard (FSDP2) is public from torch 2.6; torch 2.4 and 2.5 had it in
     torch.distributed._composable.fsdp, which the script falls back to."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -132,3 +135,51 @@ def elsewhere(field: str | None) -> str:
     if field.isupper():  # an environment variable, e.g. TMPDIR
         return f"set {field} elsewhere"
     return f"set {field} in the plan elsewhere"
+
+
+class Chunks:
+    """Whole-buffer transfers in `chunk`-byte pieces, buffered or O_DIRECT; O_DIRECT ones through bounce buffers
+    made on first need and reused: one per thread doing I/O at once (the pool's workers and the callers of the
+    store's blocking calls)."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+        self.bounces: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+
+    def write(self, fd: int, src: np.ndarray, direct: bool) -> int:
+        """`src` written from offset 0; the shift a later read passes back (see write_direct)."""
+        if not direct:
+            return write_buffered(fd, src, self.chunk)
+        bounce = self._take()
+        try:
+            return write_direct(fd, src, self.chunk, bounce)
+        finally:
+            self.bounces.put(bounce)
+
+    def read(self, fd: int, dst: np.ndarray, shift: int, direct: bool) -> None:
+        if not direct:
+            return read_buffered(fd, dst, self.chunk)
+        bounce = self._take()
+        try:
+            read_direct(fd, dst, shift, self.chunk, bounce)
+        finally:
+            self.bounces.put(bounce)
+
+    def _take(self) -> np.ndarray:
+        try:
+            return self.bounces.get_nowait()
+        except queue.Empty:
+            return aligned_buffer(self.chunk)
+
+
+def byte_view(x: Any, *, writable: bool) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor or numpy array as a flat uint8 array sharing its memory."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"the NVMe store takes contiguous CPU tensors, not a {x.device} tensor with strides "
+                             f"{x.stride()}")
+        x = x.detach().reshape(-1).view(torch.uint8).numpy()
+    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or (writable and not x.flags.writeable):
+        raise ValueError(f"the NVMe store takes contiguous{' writable' if writable else ''} tensors, not {type(x)}")
+    return x.reshape(-1).view(np.uint8)

@@ -25,8 +25,8 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from time import perf_counter
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any, NamedTuple
 
 import torch

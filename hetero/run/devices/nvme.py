@@ -29,9 +29,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import queue
 import secrets
-import sys
 import threading
 import zlib
 from collections.abc import Callable
@@ -45,7 +43,7 @@ import numpy as np
 
 from hetero.errors import Damaged, HeteroError
 from hetero.run import spans
-from hetero.run.devices import direct_io, workdir
+from hetero.run.devices import direct_io, places, workdir
 
 
 class Handle:
@@ -91,13 +89,12 @@ class NvmeStore:
         self._work: workdir.WorkDir | None = None  # the private work directory close() removes (NvmeStore.private)
         self._made = _make_dirs(self.directory, field)
         self._prefix = f"hetero-{os.getpid()}-{secrets.token_hex(4)}-"  # two stores may share a directory
-        self._chunk = chunk_bytes
         try:
             self.direct = direct and direct_io.direct_io_works(self.directory / f"{self._prefix}probe")
         except BaseException:
             workdir.remove_parents(self._made)
             raise
-        self._bounce: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()  # made on first need: see _take_bounce
+        self._chunks = direct_io.Chunks(chunk_bytes)  # bounce buffers made on first need, one per thread doing I/O
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hetero-nvme")
         self._lock = threading.Lock()  # guards the four fields below; worker threads update them
         self._files: dict[str, _File] = {}
@@ -116,7 +113,7 @@ class NvmeStore:
             store = cls(work.path, field=field, **options)
         except HeteroError as e:
             work.remove()
-            raise workdir.PlanPathError(field, e.message, workdir.HINT) from None
+            raise places.PlanPathError(field, e.message, places.HINT) from None
         except BaseException:
             work.remove()
             raise
@@ -201,12 +198,12 @@ class NvmeStore:
         return Handle(future)
 
     def _write_job(self, key: str, tensor: Any, write: Callable[[str, np.ndarray, Path], None]) -> Callable[[], None]:
-        src = _byte_view(tensor, writable=False)  # checked now, in the caller's thread
+        src = direct_io.byte_view(tensor, writable=False)  # checked now, in the caller's thread
         path = self.directory / f"{self._prefix}{next(self._seq)}.bin"
         return lambda: write(key, src, path)
 
     def _read_job(self, key: str, out: Any, read: Callable[[str, np.ndarray], None]) -> Callable[[], None]:
-        dst = _byte_view(out, writable=True)
+        dst = direct_io.byte_view(out, writable=True)
         return lambda: read(key, dst)
 
     def _inline(self, key: str, job: Callable[[], None]) -> None:
@@ -241,7 +238,7 @@ class NvmeStore:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._direct_flag(), 0o600)
             try:
                 os.fchmod(fd, 0o600)  # the umask may only clear bits; make the mode exact
-                shift = self._write_chunks(fd, src)
+                shift = self._chunks.write(fd, src, self.direct)
             finally:
                 os.close(fd)
         except BaseException as e:
@@ -255,15 +252,6 @@ class NvmeStore:
             self._files[key] = _File(path, src.nbytes, shift, crc)
         if old is not None:
             self._remove(old.path)
-
-    def _write_chunks(self, fd: int, src: np.ndarray) -> int:
-        if not self.direct:
-            return direct_io.write_buffered(fd, src, self._chunk)
-        bounce = self._take_bounce()
-        try:
-            return direct_io.write_direct(fd, src, self._chunk, bounce)
-        finally:
-            self._bounce.put(bounce)
 
     def _read(self, key: str, dst: np.ndarray) -> None:
         with spans.timed(_lane(), f"read {key}", dst.nbytes):
@@ -281,7 +269,7 @@ class NvmeStore:
         except FileNotFoundError:
             raise self._damaged(stored, key, "was removed") from None
         try:
-            self._read_chunks(fd, dst, stored.shift)
+            self._chunks.read(fd, dst, stored.shift, self.direct)
         except OSError as e:
             raise self._damaged(stored, key, f"cannot be read back: {e.strerror}") from None
         finally:
@@ -295,22 +283,6 @@ class NvmeStore:
                        hint=f"something other than hetero changed or removed files in {self.directory} while the run "
                             "needed them (a cleaner of old temporary files, another program): keep it out of there, "
                             "and start again from the last checkpoint")
-
-    def _read_chunks(self, fd: int, dst: np.ndarray, shift: int) -> None:
-        if not self.direct:
-            return direct_io.read_buffered(fd, dst, self._chunk)
-        bounce = self._take_bounce()
-        try:
-            direct_io.read_direct(fd, dst, shift, self._chunk, bounce)
-        finally:
-            self._bounce.put(bounce)
-
-    def _take_bounce(self) -> np.ndarray:
-        """One bounce buffer per thread doing I/O at once: the pool's workers and the callers of the blocking calls."""
-        try:
-            return self._bounce.get_nowait()
-        except queue.Empty:
-            return direct_io.aligned_buffer(self._chunk)
 
     def _delete(self, key: str) -> None:
         with self._lock:
@@ -340,19 +312,6 @@ def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
     if previous is not None:
         wait_all([previous])
     job()
-
-
-def _byte_view(x: Any, *, writable: bool) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor or numpy array as a flat uint8 array sharing its memory."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.device.type != "cpu" or not x.is_contiguous():
-            raise ValueError(f"the NVMe store takes contiguous CPU tensors, not a {x.device} tensor with strides "
-                             f"{x.stride()}")
-        x = x.detach().reshape(-1).view(torch.uint8).numpy()
-    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or (writable and not x.flags.writeable):
-        raise ValueError(f"the NVMe store takes contiguous{' writable' if writable else ''} tensors, not {type(x)}")
-    return x.reshape(-1).view(np.uint8)
 
 
 def _make_dirs(directory: Path, field: str | None) -> list[Path]:

@@ -13,7 +13,7 @@ import pytest
 from hetero.errors import INVALID_FILE
 from hetero.run.devices import workdir
 from hetero.run.devices.nvme import NvmeStore
-from hetero.run.devices.workdir import PlanPathError
+from hetero.run.devices.places import PlanPathError
 
 
 def mode(path) -> int:
