@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,7 @@ def failures(exits: Path) -> list[Failure]:
     writing it) is skipped."""
     out = []
     for f in exits.iterdir():
-        if f.name.endswith(TRACEBACK):
+        if f.name.endswith(TRACEBACK) or not f.is_file():
             continue
         try:
             at, code, *message = f.read_text().split(" ", 2)
@@ -102,10 +104,15 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # hetero says what failed, once
+    # torchrun makes a `torchelastic_*` log directory in the temp directory and never removes it: give it one inside
+    # the run's exit directory (a work directory hetero removes, and sweeps after a kill), else one removed here.
+    exits = os.environ.get(EXIT_DIR_ENV)
+    logs = os.path.join(exits, "torchrun") if exits else tempfile.mkdtemp(prefix="hetero-torchrun-")
+    if not any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv):
+        argv = ["--log-dir", logs, *argv]
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        exits = os.environ.get(EXIT_DIR_ENV)
         for rank, failure in e.failures.items() if exits else ():
             code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
             # No file of its own: it died abruptly (os._exit, a signal), a moment torchrun only knows to the second
@@ -115,6 +122,8 @@ def main(argv: list[str]) -> int:
         return 1
     except SignalException as e:
         return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 

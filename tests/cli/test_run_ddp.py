@@ -70,9 +70,13 @@ def test_the_first_worker_to_fail_gives_the_exit_code(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_ddp_training_runs_with_routed_sync(workdir, capfd):
+def test_ddp_training_runs_with_routed_sync(workdir, capfd, monkeypatch):
     script = scripts.write(workdir, DDP_TRAIN)
+    temp = workdir / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # torchrun's own temp directory
     assert main(["run", "--skip-profile-check", "--nproc-per-node", "2", script]) == 0
+    assert [p.name for p in temp.iterdir() if p.name.startswith("torchelastic_")] == []  # its logs went with the run
     out, err = capfd.readouterr()
     assert "rank 0 argv []" in out and "rank 1 argv []" in out
     assert "routing: 5 step(s) over 2 ranks; per step priority 2KiB in 2, latency 1.02KiB in 3, bandwidth 4KiB in 4 " \
@@ -175,7 +179,8 @@ def ddp_adamw(tmp_path_factory):
     work = tmp_path_factory.mktemp("ddp")
     script = scripts.write(work, DDP_ADAMW)
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            script, str(work / "plain")], cwd=work, capture_output=True, text=True)
+                            "--log-dir", str(work / "torchrun-logs"), script, str(work / "plain")],
+                           cwd=work, capture_output=True, text=True)
     assert plain.returncode == 0, plain.stderr
     profiled = subprocess.run([sys.executable, "-m", "hetero", "profile", "--nproc-per-node", "2", "--steps", "2",
                                "--warmup", "1", "--nvme", str(work / "disk"), script, str(work / "profiling")],

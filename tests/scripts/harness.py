@@ -130,6 +130,7 @@ def ranks(name: str, *jobs: str, cwd: Path) -> str:
     for s in sockets:
         s.close()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--log-dir", str(Path(cwd) / "torchrun-logs"),  # not the temp directory, which torchrun never cleans
                            str(Path(__file__).parent / "ranks.py"), script(name), STEPS,
                            *(f"{job}={port}" for job, port in zip(jobs, ports))],
                           cwd=cwd, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
