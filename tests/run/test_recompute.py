@@ -1,7 +1,8 @@
-"""The plan's `recompute` section: chosen blocks run through torch.utils.checkpoint, alone and with every other
-lever the DRAM-budget fit combines it with (returned memory, updates in backward, states and gradients on NVMe,
-tiering), trained against plain PyTorch from the same seed; dropout inside a block replays its randomness; a copy of
-the model has none of it; evaluation without gradients runs the blocks as written."""
+"""The plan's `recompute` section: chosen blocks run through torch.utils.checkpoint, alone, with every other lever
+the DRAM-budget fit combines it with (returned memory, updates in backward, states and gradients on NVMe, tiering)
+and under 2-rank DDP (replicas bitwise equal), trained against plain PyTorch from the same seed; dropout inside a
+block replays its randomness; a copy of the model has none of it; evaluation without gradients runs the blocks as
+written."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from hetero.errors import STALE_PLAN, HeteroError
@@ -67,12 +71,12 @@ def make(dropout: float = 0.0) -> Net:
     return Net(dropout)
 
 
-def train(model: nn.Module) -> list[float]:
+def train(model: nn.Module, rank: int = 0) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     torch.manual_seed(7)  # dropout draws from the global generator, as scripts' do
     losses = []
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
+        g = torch.Generator().manual_seed(100 * rank + step)  # each rank its own batches
         x, y = torch.randn(8, 16, generator=g), torch.randint(8, (8,), generator=g)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -154,3 +158,32 @@ def test_a_block_the_model_lacks_is_a_stale_plan():
     with pytest.raises(HeteroError) as e:
         Recompute(RecomputePlan(blocks=["blocks.7"])).bind(model)
     assert e.value.exit_code == STALE_PLAN and "blocks.7" in e.value.message
+
+
+def _ddp_worker(rank: int, rdzv: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
+    plain = make(dropout=0.2)
+    plain_losses = train(DDP(plain), rank)
+    model = make(dropout=0.2)
+    with Runtime(recompute_plan(model), script=__file__) as runtime:
+        losses = train(DDP(model), rank)
+    recomputed = runtime.find(Recompute).recomputed
+    torch.save({"plain": (plain_losses, plain.state_dict()), "planned": (losses, model.state_dict()),
+                "recomputed": recomputed},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_recomputed_blocks_under_ddp_train_every_rank_as_plain_ddp(tmp_path):
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in ranks:
+        (expected, reference), (losses, weights) = r["plain"], r["planned"]
+        assert r["recomputed"] == 2 * STEPS  # two blocks a forward, under DDP too
+        assert_close(torch.tensor(losses), torch.tensor(expected))
+        for name, w in weights.items():
+            assert_close(w, reference[name])
+    for name, w in ranks[0]["planned"][1].items():
+        assert torch.equal(ranks[1]["planned"][1][name], w), name  # replicas bitwise equal
