@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -170,6 +171,10 @@ def _worker(rank: int, world: int, backend: str, steps: int, rdzv: str) -> None:
     if rank == 0:
         per_name = dict(zip(times, (s.tolist() for s in slowest.cpu().split(counts))))
         _report(world, backend, grad_bytes, per_name, syncs)
+    # DDP's reducers hold gloo work: freed at interpreter teardown, after the groups, they abort the process
+    models.clear()
+    syncs.clear()
+    gc.collect()
     dist.destroy_process_group()
 
 
