@@ -37,6 +37,10 @@ def profile(
                                     help="Profile under this host-memory budget: freed memory is returned from the "
                                          "start, and plain training's own peak is estimated [default: the limit of "
                                          "the memory cgroup hetero runs in, if any]."),
+    machine: str = typer.Option(None, "--machine", metavar="FILE",
+                                help="Take the machine section of FILE, an earlier profile written on this machine, "
+                                     "instead of measuring the machine again (tens of seconds); refused if FILE is of "
+                                     "another host, processor, core count, disk filesystem or GPU."),
     output: Path = typer.Option(Path("profile.yaml"), "-o", "--output", help="Where to write the profile."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout (script output goes "
                                                        "to stderr)."),
@@ -51,7 +55,7 @@ def profile(
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
-                             dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"))
+                             dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"), machine=machine)
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     launch.sweep_earlier([nvme])  # what killed runs and profiles left there and in the temp directory
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

@@ -23,6 +23,7 @@ from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.timing import beside_compute, median_time, share
 from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, time_updates, update_job
 from hetero.run import process_memory
+from hetero.run.devices import workdir
 from hetero.run.devices.axdimm import EmulatedAxdimm
 from hetero.run.states import AxdimmHome, ChannelDriver
 from hetero.schema.profile import Axdimm, Cpu, CurvePoint, Gpu, Layer, Machine, NumaNode, Pcie, Peer, Tier
@@ -55,7 +56,7 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     axdimm = measure_axdimm(sizes=update_sizes(largest), slowdown=cpu.background_slowdown)
     report("machine", 4, len(phases))
     return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [],
-                   memory_limit_bytes=process_memory.memory_limit_bytes())
+                   memory_limit_bytes=process_memory.memory_limit_bytes(), host=workdir.host())
 
 
 def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = ()) -> dict[str, str]:
@@ -113,7 +114,7 @@ def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB, largest: int = 6
     """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured."""
     slowdown = None if gpu else measured(background_slowdown(min(32 * MiB, largest // 2)))
     adam = host_adam(slowdown, update_sizes(largest))
-    return Cpu(model=_cpu_model(), cores=len(os.sched_getaffinity(0)),
+    return Cpu(model=cpu_model(), cores=cores(),
                dram_bandwidth_bytes_per_s=measured(copy_bandwidth(copy_bytes)), adam_params_per_s=measured(adam.rate),
                adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
                adam_beside_compute_params_per_s=measured_or_none(adam.beside_rate),
@@ -121,7 +122,12 @@ def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB, largest: int = 6
                hook_pair_s=measured(host_costs.hook_pair_s()), saved_tensor_s=measured(host_costs.saved_tensor_s()))
 
 
-def _cpu_model() -> str:
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_model() -> str:
     try:
         match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
         return match.group(1).strip() if match else "unknown"
@@ -155,6 +161,11 @@ def numa_nodes() -> list[NumaNode]:
     return nodes or [NumaNode(node=0, memory_bytes=_meminfo("MemTotal"))]
 
 
+def available_bytes() -> int:
+    """Host memory available now: the DRAM tier's capacity."""
+    return _meminfo("MemAvailable")
+
+
 def _meminfo(key: str) -> int:
     match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
     return int(match.group(1)) * KiB
@@ -177,7 +188,7 @@ def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
                   largest: int = 64 * MiB) -> list[Tier]:
     """Fastest first. Read/write curves are the costs of moving data into and out of that tier from the fast one;
     host and disk transfers are timed up to `largest` bytes."""
-    dram_capacity = _meminfo("MemAvailable")
+    dram_capacity = available_bytes()
     sizes = tuple(size for size in HOST_SIZES if size <= largest)
     if gpu is None:
         copy = host_copy_curve(sizes)
@@ -204,14 +215,20 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
                 median_time(lambda: store.read("probe", out), repeats=3, min_s=0))))
         free = shutil.disk_usage(base).free
     if slowdown and disk_beside:
-        cpu = share(1 + disk_beside.stretch, slowdown)
-        beside = cpu, cpu, disk_beside.read, disk_beside.write
+        beside = beside_training(slowdown, disk_beside)
     else:
         beside = _beside(base, slowdown) if slowdown else None
     read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
     return Tier(name=NVME_TIER, kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
                 read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read_beside,
                 write_beside_compute=write_beside)
+
+
+def beside_training(slowdown: float, disk_beside: DiskBeside) -> tuple[float, float, list[CurvePoint],
+                                                                       list[CurvePoint]]:
+    """The disk tier's `read_cpu`, `write_cpu` and trips beside compute, as the script's own steps timed them."""
+    cpu = share(1 + disk_beside.stretch, slowdown)
+    return cpu, cpu, disk_beside.read, disk_beside.write
 
 
 def _private_store(nvme_dir: str | None, workers: int = 2):
@@ -285,7 +302,7 @@ def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = UPDATE_SIZES, slo
 def emulated_channel_capacity(channels: int) -> int:
     """Nominal capacity of an emulated channel: the paper's 8 GiB, or a quarter of free host memory shared by the
     channels when that is less (the emulation holds the DIMM's memory in host DRAM)."""
-    return min(8 * GiB, _meminfo("MemAvailable") // 4 // channels) // MiB * MiB
+    return min(8 * GiB, available_bytes() // 4 // channels) // MiB * MiB
 
 
 # -- gpu -----------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without a torch.optim
 optimizer: at the end of its first backward call, and its steps are counted from backward calls); run the warm-up
 steps untouched; attach the layer profiler for the measured steps; on a machine without a GPU, time the disk for a
-few more steps as the runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine;
-assemble the Profile.
+few more steps as the runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine
+(or, with `--machine`, take an earlier profile's: hetero.profile.same_machine); assemble the Profile.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProf
 from hetero.harness.layers import select_layers, sharded
 from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import StopScript, run_script
-from hetero.profile import dha, machine, peers, recompute, returned, tier_steps
+from hetero.profile import dha, machine, peers, recompute, returned, same_machine, tier_steps
 from hetero.profile.conservative import Conservative
 from hetero.profile.pressure import UnderPressure
 from hetero.run import allocator, process_memory
@@ -62,6 +62,7 @@ class ProfileOptions:
     nvme_dir: str | None = None  # where to measure the disk tier; a temporary folder by default
     model_name: str | None = None  # `--model`: which of several candidate models to profile
     dram_budget_bytes: int | None = None  # `--dram-budget`: keep the profile under it (default: the memory cgroup's)
+    machine: str | None = None  # `--machine`: an earlier profile of this machine, whose machine section is taken
 
     def warmup_on(self, device: torch.device) -> int:
         """The warm-up steps on `device`: as asked, else enough that the plain step time is steady (a GPU's first
@@ -83,6 +84,8 @@ class ProfileOptions:
                 workdir.create(self.nvme_dir, "profile", "--nvme").remove()
             except places.PlanPathError as e:
                 raise HeteroError(e.message, hint=e.hint, exit_code=USAGE) from None
+        if self.machine is not None:  # refused now, not after the script ran
+            same_machine.load(self.machine, self.nvme_dir)
 
 
 def profile_script(script: str, args: list[str], options: ProfileOptions,
@@ -94,6 +97,9 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
         return None
+    if options.machine is not None:
+        known = same_machine.load(options.machine, options.nvme_dir)
+        return assemble(run, same_machine.reuse(known, run.device, options.nvme_dir, links, run.disk_beside))
     # Under a budget that leaves less than the machine's measurements hold by default, their buffers fit under the
     # training's own peak (the training was released): the profile needs no more than the run it plans for.
     resident = process_memory.resident_bytes()

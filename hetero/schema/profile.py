@@ -258,6 +258,9 @@ class Machine:
     memory_limit_bytes: int | None = doc("The limit of the memory cgroup the profiled process ran in (cgroup v1 "
                                          "`memory.limit_in_bytes`, v2 `memory.max`); null: none. `hetero plan` "
                                          "takes it as the default DRAM budget.", unit=SIZE, ge=0, default=None)
+    host: str | None = doc("The machine measured: 8 hex digits of a hash of its host name (as hetero's work "
+                           "directories carry it); `hetero profile --machine` takes this section again only on that "
+                           "host. null: not recorded (older profiles).", default=None)
 
     def problems(self) -> list[tuple[str, str]]:
         return unique_names(self.tiers, "tiers")

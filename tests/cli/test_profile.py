@@ -1,6 +1,7 @@
 """`hetero profile` end to end: the example script into a profile `hetero check` accepts."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -11,8 +12,9 @@ import torch
 from torch.nn.utils import clip_grad
 
 from hetero.cli.main import main
-from hetero.profile import conservative, returned
+from hetero.profile import conservative, machine, returned
 from hetero.run import process_memory
+from hetero.run.devices import workdir
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
@@ -148,3 +150,30 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     assert math.isclose(step, tensors * cpu.adam_launch_s + n / cpu.adam_params_per_s, rel_tol=1e-3)
     assert profile.training.iteration_s >= step
     assert torch.nn.utils.clip_grad_norm_ is CLIP and clip_grad.clip_grad_norm_ is CLIP and torch.optim.AdamW is ADAMW  # restored
+
+
+def test_an_earlier_profiles_machine_is_taken_instead_of_measured(profiled, tmp_path, monkeypatch):
+    _, out, _ = profiled
+    earlier = files.load(out / "profile.yaml", expect=Profile)
+    assert earlier.machine.host == workdir.host()  # recorded by every profile that measures the machine
+    monkeypatch.setattr(machine, "measure", lambda *a, **kw: pytest.fail("the machine was measured again"))
+    profile = tmp_path / "profile.yaml"  # under a budget: no fresh processes time plain training (seconds here)
+    assert main(["profile", "--steps", "1", "--warmup", "1", "--dram-budget", "20GiB", "--machine",
+                 str(out / "profile.yaml"), "--nvme", str(tmp_path / "disk"), "-o", str(profile), *SMALL_GPT]) == 0
+    again = files.load(profile, expect=Profile)
+    assert again.machine.cpu == earlier.machine.cpu and again.machine.axdimm.adam_params_per_s == \
+        earlier.machine.axdimm.adam_params_per_s and again.machine.host == earlier.machine.host
+    assert again.machine.tiers[1].path == str(tmp_path / "disk")
+    assert again.model.fingerprint == earlier.model.fingerprint and main(["check", str(profile)]) == 0
+
+
+def test_a_machine_of_another_host_is_refused_before_the_script_runs(profiled, tmp_path, capfd):
+    _, out, _ = profiled
+    earlier = files.load(out / "profile.yaml", expect=Profile)
+    other = tmp_path / "other.yaml"
+    files.save(dataclasses.replace(earlier, machine=dataclasses.replace(earlier.machine, host="0badcafe")), other)
+    script = scripts.write(tmp_path, "print('the script ran')\n")
+    assert main(["profile", "--machine", str(other), script]) == 2
+    out_, err = capfd.readouterr()
+    assert "the script ran" not in out_ and "Traceback" not in err
+    assert err.startswith(f"error: --machine {other} was measured on another machine: host 0badcafe, here ")

@@ -1,0 +1,117 @@
+"""`hetero profile --machine FILE`: the machine section of an earlier profile written on this machine, taken instead
+of measuring the machine again (tens of seconds: most of a small script's profile; nothing the script's own
+measurements depend on).
+
+What was measured is taken as it stands: the CPU's rates, the memory and disk curves, the AXDIMM's updates, the GPU
+and its link. What describes the present is read again: available memory and free disk (the tiers' capacities and
+the emulated AXDIMM's), the memory cgroup's limit, the NUMA nodes, the links between this run's ranks, the disk
+tier's directory (this profile's `--nvme`), and the disk's trips beside training where this script's own steps timed
+them (hetero.profile.tier_steps).
+
+FILE must be of this machine: the same host, processor, cores and NUMA nodes (checked before the script runs), the
+disk tier's directory on the filesystem the earlier one was on, and the model on the device it was measured beside:
+the same GPU, or none (a machine measured beside a GPU has no figures for a CPU that computes), checked once the
+script has placed its model. A FILE written before profiles recorded their host cannot be checked, and is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from hetero.errors import USAGE, HeteroError
+from hetero.profile import machine
+from hetero.profile.tier_steps import DiskBeside
+from hetero.run import process_memory
+from hetero.run.devices import places, workdir
+from hetero.schema import files
+from hetero.schema.profile import Machine, Peer, Profile, Tier
+
+HINT = "leave out --machine to measure this machine (the profile it writes can then be given to --machine)"
+
+
+def load(path: str, nvme_dir: str | None) -> Machine:
+    """The machine section of the profile at `path`, if it was measured on this machine with its disk tier on the
+    filesystem of `nvme_dir` (None: the temp directory); HeteroError otherwise (exit 2; 3 for no valid profile)."""
+    known = files.load(path, expect=Profile).machine
+    differ = differences(known, nvme_dir)
+    if differ:
+        raise HeteroError(f"--machine {path} was measured on another machine: {'; '.join(differ)}", hint=HINT,
+                          exit_code=USAGE)
+    return known
+
+
+def differences(known: Machine, nvme_dir: str | None) -> list[str]:
+    """How `known` differs from this machine, in words; [] for none."""
+    if known.host is None:
+        return ["it records no host (written before profiles recorded one)"]
+    here = {"host": workdir.host(), "processor": machine.cpu_model(), "cores": machine.cores(),
+            "NUMA nodes": [n.node for n in machine.numa_nodes()]}
+    there = {"host": known.host, "processor": known.cpu.model, "cores": known.cpu.cores,
+             "NUMA nodes": [n.node for n in known.numa]}
+    differ = [f"{what} {there[what]}, here {here[what]}" for what in here if here[what] != there[what]]
+    disk = next((t for t in known.tiers if t.kind == "nvme" and t.path is not None), None)
+    if not differ and disk is not None and _filesystem(Path(disk.path)) != _filesystem(_base(nvme_dir)):
+        differ.append(f"its disk tier was measured in {disk.path}, on another filesystem than {_base(nvme_dir)}")
+    return differ
+
+
+def reuse(known: Machine, device: torch.device, nvme_dir: str | None, peers: list[Peer],
+          disk_beside: DiskBeside | None) -> Machine:
+    """`known` (from `load`) as this profile's machine, its present read again (see the module's docstring);
+    HeteroError (exit 2) if the model is not on the device `known` was measured beside."""
+    _check_device(known, device)
+    axdimm = known.axdimm
+    if axdimm is not None and axdimm.backend == "emulated":
+        axdimm = replace(axdimm, channel_capacity_bytes=machine.emulated_channel_capacity(axdimm.channels))
+    slowdown = known.cpu.background_slowdown
+    return replace(known, numa=machine.numa_nodes(), peers=peers, axdimm=axdimm,
+                   tiers=[_now(t, nvme_dir, slowdown, disk_beside) for t in known.tiers],
+                   memory_limit_bytes=process_memory.memory_limit_bytes())
+
+
+def _now(tier: Tier, nvme_dir: str | None, slowdown: float | None, disk_beside: DiskBeside | None) -> Tier:
+    if tier.kind == "dram":
+        return replace(tier, capacity_bytes=machine.available_bytes())
+    if tier.kind != "nvme":
+        return tier
+    base = _base(nvme_dir)
+    tier = replace(tier, path=str(base), capacity_bytes=shutil.disk_usage(_existing(base)).free)
+    if slowdown and disk_beside:  # this script's steps timed the disk beside its own training: those, as measured
+        read_cpu, write_cpu, read, write = machine.beside_training(slowdown, disk_beside)
+        tier = replace(tier, read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read,
+                       write_beside_compute=write)
+    return tier
+
+
+def _check_device(known: Machine, device: torch.device) -> None:
+    if device.type == "cuda":
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        if known.gpu is None or known.gpu.uuid != uuid:
+            was = "no GPU" if known.gpu is None else f"GPU {known.gpu.name} ({known.gpu.uuid})"
+            raise HeteroError(f"--machine: measured beside {was}; the script's model is on GPU {uuid}", hint=HINT,
+                              exit_code=USAGE)
+    elif known.gpu is not None:
+        raise HeteroError(f"--machine: measured beside GPU {known.gpu.name}, whose figures say nothing of a CPU "
+                          f"that computes; the script's model is on the {device.type}", hint=HINT, exit_code=USAGE)
+
+
+def _base(nvme_dir: str | None) -> Path:
+    """The disk tier's directory, as the profile's measurements name it."""
+    return places.expand(nvme_dir, "--nvme")
+
+
+def _filesystem(path: Path) -> int:
+    return os.stat(_existing(path)).st_dev
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest existing parent: the directory the disk tier will be on, made and removed by each run
+    (an earlier profile's may be gone), is on the filesystem of that parent."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
