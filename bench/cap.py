@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/cap.py [--limits 768MiB 1GiB 1536MiB] [--n-embd 768 --batch-size 1 --seq-len 128]
                                        [--steps 4] [--repeats 3] [--max-layers 48] [--profile-uncapped]
-                                       [--script gpt|heldout] [--vocab N]
+                                       [--script gpt|heldout] [--vocab N] [--machine PROFILE]
 
 The script is examples/train_gpt.py, or with `--script heldout` bench/heldout_lm.py (a GPT-style LM written apart
 from it: pre-norm blocks with F.scaled_dot_product_attention, SwiGLU, an untied head, AdamW with two parameter
@@ -18,7 +18,9 @@ three train: `--repeats` rounds, interleaved, each a fresh process under the lim
 clock (steps after the first), medians with ranges.
 
 `--profile-uncapped` profiles outside the cgroup and gives `hetero plan --dram-budget LIMIT` instead: a diagnostic
-for a profile that cannot yet keep a budget, marked in the table. Needs root (cgroups); says what to run otherwise.
+for a profile that cannot yet keep a budget, marked in the table. `--machine PROFILE` is given to every
+`hetero profile` (an earlier profile's machine section instead of measuring the machine each time). Needs root
+(cgroups); says what to run otherwise.
 """
 
 from __future__ import annotations
@@ -137,9 +139,12 @@ def run_plain(shape: Shape, layers: int, limit: int, work: Path, checkpoint: boo
                  weight_sum=weight_sum(text))
 
 
-def prepare_hetero(shape: Shape, layers: int, limit: int, work: Path, uncapped_profile: bool) -> Trial | None:
+def prepare_hetero(shape: Shape, layers: int, limit: int, work: Path, uncapped_profile: bool,
+                   machine_file: str | None = None) -> Trial | None:
     """Profile and plan under the limit (or the profile outside it); a failed Trial, or None when plan.yaml exists."""
-    profile = [*HETERO, "profile", "--warmup", "1", "--steps", "2", "--nvme", str(work / "nvme"), *shape.argv(layers)]
+    reuse = ["--machine", machine_file] if machine_file else []
+    profile = [*HETERO, "profile", "--warmup", "1", "--steps", "2", "--nvme", str(work / "nvme"), *reuse,
+               *shape.argv(layers)]
     plan = [*HETERO, "plan"] + (["--dram-budget", str(limit)] if uncapped_profile else [])
     profiled, text = capped(profile, None if uncapped_profile else limit, work, "profile")
     if not profiled.ok:
@@ -163,8 +168,8 @@ def run_hetero(shape: Shape, layers: int, limit: int, work: Path, prepared: Tria
 class Bench:
     """The trials of one limit; hetero's work folders (profile, plan) are kept per size for the timing rounds."""
 
-    def __init__(self, shape: Shape, limit: int, uncapped_profile: bool):
-        self.shape, self.limit, self.uncapped_profile = shape, limit, uncapped_profile
+    def __init__(self, shape: Shape, limit: int, uncapped_profile: bool, machine_file: str | None = None):
+        self.shape, self.limit, self.uncapped_profile, self.machine_file = shape, limit, uncapped_profile, machine_file
         self.root = Path(tempfile.mkdtemp(prefix="hetero-bench-cap-"))
         self.prepared: dict[int, Trial] = {}
         self.trials: list[Trial] = []
@@ -180,8 +185,8 @@ class Bench:
             result = run_plain(self.shape, layers, self.limit, work, config == "checkpoint")
         else:
             if layers not in self.prepared:
-                self.prepared[layers] = prepare_hetero(self.shape, layers, self.limit, work, self.uncapped_profile) \
-                    or Trial("hetero", layers, True)
+                self.prepared[layers] = prepare_hetero(self.shape, layers, self.limit, work, self.uncapped_profile,
+                                                       self.machine_file) or Trial("hetero", layers, True)
             prepared = self.prepared[layers]
             result = prepared if not prepared.ok else run_hetero(self.shape, layers, self.limit, work, prepared)
         self.trials.append(result)
@@ -247,7 +252,7 @@ def growth(shape: Shape, trials: list[Trial]) -> str:
 
 def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) -> tuple[list[str], list[str], int]:
     """One limit's table row and notes, and plain's largest size (the next limit's starting point)."""
-    bench = Bench(shape, limit, args.profile_uncapped)
+    bench = Bench(shape, limit, args.profile_uncapped, args.machine)
     try:
         most = {"plain": bench.largest("plain", start, args.max_layers)}
         for config in ("checkpoint", "hetero"):
@@ -310,6 +315,8 @@ def main() -> int:
     p.add_argument("--max-layers", type=int, default=48)
     p.add_argument("--profile-uncapped", action="store_true",
                    help="profile outside the cgroup and plan with --dram-budget LIMIT (a diagnostic)")
+    p.add_argument("--machine", default=None, metavar="PROFILE",
+                   help="`hetero profile --machine PROFILE`: an earlier profile's machine, not measured each time")
     args = p.parse_args()
     reason = cgroup.unavailable()
     if reason:

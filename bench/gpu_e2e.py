@@ -2,7 +2,8 @@
 with the default plan, and (with --half) a plan for half of plain training's reserved GPU peak, run under that
 budget. Plain and the default plan run interleaved, twice each. Prints a table (step time against plain, final loss,
 weight sum, torch's reserved and allocated peaks, the plan's predictions) and the checks the issues set; writes
-everything it ran and read into --out.
+everything it ran and read into --out. `--machine PROFILE` is given to `hetero profile` (an earlier profile's machine
+section, e.g. another run's --out/profile.yaml, instead of measuring the machine again).
 
     python bench/gpu_e2e.py --out /tmp/e2e --half -- bench/lm_heldout.py --steps 30
     python bench/gpu_e2e.py --out /tmp/e2e -- examples/train_gpt.py --device cuda --n-layer 8 --n-embd 512 \\
@@ -87,6 +88,8 @@ def main() -> int:
     p.add_argument("--half", action="store_true", help="also plan and run at half of plain's reserved GPU peak")
     p.add_argument("--rounds", type=int, default=2, help="interleaved plain / default-plan rounds")
     p.add_argument("--timeout", type=float, default=120, help="seconds per command")
+    p.add_argument("--machine", default=None, metavar="PROFILE",
+                   help="`hetero profile --machine PROFILE`: an earlier profile's machine, not measured again")
     p.add_argument("--peaks", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("script", nargs=argparse.REMAINDER)
     a = p.parse_args()
@@ -97,7 +100,8 @@ def main() -> int:
     python, hetero = sys.executable, [sys.executable, "-m", "hetero"]
     profile, default, half = a.out / "profile.yaml", a.out / "plan.yaml", a.out / "plan-half.yaml"
     rows: list[Outcome] = []
-    setup = run("profile", [*hetero, "profile", "-o", str(profile), *script], a.out, a.timeout * 2)
+    reuse = ["--machine", str(a.machine)] if a.machine else []
+    setup = run("profile", [*hetero, "profile", *reuse, "-o", str(profile), *script], a.out, a.timeout * 2)
     rows.append(setup)
     if setup.ok:
         rows.append(run("plan", [*hetero, "plan", "--profile", str(profile), "-o", str(default)], a.out, a.timeout))

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/memory.py [--script gpt|heldout] [--sizes 4x256x8x128 6x256x16x256] [--vocab N]
                                      [--pairs 3] [--steps 8] [--plans "default; --optimizer-device host"]
-                                     [--limit 0.5x|SIZE] [--env MALLOC_MMAP_THRESHOLD_=131072]
+                                     [--limit 0.5x|SIZE] [--env MALLOC_MMAP_THRESHOLD_=131072] [--machine PROFILE]
 
 For each size (layers x width x batch x context of examples/train_gpt.py, or of bench/heldout_lm.py with
 `--script heldout`) this profiles the script once, makes one plan per `--plans` entry (flags of `hetero plan`, or
@@ -17,7 +17,8 @@ plain, the last loss, and each plan's predicted DRAM peak against the measured o
 plain's median peak, measured first without a limit); plain runs without one (it would be killed), as the
 reference for the loss. The environment is the caller's for every process alike (set OMP_NUM_THREADS and
 GOMP_SPINCOUNT outside; GOMP_SPINCOUNT=1000 where unset, so that libgomp's spinning does not favour whichever
-process has more threads), plus `--env` settings for the runs; the profile runs without those.
+process has more threads), plus `--env` settings for the runs; the profile runs without those. `--machine PROFILE`
+is given to `hetero profile` (an earlier profile's machine section instead of measuring the machine each time).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def bench_size(script: str, size: str, args: argparse.Namespace, env: dict[str, 
         runs["plain"].append(sample([sys.executable, *argv], work, env))
         plain = runs["plain"][0].peak_bytes
         limit = int(float(args.limit[:-1]) * plain) if args.limit.endswith("x") else SIZE.parse(args.limit)
-    profile = [*HETERO, "profile", "--nvme", str(work / "disk"),
+    profile = [*HETERO, "profile", "--nvme", str(work / "disk"), *(["--machine", args.machine] if args.machine else []),
                *script_args(script, size, max(args.steps, PROFILE_STEPS), args.vocab)]
     code, profile_peak, text = run(profile, work, {}, limit, check=False)
     if code != 0:
@@ -180,6 +181,8 @@ def main() -> None:
     p.add_argument("--limit", default=None, help="profile, plan and run hetero under this cgroup limit "
                                                  "(SIZE, or 0.5x: of plain's peak)")
     p.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of the runs")
+    p.add_argument("--machine", default=None, metavar="PROFILE",
+                   help="`hetero profile --machine PROFILE`: an earlier profile's machine, not measured each time")
     a = p.parse_args()
     env = dict(item.split("=", 1) for item in a.env)
     a.plans = ["" if flags.strip() == "default" else flags.strip() for flags in a.plans.split(";")]

@@ -1,6 +1,7 @@
 """One training step of examples/train_gpt.py: plain PyTorch next to hetero's offloaded optimizer, in one run.
 
     .venv/bin/python bench/step.py [--n-layer 8 --n-embd 512 --batch-size 1 --seq-len 64] [--rounds 5]
+                                   [--profile FILE]
 
 Configurations, timed in interleaved rounds so drift and neighbours affect all alike:
   torch fused      torch.optim.AdamW(fused=True): the fastest plain update, after backward (the peer)
@@ -8,9 +9,10 @@ Configurations, timed in interleaved rounds so drift and neighbours affect all a
   axdimm overlap   hetero, states on the emulated AXDIMM, each update launched as its gradient is final
   axdimm after     hetero, same placement, updates after backward
   host overlap     hetero, states in host memory, overlapped
-The plan comes from the real profiler and planner. Prints the median step and backward+update time per
-configuration and the ratio to torch fused (the AXDIMM paper's 1.3-1.7x is backward+update against a host update
-that does not overlap).
+The plan comes from the real profiler and planner (`--profile FILE`: from that earlier profile of
+examples/train_gpt.py at these sizes instead; hetero's runtime refuses one of another model). Prints the median
+step and backward+update time per configuration and the ratio to torch fused (the AXDIMM paper's 1.3-1.7x is
+backward+update against a host update that does not overlap).
 """
 
 import argparse
@@ -29,9 +31,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_gpt import GPT, batches  # noqa: E402
 
+from hetero.harness.capture import fingerprint  # noqa: E402
 from hetero.plan.solve import PlanOptions, plan  # noqa: E402
 from hetero.profile.profiler import ProfileOptions, profile_script  # noqa: E402
 from hetero.run.runtime import Runtime  # noqa: E402
+from hetero.schema import files  # noqa: E402
+from hetero.schema.profile import Profile  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -44,6 +49,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="plan from this profile of the script at these sizes instead of profiling it")
     return p.parse_args()
 
 
@@ -86,10 +93,16 @@ class Config:
 
 def main() -> None:
     a = parse()
-    print(f"profiling and planning examples/train_gpt.py {' '.join(script_args(a)[:-2])} ...", flush=True)
-    with tempfile.TemporaryDirectory() as nvme:
-        profile = profile_script(str(ROOT / "examples/train_gpt.py"), script_args(a),
-                                 ProfileOptions(steps=3, warmup=1, nvme_dir=nvme))
+    if a.profile:
+        profile = files.load(a.profile, expect=Profile)
+        if fingerprint(GPT(a.vocab, a.seq_len, a.n_layer, a.n_embd, a.n_head)) != profile.model.fingerprint:
+            sys.exit(f"bench/step.py: {a.profile} is a profile of another model than these sizes of "
+                     "examples/train_gpt.py")
+    else:
+        print(f"profiling and planning examples/train_gpt.py {' '.join(script_args(a)[:-2])} ...", flush=True)
+        with tempfile.TemporaryDirectory() as nvme:
+            profile = profile_script(str(ROOT / "examples/train_gpt.py"), script_args(a),
+                                     ProfileOptions(steps=3, warmup=1, nvme_dir=nvme))
     on_axdimm = plan(profile, PlanOptions(optimizer_device="axdimm"))
     on_axdimm.activations = None  # the optimizer alone: tiering has its own benchmark
     on_host = dataclasses.replace(on_axdimm, optimizer=plan(profile, PlanOptions(optimizer_device="host")).optimizer)

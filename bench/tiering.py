@@ -2,16 +2,17 @@
 (write on pack, read on unpack) and, on a GPU, torch's `save_on_cpu(pin_memory=True)`.
 
     .venv/bin/python bench/tiering.py [--steps 3] [--warmup 2] [--rounds 3] [--nvme DIR] [--min-tensor 1MiB]
-                                      [-- SCRIPT ARGS]
+                                      [--profile FILE] [-- SCRIPT ARGS]
 
-It profiles the script (`hetero profile`), plans (`hetero plan --tier-activations`: scheduled even where the planner
-would find no memory saved), keeps the plan's `activations` section only (the
-optimizer stays the script's own, so only tiering differs) and fills its `slow_path` from the profile's tier when the
-planner left it out. `--min-tensor` re-solves the schedule with the planner's own TierTrain queue under that threshold
-instead of the planner's. Each configuration then runs in a fresh process, taking turns round by round, so drift in
-a shared machine hits all alike. A run times its optimizer steps after the warmup and counts saved bytes in
-the fast tier with hetero's ledger, time-averaged over the run; `none` runs without hooks, and its bytes are what
-the hetero run counted as saved without tiering. The naive offload moves every tensor the plan's threshold allows.
+It profiles the script (`hetero profile`; with `--profile FILE` it takes that earlier profile of the script instead,
+disk tier included), plans (`hetero plan --tier-activations`: scheduled even where the planner would find no memory
+saved), keeps the plan's `activations` section only (the optimizer stays the script's own, so only tiering differs)
+and fills its `slow_path` from the profile's tier when the planner left it out. `--min-tensor` re-solves the
+schedule with the planner's own TierTrain queue under that threshold instead of the planner's. Each configuration
+then runs in a fresh process, taking turns round by round, so drift in a shared machine hits all alike. A run times
+its optimizer steps after the warmup and counts saved bytes in the fast tier with hetero's ledger, time-averaged
+over the run; `none` runs without hooks, and its bytes are what the hetero run counted as saved without tiering. The
+naive offload moves every tensor the plan's threshold allows.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main() -> None:
     p.add_argument("--min-tensor", default=None, help="re-solve the schedule with this threshold, e.g. 1MiB")
     p.add_argument("--stay-time", default="1ms", help="TierTrain's stay time for hetero plan: larger keeps short-idle "
                    "tensors in fast memory (they cost I/O for little average saving)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="plan from this profile of the script instead of profiling it (its disk tier holds the files)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--plan", default=None, help=argparse.SUPPRESS)
     p.add_argument("script", nargs="*", help="script and its arguments [default: a 4-layer GPT of width 768, "
@@ -73,11 +76,13 @@ def _plan(work: Path, script: list[str], args) -> Path:
     nvme = args.nvme or str(work / "nvme")
     hetero = [sys.executable, "-m", "hetero"]
     longer = [] if args.script else ["--steps", "100"]  # the profiler stops the script once it has measured
-    _call(hetero + ["profile", "--steps", "3", "--warmup", "1", "--nvme", nvme, "-o", str(work / "profile.yaml"),
-                    *script, *longer])
-    _call(hetero + ["plan", "--profile", str(work / "profile.yaml"), "-o", str(work / "plan.yaml"),
+    profiled = Path(args.profile) if args.profile else work / "profile.yaml"
+    if not args.profile:
+        _call(hetero + ["profile", "--steps", "3", "--warmup", "1", "--nvme", nvme, "-o", str(profiled), *script,
+                        *longer])
+    _call(hetero + ["plan", "--profile", str(profiled), "-o", str(work / "plan.yaml"),
                     "--optimizer-device", "host", "--stay-time", args.stay_time, "--tier-activations"])
-    profile = files.load(work / "profile.yaml", expect=Profile)
+    profile = files.load(profiled, expect=Profile)
     plan = files.load(work / "plan.yaml", expect=Plan)
     acts = plan.activations
     assert acts is not None, f"the planner scheduled no activations: {plan.omitted.get('activations')}"

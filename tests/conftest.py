@@ -97,6 +97,29 @@ def without_malloc_runs():
         yield
 
 
+SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "2", "--n-embd", "64", "--vocab",
+             "256", "--seq-len", "32", "--steps", "50"]
+
+
+@pytest.fixture(scope="session")
+def profiled(tmp_path_factory) -> tuple[int, Path, Path]:
+    """`hetero profile` of a small GPT, the machine measured, once a session: its exit code, its folder (profile.yaml,
+    summary.txt: what it printed) and its disk tier's directory. tests/cli/test_profile.py checks it; the benches'
+    smoke runs (tests/bench) give it to `--machine` rather than measure this machine once per bench."""
+    import io
+
+    from hetero.cli.main import main
+
+    out = tmp_path_factory.mktemp("profiled")
+    nvme = out / "disk"
+    printed = io.StringIO()
+    with cuda_reported_in(out / "cuda.log"), contextlib.redirect_stdout(printed):  # as on a GPU machine: the
+        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o",  # example stays on
+                     str(out / "profile.yaml"), *SMALL_GPT])  # the CPU it was given
+    (out / "summary.txt").write_text(printed.getvalue())
+    return code, out, nvme
+
+
 @pytest.fixture
 def bundled_machine(monkeypatch):
     """`hetero profile` takes the machine from the bundled CPU profile instead of measuring this one (tens of

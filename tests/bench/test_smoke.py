@@ -19,6 +19,7 @@ from tests.conftest import REPO
 NUMBER = r"[-+0-9.e]+"
 # tests/bench/tiny-gpt.plan.yaml: `hetero plan --emulate axdimm` of tests/bench/tiny-gpt.profile.yaml, the profile
 # of examples/train_gpt.py with these arguments (and --steps 12)
+TINY_PROFILE = "tests/bench/tiny-gpt.profile.yaml"
 TINY_PLAN = "tests/bench/tiny-gpt.plan.yaml"
 TINY_PLAN_GPT = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "64", "--batch-size", "2",
                  "--seq-len", "16"]
@@ -33,7 +34,6 @@ class Smoke:
     expect: tuple[str, ...]  # regular expressions, each found in stdout + stderr
     code: int = 0
     cuda: bool = False  # run as written only with CUDA; without it `code` is the refusal's exit code
-    slow: bool = False  # beyond the suite's time budget: runs with HETERO_SLOW_BENCH=1 only
     files: tuple[str, ...] = ()  # paths the run must leave in its folder ({tmp})
 
 
@@ -72,36 +72,41 @@ SMOKES = [
            rf"axdimm ch0 +│ +adam +│ +{NUMBER} +│ +{NUMBER}")),
     Smoke("gpu_all.py", (), (r"gpu-check: no CUDA device here", ), code=2, cuda=True),
     Smoke("gpu_offload.py", ("--steps", "2"), (r"bench/gpu_offload.py needs a CUDA GPU", ), code=2, cuda=True),
-    # Each of these profiles a script (`hetero profile` measures the machine) before it runs anything: 35-90 s each.
-    Smoke("step.py", (*TINY_GPT, "--steps", "1", "--rounds", "1"),
-          (rf"torch fused +{NUMBER} +{NUMBER} +1\.00x", rf"axdimm overlap +{NUMBER}", rf"host overlap +{NUMBER}"),
-          slow=True),
-    Smoke("tiering.py", ("--steps", "1", "--warmup", "1", "--rounds", "1", "--min-tensor", "1KiB", "--",
-                         "examples/train_gpt.py", *TINY_GPT,
-                         "--steps", "8"),
-          (r"^plan: \d+ of \d+ layers evict", rf"^none +{NUMBER}s", rf"^hetero +{NUMBER}s"), slow=True),
+    # These two plan from the checked-in profile of their script (`--profile`) rather than profile it first.
+    Smoke("step.py", (*TINY_PLAN_GPT, "--steps", "1", "--rounds", "1", "--profile", TINY_PROFILE),
+          (rf"torch fused +{NUMBER} +{NUMBER} +1\.00x", rf"axdimm overlap +{NUMBER}", rf"host overlap +{NUMBER}")),
+    Smoke("tiering.py", ("--steps", "1", "--warmup", "1", "--rounds", "1", "--min-tensor", "1KiB", "--profile",
+                         TINY_PROFILE, "--", "examples/train_gpt.py", *TINY_PLAN_GPT, "--steps", "3"),
+          (r"^plan: \d+ of \d+ layers evict", rf"^none +{NUMBER}s", rf"^hetero +{NUMBER}s", rf"^naive +{NUMBER}s")),
     Smoke("predict.py", ("--plan", TINY_PLAN, "--rounds", "1", "--steps", "4", "--", "examples/train_gpt.py",
                          *TINY_PLAN_GPT),
           (r"│ 1 +│ +\d+ vs \d+ │ +\d+ vs \d+ │ +\d+ vs \d+ │ +\d+ │ +0 │",
            r"│ median +│ +[-+0-9]+% │ +[-+0-9]+% │")),
-    Smoke("memory.py", ("--sizes", "1x32x1x16", "--vocab", "64", "--pairs", "1", "--steps", "4"),
+    # These profile their script first, with the machine section of the session's profile of this machine
+    # (`hetero profile --machine`; tests/conftest.py's `profiled`) rather than measure the machine once each.
+    Smoke("memory.py", ("--sizes", "1x32x1x16", "--vocab", "64", "--pairs", "1", "--steps", "4", "--machine",
+                        "{machine}"),
           (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"plan \(default\) +peak",
-           r"measured/predicted [0-9.]+"), slow=True),
+           r"measured/predicted [0-9.]+")),
     Smoke("cap.py", ("--limits", "2GiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
-                     "--repeats", "1", "--max-layers", "1"),
+                     "--repeats", "1", "--max-layers", "1", "--machine", "{machine}"),
           (r"hetero: 1 layers peak [0-9.]+[KMG]iB",
-           r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$"), slow=True),
-    Smoke("gpu_e2e.py", ("--out", "{tmp}/e2e", "--rounds", "1", "--", "bench/lm_heldout.py", "--device", "cpu",
-                         "--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64", "--batch", "1", "--seq",
-                         "16", "--steps", "8"),
-          (rf"plain-0 +{NUMBER} +1\.000x", rf"hetero-0 +{NUMBER}", r"check: default plan's weight sum .*: equal"),
-          slow=True, files=("e2e/outcomes.json", "e2e/plan.yaml")),
+           r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$")),
+    Smoke("gpu_e2e.py", ("--out", "{tmp}/e2e", "--rounds", "1", "--machine", "{machine}", "--", "bench/lm_heldout.py",
+                         "--device", "cpu", "--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64",
+                         "--batch", "1", "--seq", "16", "--steps", "8"),
+          (r"^profile +ok", rf"plain-0 +{NUMBER} +1\.000x", rf"hetero-0 +{NUMBER}",
+           r"check: default plan's weight sum .*: equal"),
+          files=("e2e/outcomes.json", "e2e/plan.yaml")),
 ]
 SMOKES_BY = {s.script: s for s in SMOKES}
 
 
 def bench(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    # One intra-op thread unless asked: these sizes gain nothing from a second, and on a shared machine a second one
+    # waits at every barrier for a core a neighbour holds (a width-32 step of bench/lm_heldout.py: 1-2 ms alone, 5 to
+    # 265 ms with two threads beside busy neighbours on the 2-core development VM).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.run([sys.executable, f"bench/{name}", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -118,25 +123,26 @@ def runs() -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     return {}
 
 
-def smoke_run(smoke: Smoke, runs: dict, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def smoke_run(smoke: Smoke, runs: dict, request) -> tuple[subprocess.CompletedProcess, Path]:
+    """`{tmp}` in its arguments: its own folder; `{recorded}`: bench/recorder.py's; `{machine}`: a profile of this
+    machine (tests/conftest.py's `profiled`)."""
     if smoke.script not in runs:
-        tmp = tmp_path_factory.mktemp(smoke.script.removesuffix(".py"))
-        recorded = str(smoke_run(SMOKES_BY["recorder.py"], runs, tmp_path_factory)[1]) if "{recorded}" in \
-            " ".join(smoke.args) else ""
-        args = (a.replace("{tmp}", str(tmp)).replace("{recorded}", recorded) for a in smoke.args)
+        tmp = request.getfixturevalue("tmp_path_factory").mktemp(smoke.script.removesuffix(".py"))
+        given = " ".join(smoke.args)
+        recorded = str(smoke_run(SMOKES_BY["recorder.py"], runs, request)[1]) if "{recorded}" in given else ""
+        machine = str(request.getfixturevalue("profiled")[1] / "profile.yaml") if "{machine}" in given else ""
+        args = (a.replace("{tmp}", str(tmp)).replace("{recorded}", recorded).replace("{machine}", machine)
+                for a in smoke.args)
         runs[smoke.script] = bench(smoke.script, *args), tmp
     return runs[smoke.script]
 
 
 @pytest.mark.parametrize("smoke", SMOKES, ids=[s.script for s in SMOKES])
-def test_bench_runs_at_a_tiny_size(smoke: Smoke, runs, tmp_path_factory):
-    if smoke.slow and not os.environ.get("HETERO_SLOW_BENCH"):
-        pytest.skip("profiles a script first (35-90 s each here): beyond the suite's budget; "
-                    "HETERO_SLOW_BENCH=1 runs it")
+def test_bench_runs_at_a_tiny_size(smoke: Smoke, runs, request):
     refused = smoke.cuda and not has_cuda()
     if smoke.cuda and not refused:
         pytest.skip("runs a GPU benchmark for minutes; `make gpu-check` runs it")
-    done, tmp = smoke_run(smoke, runs, tmp_path_factory)
+    done, tmp = smoke_run(smoke, runs, request)
     out = done.stdout + done.stderr
     assert done.returncode == smoke.code, out[-3000:]
     missing = [p for p in smoke.expect if not re.search(p, out, re.MULTILINE)]

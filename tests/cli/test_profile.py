@@ -1,8 +1,6 @@
 """`hetero profile` end to end: the example script into a profile `hetero check` accepts."""
 
-import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -18,28 +16,14 @@ from hetero.run.devices import workdir
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
-from tests.conftest import REPO, cuda_reported_in
+from tests.conftest import SMALL_GPT
 from tests.profile import scripts
 
 ADAMW, CLIP = torch.optim.AdamW, clip_grad.clip_grad_norm_
-SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "2", "--n-embd", "64", "--vocab",
-             "256", "--seq-len", "32", "--steps", "50"]
 
 
 def positive(x: float) -> bool:
     return math.isfinite(x) and x > 0
-
-
-@pytest.fixture(scope="module")
-def profiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("p")
-    nvme = out / "disk"
-    printed = io.StringIO()
-    with cuda_reported_in(out / "cuda.log"), contextlib.redirect_stdout(printed):  # as on a GPU machine: the
-        code = main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(nvme), "-o",  # example stays on
-                     str(out / "profile.yaml"), *SMALL_GPT])  # the CPU it was given
-    (out / "summary.txt").write_text(printed.getvalue())
-    return code, out, nvme
 
 
 def test_profile_of_the_example_is_valid(profiled, capsys):
