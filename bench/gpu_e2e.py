@@ -2,8 +2,8 @@
 with the default plan, and (with --half) a plan for half of plain training's reserved GPU peak, run under that
 budget. Plain and the default plan run interleaved, twice each. Prints a table (step time against plain, final loss,
 weight sum, torch's reserved and allocated peaks, the plan's predictions) and the checks the issues set; writes
-everything it ran and read into --out. `--machine PROFILE` is given to `hetero profile` (an earlier profile's machine
-section, e.g. another run's --out/profile.yaml, instead of measuring the machine again).
+everything it ran and read into --out. `--profile FILE` plans from FILE, an earlier profile of the script (another
+run's --out/profile.yaml), instead of running `hetero profile` again.
 
     python bench/gpu_e2e.py --out /tmp/e2e --half -- bench/lm_heldout.py --steps 30
     python bench/gpu_e2e.py --out /tmp/e2e -- examples/train_gpt.py --device cuda --n-layer 8 --n-embd 512 \\
@@ -88,8 +88,8 @@ def main() -> int:
     p.add_argument("--half", action="store_true", help="also plan and run at half of plain's reserved GPU peak")
     p.add_argument("--rounds", type=int, default=2, help="interleaved plain / default-plan rounds")
     p.add_argument("--timeout", type=float, default=120, help="seconds per command")
-    p.add_argument("--machine", default=None, metavar="PROFILE",
-                   help="`hetero profile --machine PROFILE`: an earlier profile's machine, not measured again")
+    p.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                   help="plan from this earlier profile of the script instead of running `hetero profile`")
     p.add_argument("--peaks", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("script", nargs=argparse.REMAINDER)
     a = p.parse_args()
@@ -98,12 +98,12 @@ def main() -> int:
         return peaks_worker(script) or 0
     a.out.mkdir(parents=True, exist_ok=True)
     python, hetero = sys.executable, [sys.executable, "-m", "hetero"]
-    profile, default, half = a.out / "profile.yaml", a.out / "plan.yaml", a.out / "plan-half.yaml"
+    profile = a.profile.resolve() if a.profile else a.out / "profile.yaml"  # the commands run from the repository root
+    default, half = a.out / "plan.yaml", a.out / "plan-half.yaml"
     rows: list[Outcome] = []
-    reuse = ["--machine", str(a.machine)] if a.machine else []
-    setup = run("profile", [*hetero, "profile", *reuse, "-o", str(profile), *script], a.out, a.timeout * 2)
-    rows.append(setup)
-    if setup.ok:
+    if a.profile is None:
+        rows.append(run("profile", [*hetero, "profile", "-o", str(profile), *script], a.out, a.timeout * 2))
+    if all(r.ok for r in rows):
         rows.append(run("plan", [*hetero, "plan", "--profile", str(profile), "-o", str(default)], a.out, a.timeout))
     for k in range(a.rounds):
         rows.append(run(f"plain-{k}", [python, __file__, "--peaks", "--out", str(a.out), *script], a.out, a.timeout))
