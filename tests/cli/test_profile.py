@@ -69,7 +69,8 @@ def test_the_disk_probe_leaves_nothing_behind(profiled):
 
 
 def test_json_goes_to_stdout_and_the_scripts_output_to_stderr(tmp_path, capfd, bundled_machine, monkeypatch):
-    monkeypatch.setattr(returned, "measure", lambda script, args, warmup, steps_from="optimizer": None)  # what they print goes nowhere
+    # what the fresh processes print goes nowhere
+    monkeypatch.setattr(returned, "measure", lambda script, args, warmup, steps_from="optimizer": None)
     path = scripts.write(tmp_path, scripts.LOOP)
     assert main(["profile", "--json", "--steps", "1", "--warmup", "1", "-o", str(tmp_path / "p.yaml"), path]) == 0
     out, err = capfd.readouterr()
@@ -133,7 +134,8 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     assert tensors == 28  # 2 blocks of 12, wte, wpe, ln_f's 2; lm_head's weight is wte's
     assert math.isclose(step, tensors * cpu.adam_launch_s + n / cpu.adam_params_per_s, rel_tol=1e-3)
     assert profile.training.iteration_s >= step
-    assert torch.nn.utils.clip_grad_norm_ is CLIP and clip_grad.clip_grad_norm_ is CLIP and torch.optim.AdamW is ADAMW  # restored
+    # restored
+    assert torch.nn.utils.clip_grad_norm_ is CLIP and clip_grad.clip_grad_norm_ is CLIP and torch.optim.AdamW is ADAMW
 
 
 def test_an_earlier_profiles_machine_is_taken_instead_of_measured(profiled, tmp_path, monkeypatch):
