@@ -34,6 +34,7 @@ class Smoke:
     expect: tuple[str, ...]  # regular expressions, each found in stdout + stderr
     code: int = 0
     cuda: bool = False  # run as written only with CUDA; without it `code` is the refusal's exit code
+    cgroup: bool = False  # needs memory cgroups (root): without them it exits 2 with bench/cgroup.py's reason
     files: tuple[str, ...] = ()  # paths the run must leave in its folder ({tmp})
 
 
@@ -96,7 +97,7 @@ SMOKES = [
     Smoke("cap.py", ("--limits", "2GiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
                      "--repeats", "0", "--max-layers", "1", "--machine", "{machine}"),
           (r"hetero: 1 layers peak [0-9.]+[KMG]iB",
-           r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$")),
+           r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$"), cgroup=True),
 ]
 SMOKES_BY = {s.script: s for s in SMOKES}
 
@@ -114,6 +115,14 @@ def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def cgroup_unavailable() -> str | None:
+    """Why bench/cgroup.py cannot make a memory cgroup here (not root, no memory controller); None where it can."""
+    spec = importlib.util.spec_from_file_location("bench_cgroup", REPO / "bench" / "cgroup.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module.unavailable()
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +152,10 @@ def test_bench_runs_at_a_tiny_size(smoke: Smoke, runs, request):
         pytest.skip("runs a GPU benchmark for minutes; `make gpu-check` runs it")
     done, tmp = smoke_run(smoke, runs, request)
     out = done.stdout + done.stderr
+    reason = cgroup_unavailable() if smoke.cgroup else None
+    if reason is not None:
+        assert (done.returncode, done.stderr) == (2, f"bench/{smoke.script}: {reason}\n"), out[-3000:]
+        return
     assert done.returncode == smoke.code, out[-3000:]
     missing = [p for p in smoke.expect if not re.search(p, out, re.MULTILINE)]
     assert missing == [], out[-3000:]
