@@ -170,6 +170,12 @@ def test_every_bench_script_has_a_smoke_run():
     assert sorted([*tested_apart, *(s.script for s in SMOKES)]) == sorted(p.name for p in (REPO / "bench").glob("*.py"))
 
 
+def test_step_refuses_a_profile_of_another_model():
+    done = bench("step.py", *TINY_GPT, "--profile", TINY_PROFILE)  # the profile is of TINY_PLAN_GPT's sizes
+    assert (done.returncode, done.stderr) == (1, f"bench/step.py: {TINY_PROFILE} is a profile of another model than "
+                                                 "these sizes of examples/train_gpt.py\n")
+
+
 def test_gpu_all_lists_its_pieces_without_cuda():
     done = bench("gpu_all.py", "--list")
     assert done.returncode == 0, done.stderr
