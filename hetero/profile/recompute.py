@@ -8,8 +8,8 @@ updated twice). The profile checks it once the script has stopped: it runs the m
 up to the end of its last block (the head and the loss, which would hold their logits and graph on top of the
 weights under a budget, are never run), and in each block's forward post-hook runs the block's forward a second
 time from the RNG state the first began with, comparing outputs bit for bit (both with gradients enabled, so torch
-picks the same kernels), after checking that the first changed none of the block's buffers. It records each block's input bytes (what checkpointing keeps)
-and whether it can be recomputed, with why not.
+picks the same kernels), after checking that the first changed none of the block's buffers. It records each
+block's input bytes (what checkpointing keeps) and whether it can be recomputed, with why not.
 """
 
 from __future__ import annotations
