@@ -135,7 +135,11 @@ def _plain_peak(memory) -> str:
         return f"{peak} estimated, not measured (profiled under a budget: {memory.profiled_under})"
     returned = "" if memory.dram_peak_returned_bytes is None else \
         f", {SIZE.format_short(memory.dram_peak_returned_bytes)} with freed memory returned"
-    return (f"{peak} resident (a fresh process with malloc's defaults, once its peak settled){returned}: a "
+    runs = memory.dram_peak_runs_bytes
+    spread = f"the median of {len(runs)} fresh processes with malloc's defaults " \
+        f"({SIZE.format_short(min(runs))} to {SIZE.format_short(max(runs))}), each" if len(runs) > 1 else \
+        "a fresh process with malloc's defaults,"
+    return (f"{peak} resident ({spread} once its peak settled){returned}: a "
             "--dram-budget above it keeps plain training, one below it has hetero make room")
 
 

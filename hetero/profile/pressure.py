@@ -51,6 +51,8 @@ class UnderPressure:
         self.decided: dict[str, bool] = {}  # block -> runs as written (decided in the second forward)
         self.classes: dict[str, type] = {}  # block -> its class
         self.inputs: dict[str, int] = {}  # block -> bytes its checkpoint kept (its inputs)
+        self.modules: dict[str, nn.Module] = {}  # block -> the module
+        self.calls: dict[type, tuple[str, tuple, dict]] = {}  # class -> its last recomputed block's call
         self.overrides: list[hooks.Override] = []
         self.checked: set[int] = set()
         self.handle = nn.modules.module.register_module_forward_pre_hook(self._called)
@@ -65,7 +67,7 @@ class UnderPressure:
         self.handle.remove()
         self.first = blocks[0][0]
         for name, block in blocks:
-            self.classes[name] = type(block)
+            self.classes[name], self.modules[name] = type(block), block
             self.overrides.append(hooks.forward_override(block, functools.partial(self._forward, name,
                                                                                    block.forward)))
 
@@ -81,6 +83,7 @@ class UnderPressure:
         if self.calibrated:
             self.engaged[name] = self.engaged.get(name, 0) + 1
         self.inputs[name] = sum(t.untyped_storage().nbytes() for t in args if isinstance(t, torch.Tensor))
+        self.calls[self.classes[name]] = (name, args, kwargs)  # checkpoint keeps them anyway
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     def _decide(self, name: str, resident: int) -> bool:
@@ -109,25 +112,63 @@ class UnderPressure:
 
     def fill(self, layers: list[Layer]) -> tuple[list[Layer], int]:
         """`layers` with every engaged block's layers given what the same layer of a measured block of its class
-        saved, and the bytes the engaged blocks did not keep (their layers' saved bytes less their inputs)."""
+        saved (where no block of its class ran as written, what `saved_by_layer` counts of its class's last
+        recomputed block), and the bytes the engaged blocks did not keep (their layers' saved bytes less their
+        inputs)."""
         measured = [b for b in self.classes if b not in self.engaged]
         by_name = {layer.name: layer for layer in layers}
+        counted = {cls: self.saved_by_layer(*call) for cls, call in self.calls.items()
+                   if not any(self.classes[b] is cls for b in measured)}
         out, unkept = list(layers), 0
         for block in self.engaged:
             twin = next((b for b in measured if self.classes[b] is self.classes[block]), None)
-            if twin is None:
+            if twin is None and self.classes[block] not in counted:
                 continue
             saved = 0
             for k, layer in enumerate(out):
                 if not layer.name.startswith(block + "."):
                     continue
-                source = by_name.get(twin + layer.name[len(block):])
-                if source is not None:
+                rest = layer.name[len(block):]
+                if twin is None:
+                    storages = counted[self.classes[block]].get(rest, [])
+                    out[k] = replace(layer, saved_bytes=sum(storages), saved_storages_bytes=storages)
+                elif (source := by_name.get(twin + rest)) is not None:
                     out[k] = replace(layer, saved_bytes=source.saved_bytes,
                                      saved_storages_bytes=list(source.saved_storages_bytes))
-                    saved += source.saved_bytes
+                saved += out[k].saved_bytes
             unkept += max(0, saved - self.inputs.get(block, 0))
         return out, unkept
+
+    def saved_by_layer(self, name: str, args: tuple, kwargs: dict) -> dict[str, list[int]]:
+        """What the block `name`'s forward saves for backward, by layer (the part of the layer's name after the
+        block's, e.g. `.attn.proj`): each distinct storage autograd saves while the layer is the last one started
+        (as the layer profiler counts it; the block's own ops before its first layer go to that layer), parameters
+        excluded, largest first. Counted as autograd packs them and never kept (the pack hook keeps only a size),
+        so it costs the memory of a forward without gradients; the RNG state is left as it was."""
+        block = self.modules[name]
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        owners = [(rel, m) for rel, m in block.named_modules() if rel and any(True for _ in m.parameters(False))]
+        current = [f".{owners[0][0]}"] if owners else [""]
+        seen: set[int] = set()
+        storages: dict[str, list[int]] = {}
+
+        def pack(t: torch.Tensor) -> int:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                storages.setdefault(current[0], []).append(storage.nbytes())
+            return 0
+
+        starts = [hooks.forward_pre(m, lambda *_, rel=rel: current.__setitem__(0, f".{rel}")) for rel, m in owners]
+        rng = torch.get_rng_state()
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+                type(block).forward(block, *args, **kwargs)  # the class's: the instance's is the checkpoint
+        finally:
+            torch.set_rng_state(rng)
+            for handle in starts:
+                handle.remove()
+        return {rel: sorted(sizes, reverse=True) for rel, sizes in storages.items()}
 
     def described(self, unkept: int) -> str:
         measured = [b for b in self.classes if b not in self.engaged]
@@ -140,6 +181,7 @@ class UnderPressure:
         self.decided = dict.fromkeys(self.classes, False)
 
     def close(self) -> None:
+        self.calls.clear()
         self.handle.remove()
         for override in self.overrides:
             override.remove()

@@ -188,9 +188,10 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     layers = [replace(x, model=part_of(session.model, x.name)) for x in layers]
     if session.pressure is not None:
         session.pressure.least()  # the check's forward under the budget too
+    model_info = _model_info(session.model, session.optimizers, script)
+    _release_training(session.model, session.optimizers)  # the check needs the weights only
     blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
-    out = ScriptMeasurement(model=_model_info(session.model, session.optimizers, script),
-                            training=session.training(summary, clips_grad=clips["calls"] > 0),
+    out = ScriptMeasurement(model=model_info, training=session.training(summary, clips_grad=clips["calls"] > 0),
                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
@@ -199,11 +200,14 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
-        session.progress("malloc's settings", 0, 1)
-        found = returned.measure(script, args, options.warmup_on(session.device), session.steps_from)
-        session.progress("malloc's settings", 1, 1)
+        total = 1 + returned.DEFAULT_RUNS
+        session.progress("malloc's settings", 0, total)
+        found = returned.measure(script, args, options.warmup_on(session.device), session.steps_from,
+                                 lambda done, n: session.progress("malloc's settings", done, n))
+        session.progress("malloc's settings", total, total)
         if found is not None:  # plain training's own peak, settled, without hooks: what a plain process pays
             session.memory.dram_peak_bytes = found.default_peak_bytes
+            session.memory.dram_peak_runs_bytes = list(found.default_peaks_bytes)
             session.memory.dram_peak_returned_bytes = found.peak_bytes
             session.memory.returned_step_s = measured(found.step_s)
             session.memory.default_step_s = measured(found.default_step_s)
@@ -215,10 +219,19 @@ def _release(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     machine is measured, and give the freed memory back: the script never runs again, and the hooks the profile and
     its instruments registered on the parameters (held by torch beyond the reach of Python's garbage collector) would
     otherwise keep all of it alive, so that the machine's buffers came on top of the training's peak."""
+    _release_training(model, optimizers)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.grad = None
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    gc.collect()
+    allocator.trim()
+
+
+def _release_training(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Free the stopped script's gradients and optimizer states (its weights stay): under a budget the blocks' check
+    must not come on top of them."""
+    for p in model.parameters():
+        p.grad = None
     for optimizer in optimizers:
         optimizer.state.clear()
     gc.collect()

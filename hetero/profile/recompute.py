@@ -5,10 +5,11 @@ runs its forward again in backward, restoring the CPU and the inputs' device RNG
 training's gradients only where a second forward from the same RNG state computes what the first did: not where
 the block draws from a generator of its own, or changes its buffers (BatchNorm's running statistics would be
 updated twice). The profile checks it once the script has stopped: it runs the model's last training call again,
-and in each block's forward post-hook runs the block's forward a second time from the RNG state the first began
-with, comparing outputs bit for bit (both with gradients enabled, so torch picks the same kernels), after checking
-that the first changed none of the block's buffers. It records each block's input bytes (what checkpointing keeps)
-and whether it can be recomputed, with why not.
+up to the end of its last block (the head and the loss, which would hold their logits and graph on top of the
+weights under a budget, are never run), and in each block's forward post-hook runs the block's forward a second
+time from the RNG state the first began with, comparing outputs bit for bit (both with gradients enabled, so torch
+picks the same kernels), after checking that the first changed none of the block's buffers. It records each
+block's input bytes (what checkpointing keeps) and whether it can be recomputed, with why not.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
     for name, module in blocks:
         handles.append(hooks.forward_pre(module, _before(seen[name]), with_kwargs=True))
         handles.append(hooks.forward(module, _after(seen[name]), with_kwargs=True))
+        handles.append(hooks.forward(module, _stop_once_all_done(seen)))
     args, kwargs = inputs.call
     try:
         with torch.enable_grad():
             model(*args, **kwargs)  # the graph it builds is dropped with the output
+    except _AllChecked:
+        pass
     except Exception as e:  # the script changed what its last call took (in place), or its model cannot run again
         why = f"the check's forward of the model's last call failed ({type(e).__name__}: {str(e)[:120]})"
         return [Block(name=name, input_bytes=s.input_bytes, recomputable=False, why=why) for name, s in seen.items()]
@@ -76,6 +80,17 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
             handle.remove()
     return [Block(name=name, input_bytes=s.input_bytes, recomputable=s.done and s.why is None,
                   why=s.why if s.done else NOT_RUN) for name, s in seen.items()]
+
+
+class _AllChecked(Exception):
+    """Every block is checked: the rest of the forward (the head, the logits, the loss) is not run."""
+
+
+def _stop_once_all_done(seen: dict[str, _Seen]):
+    def hook(*_) -> None:
+        if all(s.done for s in seen.values()):
+            raise _AllChecked()
+    return hook
 
 
 def _before(seen: _Seen):

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetero.run import allocator, process_memory
@@ -43,6 +45,7 @@ TIMED_STEPS = 2
 SETTLE_STEPS = 2  # steps in a row that must leave the peak where it was
 SETTLE_BYTES = 2 << 20  # what "where it was" allows: the peak's own noise between steps
 MAX_STEPS = 12  # a peak still rising by then rises with the script's own state (a list of losses), not the heap's
+DEFAULT_RUNS = 3  # fresh processes with malloc's defaults: their median peak and step
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,7 @@ class Returned:
     default_peak_bytes: int  # plain training's own: malloc's defaults, no hooks
     default_step_s: float  # the same script's step with malloc's defaults
     default_steps: int  # steps the default run took to settle (or the script's, where it ended first)
+    default_peaks_bytes: tuple[int, ...] = ()  # each default run's peak, in the order they ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +84,30 @@ def restore() -> None:
     allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
 
 
-def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimizer") -> Returned | None:
-    """The script's peak and step time with freed memory returned, and with malloc's defaults, each from a fresh
-    process, its steps counted as the profile counted them (`steps_from`: optimizer steps, or backward calls);
-    None when it could not run that many steps (or malloc is not glibc)."""
+def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimizer",
+            progress: Callable[[int, int], None] | None = None) -> Returned | None:
+    """The script's peak and step time with freed memory returned (one fresh process: that peak is the same in
+    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes), its steps counted as the
+    profile counted them (`steps_from`: optimizer steps, or backward calls); None when it could not run that many
+    steps (or malloc is not glibc). `progress(done, total)` follows the processes."""
+    total = 1 + DEFAULT_RUNS
     returned = _run(script, args, warmup, "returned", steps_from)
-    default = _run(script, args, warmup, "default", steps_from) if returned is not None else None
-    if default is None:
+    defaults: list[_Run] = []
+    while returned is not None and len(defaults) < DEFAULT_RUNS:
+        if progress is not None:
+            progress(1 + len(defaults), total)
+        run = _run(script, args, warmup, "default", steps_from)
+        if run is None:
+            return None
+        defaults.append(run)
+    if not defaults:
         return None
-    return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_peak_bytes=default.peak_bytes,
-                    default_step_s=default.step_s, default_steps=default.steps)
+    by_peak = sorted(defaults, key=lambda r: r.peak_bytes)
+    median = by_peak[len(by_peak) // 2]
+    return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_peak_bytes=median.peak_bytes,
+                    default_step_s=statistics.median(r.step_s for r in defaults),
+                    default_steps=max(r.steps for r in defaults),
+                    default_peaks_bytes=tuple(r.peak_bytes for r in defaults))
 
 
 def _run(script: str, args: list[str], warmup: int, malloc: str, steps_from: str) -> _Run | None:

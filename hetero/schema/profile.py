@@ -321,8 +321,8 @@ class Memory:
     hooks): what plain training costs, interpreter, libraries and allocator slack included."""
 
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
-                               "VmHWM less the file pages mapped then): of the script run in a fresh process with "
-                               "malloc's defaults until the peak settles (less than 2MiB more in two steps; at most "
+                               "VmHWM less the file pages mapped then): the median of the script run in 3 fresh "
+                               "processes with malloc's defaults (`dram_peak_runs`), each until its peak settles (less than 2MiB more in two steps; at most "
                                "12 steps, or to the script's own end, whose evaluation and saving then count); under a "
                                "budget, in the profile's own process by the end of the measured steps; under "
                                "torchrun or on a GPU, by the end of the warm-up steps, which run without the "
@@ -331,6 +331,10 @@ class Memory:
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
                                               "a GPU.", unit=SIZE, ge=0, default=None)
+    dram_peak_runs_bytes: list[int] = doc("Each fresh process's peak whose median is `dram_peak`, in the order they "
+                                          "ran: with malloc's defaults the same script peaks differently from one "
+                                          "process to the next; empty: not measured that way.", unit=SIZE,
+                                          default_factory=list)
     dram_peak_estimated: bool = doc("`dram_peak` was not measured: the profile ran under a budget with freed memory "
                                     "returned from the start (plain training might not have fit), and `dram_peak` "
                                     "is the peak measured that way (a lower bound of plain's), plus, where the "

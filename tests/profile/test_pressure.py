@@ -66,3 +66,25 @@ def test_blocks_run_as_written_while_they_keep_the_budget_and_the_rest_are_fille
     filled, unkept = watch.fill(layers)
     assert [x.saved_bytes for x in filled] == [5000, 5000, 700] and unkept == 4000
     assert watch.described(unkept).startswith("1 of 4 blocks recomputed while the process held more than")
+
+
+def test_where_no_block_of_its_class_ran_as_written_its_saved_tensors_are_counted_without_being_kept(monkeypatch):
+    monkeypatch.setattr(pressure.process_memory, "resident_bytes", lambda: 900 * MiB)  # over the mark throughout
+    monkeypatch.setattr(pressure.process_memory, "dram_peak_bytes", lambda: 950 * MiB)
+    watch = pressure.UnderPressure(400 * MiB)
+    torch.manual_seed(0)
+    model = Net()
+    try:
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        assert set(watch.engaged) == {f"blocks.{k}" for k in range(4)}
+        state = torch.get_rng_state()
+        layers = [layer(f"blocks.{k}.fc", 0) for k in range(4)] + [layer("head", 700)]
+        watch.inputs = dict.fromkeys(watch.engaged, 100)
+        filled, unkept = watch.fill(layers)
+        assert torch.equal(torch.get_rng_state(), state)
+    finally:
+        watch.close()
+    # Linear saves its input (4 x 8 fp32) and GELU the Linear's output: two storages of 128 bytes each
+    assert [x.saved_storages_bytes for x in filled[:4]] == [[128, 128]] * 4
+    assert [x.saved_bytes for x in filled] == [256] * 4 + [700] and unkept == 4 * (256 - 100)

@@ -72,3 +72,14 @@ def test_a_last_call_that_cannot_run_again_leaves_every_block_not_recomputable()
     inputs.call = ((torch.randn(4, 3),), {})  # as if the script had changed its input in place since
     blocks = recompute.check(model, inputs)
     assert not any(b.recomputable for b in blocks) and blocks[0].why.startswith("the check's forward of the model's")
+
+
+def test_the_check_stops_after_the_last_block_the_head_never_runs_again():
+    torch.manual_seed(0)
+    model = Net("plain")
+    inputs = recompute.watch(model)
+    model(torch.randn(4, 8)).sum().backward()
+    heads = []
+    model.head.register_forward_hook(lambda *_: heads.append(1))
+    blocks = recompute.check(model, inputs)
+    assert heads == [] and all(b.recomputable for b in blocks)
