@@ -27,6 +27,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,13 @@ def spread(values: list[float], fmt) -> str:
 
 def bench_size(script: str, size: str, args: argparse.Namespace, env: dict[str, str]) -> list[str]:
     work = Path(tempfile.mkdtemp(prefix="hetero-bench-memory-"))
+    try:  # the profile, the plans and the disk tier's files: removed however the bench ends
+        return measure_size(script, size, args, env, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure_size(script: str, size: str, args: argparse.Namespace, env: dict[str, str], work: Path) -> list[str]:
     argv = script_args(script, size, args.steps, args.vocab)
     runs: dict[str, list[Sample]] = {"plain": []}
     limit = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,14 +55,17 @@ def main() -> None:
     if args.worker:
         return _worker(args)
     work = Path(tempfile.mkdtemp(prefix="hetero-bench-"))
-    script = args.script or SCRIPT + ["--steps", str(args.warmup + args.steps)]
-    plan_path = _plan(work, script, args)
-    configs = ["none", "hetero", "naive"] + (["save_on_cpu"] if _has_cuda() else [])
-    runs: dict[str, list[dict]] = {c: [] for c in configs}
-    for _ in range(args.rounds):
-        for config in configs:
-            runs[config].append(_run(config, plan_path, script, args))
-    _table(runs, args, script)
+    try:  # the profile, the plans and the disk tier's files: removed however the bench ends
+        script = args.script or SCRIPT + ["--steps", str(args.warmup + args.steps)]
+        plan_path = _plan(work, script, args)
+        configs = ["none", "hetero", "naive"] + (["save_on_cpu"] if _has_cuda() else [])
+        runs: dict[str, list[dict]] = {c: [] for c in configs}
+        for _ in range(args.rounds):
+            for config in configs:
+                runs[config].append(_run(config, plan_path, script, args))
+        _table(runs, args, script)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # -- setup -----------------------------------------------------------------------------------------------------------

@@ -102,11 +102,12 @@ SMOKES = [
 SMOKES_BY = {s.script: s for s in SMOKES}
 
 
-def bench(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def bench(name: str, *args: str, timeout: float = 240, temp: Path | None = None) -> subprocess.CompletedProcess:
     # One intra-op thread unless asked: these sizes gain nothing from a second, and on a shared machine a second one
     # waits at every barrier for a core a neighbour holds (a width-32 step of bench/lm_heldout.py: 1-2 ms alone, 5 to
     # 265 ms with two threads beside busy neighbours on the 2-core development VM).
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           **({"TMPDIR": str(temp)} if temp is not None else {})}
     return subprocess.run([sys.executable, f"bench/{name}", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -141,7 +142,9 @@ def smoke_run(smoke: Smoke, runs: dict, request) -> tuple[subprocess.CompletedPr
         machine = str(request.getfixturevalue("profiled")[1] / "profile.yaml") if "{machine}" in given else ""
         args = (a.replace("{tmp}", str(tmp)).replace("{recorded}", recorded).replace("{machine}", machine)
                 for a in smoke.args)
-        runs[smoke.script] = bench(smoke.script, *args), tmp
+        temp = tmp / "TMPDIR"  # the bench's temp directory: it must leave nothing there
+        temp.mkdir()
+        runs[smoke.script] = bench(smoke.script, *args, temp=temp), tmp
     return runs[smoke.script]
 
 
@@ -163,6 +166,8 @@ def test_bench_runs_at_a_tiny_size(smoke: Smoke, runs, request):
         assert len(done.stdout.strip().splitlines() + done.stderr.strip().splitlines()) == 1, out  # one line
         assert "Traceback" not in out
     assert [f for f in smoke.files if not (tmp / f).exists()] == []
+    left = sorted(p.name for p in (tmp / "TMPDIR").iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == []  # nothing left behind (torch keeps its compile cache there, as it does in /tmp)
 
 
 def test_every_bench_script_has_a_smoke_run():
