@@ -83,7 +83,7 @@ class UnderPressure:
         if self.calibrated:
             self.engaged[name] = self.engaged.get(name, 0) + 1
         self.inputs[name] = sum(t.untyped_storage().nbytes() for t in args if isinstance(t, torch.Tensor))
-        self.calls[self.classes[name]] = (name, args, kwargs)  # checkpoint keeps them anyway
+        self.calls[self.classes[name]] = (name, args, kwargs)  # one block's inputs per class, held until `close`
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     def _decide(self, name: str, resident: int) -> bool:

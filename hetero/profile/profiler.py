@@ -196,7 +196,7 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
                             blocks=blocks)
-    _release(session.model, session.optimizers)  # before the fresh processes: they must not come on top of it
+    _release(session.model)  # before the fresh processes: they must not come on top of it
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
@@ -214,14 +214,15 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     return out
 
 
-def _release(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Free what the stopped script's training holds (weights, gradients, buffers, optimizer states) before the
-    machine is measured, and give the freed memory back: the script never runs again, and the hooks the profile and
-    its instruments registered on the parameters (held by torch beyond the reach of Python's garbage collector) would
-    otherwise keep all of it alive, so that the machine's buffers came on top of the training's peak."""
-    _release_training(model, optimizers)
+def _release(model: nn.Module) -> None:
+    """Free the stopped script's weights and buffers (`_release_training` freed its gradients and optimizer states)
+    before the machine is measured, and give the freed memory back: the script never runs again, and the hooks the
+    profile and its instruments registered on the parameters (held by torch beyond the reach of Python's garbage
+    collector) would otherwise keep all of it alive, so that the machine's buffers came on top of the training's
+    peak."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.grad = None
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     gc.collect()
     allocator.trim()

@@ -55,7 +55,7 @@ class Returned:
     default_peak_bytes: int  # plain training's own: malloc's defaults, no hooks
     default_step_s: float  # the same script's step with malloc's defaults
     default_steps: int  # steps the default run took to settle (or the script's, where it ended first)
-    default_peaks_bytes: tuple[int, ...] = ()  # each default run's peak, in the order they ran
+    default_peaks_bytes: tuple[int, ...]  # each default run's peak, in the order they ran
 
 
 @dataclass(frozen=True, slots=True)
