@@ -52,11 +52,15 @@ def profile(
     activations tiered to it, as `hetero run` would; a script that ends sooner gets the disk timed beside a GEMM
     loop instead."""
     from hetero.cli.usage import quantity
+    from hetero.launch import guard
+
+    ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
+    # before torch is imported: the waiter a memory limit needs should hold as little as it can
+    phases = guard.fork(script, nvme) if ranks is None and guard.needed() else None
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
                              dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"), machine=machine)
-    ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     launch.sweep_earlier([nvme])  # what killed runs and profiles left there and in the temp directory
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:
@@ -67,7 +71,7 @@ def profile(
                 raise typer.Exit(code)
             result = files.load(output, expect=Profile)
         else:
-            with _progress() as report:
+            with _progress(phases) as report:
                 result = profile_script(script, list(args or []), options, report)
             save(result, output, script)
     if as_json:
@@ -77,14 +81,17 @@ def profile(
 
 
 @contextlib.contextmanager
-def _progress():
-    """A progress bar per phase on stderr; silent when stderr is not a terminal."""
+def _progress(phases=None):
+    """A progress bar per phase on stderr; silent when stderr is not a terminal. Each phase also goes to `phases`
+    (hetero.launch.guard), where a memory limit could kill the profile."""
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, disable=not err.is_terminal, transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def report(phase: str, done: int, total: int) -> None:
+            if phases is not None:
+                phases.reached(phase, done, total)
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], completed=done, total=total)

@@ -3,13 +3,16 @@ without a plan, moved, once the profile sees that plain training would not fit.
 
 The script's Adam(W) is hetero's (hetero.run.optimizer) from its construction, still acting as torch's own. When the
 first gradient arrives the model is known, and with it what plain training would add to what the process holds
-then: a gradient and two Adam states per parameter (`PLAIN_BYTES_PER_PARAM`), and room for torch's multi-tensor
-step's temporaries (`STEP_SLACK_BYTES_PER_PARAM`). If that stays under the budget less the plan's headroom,
+then: a gradient and two Adam states per parameter (`PLAIN_BYTES_PER_PARAM`), room for torch's multi-tensor
+step's temporaries (`STEP_SLACK_BYTES_PER_PARAM`), and what the rest of backward holds beside them (a block
+rebuilt, the activations' gradients), not known yet: as hetero.profile.pressure takes a block before any ran, a
+`BLOCK_SHARE` of the budget. If that stays under the budget less the plan's headroom,
 the optimizer stays torch's and the profile measures plain training. Otherwise every Adam state, fp32 master copy
 and gradient waits on NVMe as the plan's `states` and `grads` levers place them (hetero.plan.fit), and the profile
 measures training that way: it says so, and writes plain training's peak as an estimate, the measured one plus what
 plain would hold instead (`plain_estimate`), and plain's optimizer step as timed at the host Adam rate the machine
 phase measures (hetero.profile.profiler). Its layers' backward times include writing their gradients to NVMe.
+Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from torch import nn
 
 from hetero.plan.fit import HEADROOM
 from hetero.plan.footprint import ADAM_STATE_BYTES_PER_PARAM
+from hetero.profile import phases
+from hetero.profile.pressure import BLOCK_SHARE
 from hetero.run import process_memory
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.mechanism import Patches
@@ -37,8 +42,9 @@ STEP_SLACK_BYTES_PER_PARAM = 4
 class Conservative:
     """The profile's optimizer: torch's, or everything it keeps on NVMe (`moved_params` > 0)."""
 
-    def __init__(self, budget_bytes: int, nvme_dir: str):
+    def __init__(self, budget_bytes: int, nvme_dir: str, progress=lambda phase, done, total: None):
         self.budget_bytes = budget_bytes
+        self.progress = progress
         plan = OptimizerPlan(kind="adamw", device="host", overlap_backward=False,
                              nvme=NvmeOverflow(path=nvme_dir, size_bytes=0, grads=True))
         self.offload = OptimizerOffload(plan, DdpSync(), strict=False)
@@ -55,7 +61,7 @@ class Conservative:
         named = list(model.named_parameters())
         n = sum(p.numel() for _, p in named)
         self.held_at_bind = process_memory.resident_bytes()
-        added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n
+        added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n + self.budget_bytes // BLOCK_SHARE
         fits = self.held_at_bind + added <= self.budget_bytes * (1 - HEADROOM)
         if fits or not _movable(named):
             self.offload.leave_to_torch()
@@ -64,6 +70,7 @@ class Conservative:
                                                                for name, _ in named])
         self.moved_params, self.moved_tensors = n, len(named)
         self.offload.bind(model)
+        self.progress(phases.MOVED, n, n)
 
     def held_bytes(self) -> int:
         """Host memory the moved optimizer holds: its staging slots and the state store's bounce buffers."""

@@ -16,6 +16,9 @@ measured as usual; the
 others (`engaged`) save nothing the layer profiler sees, so `fill` gives each of their layers what the same layer of
 a measured block of the same class saved: the profile measures the script in parts. `unkept_bytes` is what the
 engaged blocks would have held, which plain training's estimated peak adds back. Nothing happens below the mark.
+Each forward that decides, the first and the second, reports how many blocks it recomputes to `progress`
+(hetero.profile.phases.RECOMPUTED): where a memory limit kills the profile, hetero.launch.guard tells the floor from
+a misjudged block.
 """
 
 from __future__ import annotations
@@ -30,21 +33,25 @@ from torch.utils.checkpoint import checkpoint
 from hetero.harness import hooks
 from hetero.harness.layers import repeated_blocks
 from hetero.plan.fit import HEADROOM
+from hetero.profile import phases
 from hetero.run import process_memory
 from hetero.schema.profile import Layer
 from hetero.units import SIZE
+
+BLOCK_SHARE = 8  # before any block ran as written, one is taken to add this share of the budget
 
 
 class UnderPressure:
     """Installed before the script runs; `close` takes every override back."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, progress=lambda phase, done, total: None):
         self.budget_bytes = budget_bytes
+        self.progress = progress
         self.mark = 0  # the first forward: every block
         self.first: str | None = None  # the first block, whose start begins a forward
         self.started_at: int | None = None  # resident bytes as the first forward's first block started
         self.calibrated = False
-        self.block_bytes = budget_bytes // 8  # the most a block that ran as written added (an eighth before any)
+        self.block_bytes = budget_bytes // BLOCK_SHARE  # the most a block that ran as written added
         self.seen_block = False
         self.last: tuple[int, bool] | None = None  # resident bytes as the last block started, and whether it ran so
         self.engaged: dict[str, int] = {}  # block -> forwards it was recomputed in, from the second forward on
@@ -98,6 +105,8 @@ class UnderPressure:
         self.last = (resident, plain)
         if self.calibrated:
             self.decided[name] = plain
+            if len(self.decided) == len(self.classes):
+                self.progress(phases.RECOMPUTED, len(self.classes) - sum(self.decided.values()), len(self.classes))
         return plain
 
     def _forward_starts(self, resident: int) -> None:
@@ -105,6 +114,7 @@ class UnderPressure:
         from what the first forward (every block recomputed) added beyond it."""
         if self.started_at is None:
             self.started_at = resident
+            self.progress(phases.RECOMPUTED, len(self.classes), len(self.classes))
         elif not self.calibrated:
             self.calibrated = True
             beyond = max(0, process_memory.dram_peak_bytes() - self.started_at)

@@ -31,7 +31,7 @@ from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProf
 from hetero.harness.layers import select_layers, sharded
 from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import StopScript, run_script
-from hetero.profile import dha, machine, peers, recompute, returned, same_machine, tier_steps
+from hetero.profile import dha, machine, peers, phases, recompute, returned, same_machine, tier_steps
 from hetero.profile.conservative import Conservative
 from hetero.profile.pressure import UnderPressure
 from hetero.run import allocator, process_memory
@@ -153,9 +153,10 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         try:
             with session.capture, _watch_clipping() as clips:
                 if budget is not None:
-                    session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir())
+                    session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir(),
+                                                        session.progress)
                     session.conservative.install(session.capture.resolve)
-                    session.pressure = UnderPressure(budget[0])
+                    session.pressure = UnderPressure(budget[0], session.progress)
                 try:
                     result = run_script(script, args)
                 finally:  # before the clipping watch is undone: the optimizer's patches wrap it
@@ -324,7 +325,7 @@ class _Session:
         else:
             self.step_marks.append((end, self._previous_end, self.spans))
         self._previous_end, self.spans = end, []
-        self.progress("warm-up steps" if self.steps_done <= warmup else "measured steps",
+        self.progress(phases.WARMUP if self.steps_done <= warmup else phases.MEASURED,
                       min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
                       warmup if self.steps_done <= warmup else self.options.steps)
         if self.steps_done == warmup:

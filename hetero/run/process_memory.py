@@ -137,6 +137,27 @@ def memory_limit_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
     return _v2_limit(root, v2) if v2 is not None else None
 
 
+def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The processes the out-of-memory killers of this process's memory cgroup and of every cgroup above it have
+    killed so far, summed (compare two readings: whichever limit was hit, the sum grows); None where no count can be
+    read (no cgroup, or a v1 kernel before 4.13). v1: `oom_kill` in memory.oom_control; v2: in memory.events."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
+    v2 = next((path for hierarchy, controllers, path in lines if hierarchy == "0" and controllers == ""), None)
+    path, base, name = (v1, f"{root}/memory", "memory.oom_control") if v1 is not None else \
+        (v2, root, "memory.events")
+    if path is None:
+        return None
+    parts = [p for p in path.split("/") if p]
+    counts = [int(line.split()[1]) for depth in range(len(parts), -1, -1)
+              for line in _lines("/".join([base, *parts[:depth], name])) if line.startswith("oom_kill ")]
+    return sum(counts) if counts else None
+
+
 def _v1_limit(folder: str) -> int | None:
     limits = [int(line.split()[1]) for line in _lines(f"{folder}/memory.stat")
               if line.startswith("hierarchical_memory_limit ")]

@@ -48,3 +48,20 @@ def test_resident_bytes_leave_out_file_pages():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     rss, file = (int(status[k].split()[0]) * 1024 for k in ("VmRSS", "RssFile"))
     assert file > 0 and 0 < process_memory.resident_bytes() <= rss - file + (64 << 20)
+
+
+def test_oom_kills_sum_the_cgroup_and_every_cgroup_above_it(tmp_path):
+    write(tmp_path / "cgroup", "4:memory:/box/job\n0::/\n")
+    write(tmp_path / "fs/memory/box/job/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    write(tmp_path / "fs/memory/box/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    assert process_memory.oom_kills(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == 3
+    write(tmp_path / "cgroup2", "0::/job\n")
+    write(tmp_path / "fs2/job/memory.events", "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n")
+    assert process_memory.oom_kills(str(tmp_path / "cgroup2"), str(tmp_path / "fs2")) == 1
+
+
+def test_no_oom_count_where_the_kernel_keeps_none(tmp_path):
+    write(tmp_path / "cgroup", "4:memory:/job\n")
+    write(tmp_path / "fs/memory/job/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\n")  # before 4.13
+    assert process_memory.oom_kills(str(tmp_path / "cgroup"), str(tmp_path / "fs")) is None
+    assert process_memory.oom_kills(str(tmp_path / "missing")) is None
