@@ -126,10 +126,13 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
             + _unusable_text(unusable),
             hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes / (1 - HEADROOM) + (1 << 20), 3)} or "
                  "more, or train a smaller model or batch", exit_code=USAGE)
-    # Equally fast: the fewer levers; but where freed memory is returned only from near the budget on (`forced`),
-    # the lower peak first, so that malloc's defaults, whose own peak is not known, stay clear of that mark.
+    # Equally fast: one that evicts activations last (the disk's workers take their share of the cores, which the
+    # simulator hides behind compute, and evictions left host memory later than simulated: TIERING_LEFT_OUT); then
+    # the fewer levers, but where freed memory is returned only from near the budget on (`forced`), the lower peak
+    # first, so that malloc's defaults, whose own peak is not known, stay clear of that mark.
     best = base if base.peak_bytes <= room and not forced else min(
-        fitting, key=lambda c: (c.iteration_s, c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
+        fitting, key=lambda c: (c.iteration_s, "tiering" in c.levers, c.peak_bytes if forced else 0, len(c.levers),
+                                c.peak_bytes))
     best = _fewest_blocks(ctx, solve, best, host, room)
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))

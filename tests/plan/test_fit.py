@@ -190,3 +190,14 @@ def test_without_plains_own_peak_memory_is_returned_only_near_the_budget_and_the
 def fit_context(profile: Profile, budget: int):
     from hetero.plan.context import context
     return context(profile, PlanOptions(dram_budget_bytes=budget))
+
+
+def test_among_equally_fast_plans_one_that_evicts_activations_comes_last(cpu):
+    # with the peak estimated, the lower peak wins a tie; evictions simulated behind compute tie, yet cost the cores
+    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
+                        returned_step_s=cpu.training.iteration_s)
+    p = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))
+    tiered = plan(cpu, PlanOptions(dram_budget_bytes=PLAIN, tier_activations=True))
+    assert tiered.activations is not None and peak(tiered) < peak(p)
+    assert tiered.predicted.iteration_s == pytest.approx(p.predicted.iteration_s)
+    assert p.activations is None and p.allocator is not None
