@@ -8,7 +8,12 @@ faults each time a block is mapped again, which `hetero profile` measures and th
 threshold also stops glibc from raising the mmap threshold by itself.
 
 The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
-first holds that much, and decides nothing: without the section, malloc keeps its defaults. Elsewhere than glibc
+first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the
+free memory inside the heaps is returned after every backward call (malloc_trim), when the freed activations leave
+the most of it: the heaps then grow within an iteration, not from one to the next, and the switch is reached later
+or never, for the page faults of one refill per iteration. From the switch on, what was freed inside the heaps is
+returned every interval until the next backward ends: the tensors the switch found live in a heap leave holes there
+when backward frees them, and only a trim returns those (docs/benchmarks.md, "Round four"). Elsewhere than glibc
 (no `mallopt` symbol) nothing can be set, and the runtime says so.
 """
 
@@ -19,6 +24,7 @@ import ctypes.util
 import sys
 import threading
 
+from hetero.harness import watch
 from hetero.run import process_memory
 from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import AllocatorPlan
@@ -67,13 +73,17 @@ class ReturnFreedMemory(Mechanism):
         self.interval_s = interval_s
         self.applied = False
         self.returned_at: int | None = None  # the resident bytes that made it return memory (with `from_bytes`)
+        self.trims = 0  # malloc_trim calls below the switch and while its holes are returned
+        self._trimming = False  # since the switch, until a backward call has ended
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._backward: watch.Handle | None = None
 
     def install(self, patches, need_model) -> None:
         if self.plan.from_bytes is None:
             glibc = self._apply()
         elif glibc := _libc() is not None:
+            self._backward = watch.backward_calls(self._backward_ended)
             self._thread = threading.Thread(target=self._watch, name="hetero-malloc-watch", daemon=True)
             self._thread.start()
         if not glibc:
@@ -86,16 +96,33 @@ class ReturnFreedMemory(Mechanism):
             trim()  # what is free now goes back before the next allocation
         return self.applied
 
+    def _backward_ended(self) -> None:
+        if self.applied:
+            self._trimming = False
+            self._backward.remove()
+        self._trim()
+
+    def _trim(self) -> None:
+        self.trims += trim()
+
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self.applied:
+                if not self._trimming:
+                    return
+                self._trim()
+                continue
             resident = process_memory.resident_bytes()
             if resident >= self.plan.from_bytes:
                 self.returned_at = resident
+                self._trimming = True
                 self._apply()
-                return
 
     def close(self) -> None:
         self._stop.set()
+        if self._backward is not None:
+            self._backward.remove()
+            self._backward = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -182,9 +182,12 @@ def test_without_plains_own_peak_memory_is_returned_only_near_the_budget_and_the
     # malloc's defaults may hold the process up to the switch: the prediction is the switch, and says so
     assert peak(p) == p.allocator.from_bytes <= fit.room_bytes(fit_context(cpu, PLAIN))
     assert p.predicted.dram[footprint.BELOW_SWITCH] == p.allocator.from_bytes - returned
-    # an iteration that saves more activations than the half above the switch returns memory from the start
+    # a half above the switch under a SWITCH_SHARE of the budget returns memory from the start (the runtime returns
+    # the heaps' holes after the switch, so an iteration's activations need no room of their own there)
     cpu.layers[0].saved_bytes = PLAIN
-    assert plan(cpu, PlanOptions(dram_budget_bytes=PLAIN)).allocator.from_bytes is None
+    assert plan(cpu, PlanOptions(dram_budget_bytes=PLAIN)).allocator.from_bytes == p.allocator.from_bytes
+    tight = room_for(returned + 2 * MiB)
+    assert plan(cpu, PlanOptions(dram_budget_bytes=tight)).allocator.from_bytes is None
 
 
 def fit_context(profile: Profile, budget: int):

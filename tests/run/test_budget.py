@@ -122,3 +122,29 @@ def test_the_entry_most_to_blame_is_the_one_measured_furthest_over_its_predictio
     assert blame(810 * MiB, account, {"hetero optimizer": 190 * MiB, "nvme state staging": 20 * MiB}) == \
         Blame("hetero optimizer", 100 * MiB, 190 * MiB)
     assert blame(1, {}, {}) is None
+
+
+def test_below_the_switch_each_backward_returns_the_heaps_free_memory_and_after_it_the_holes_until_one_ends(
+        monkeypatch):
+    trims = []
+    monkeypatch.setattr(allocator, "trim", lambda: trims.append(1) or True)
+    x = torch.ones(4, requires_grad=True)
+    far = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=1 << 50), interval_s=0.001)
+    far.install(None, None)
+    for _ in range(3):
+        (x * 2).sum().backward()
+    far.close()
+    assert far.trims == 3 and far.returned_at is None
+    (x * 2).sum().backward()  # closed: nothing listens
+    assert len(trims) == 3
+    near = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=1), interval_s=0.001)
+    near.install(None, None)
+    deadline = time.monotonic() + 60  # not a timing assertion: the watch's first looks, however late they come
+    while near.trims < 2 and time.monotonic() < deadline:  # the switch, then the holes it left, every interval
+        time.sleep(0.001)
+    assert near.applied and near.trims >= 2
+    (x * 2).sum().backward()  # the first backward after the switch ends the holes' trimming
+    near.close()
+    after = len(trims)
+    (x * 2).sum().backward()
+    assert len(trims) == after  # from then on large blocks are mapped on their own: nothing left to trim

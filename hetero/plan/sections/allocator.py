@@ -42,20 +42,16 @@ def _allocator(ctx: Context) -> AllocatorPlan:
 
 def settle(ctx: Context, out: Plan) -> Plan:
     """Without plain's own peak, freed memory is returned only from halfway between the plan's predicted peak (with
-    it returned) and the budget less headroom: below, malloc's defaults cost no page faults; the other half is for
-    what the process adds before the switch takes hold. Returning memory cannot take back what live tensors hold,
-    and an iteration's saved activations are what the process holds more and more of until backward frees them:
-    where they exceed that half, memory is returned from the start, as the profile did."""
+    it returned) and the budget less headroom: below, malloc's defaults cost no page faults (the runtime returns what
+    the heaps hold free after each backward, so that they grow within an iteration, not across iterations); the other
+    half is for what the process adds before the switch takes hold (the runtime then returns the holes the tensors
+    live at the switch leave, until the next backward ends). Where that half is under a `SWITCH_SHARE` of the budget,
+    memory is returned from the start, as the profile did."""
     if out.allocator is None or not ctx.profile.memory.dram_peak_estimated:
         return out
     host = ctx.host.name
     peak, room = out.predicted.peak_bytes[host], fit.room_bytes(ctx)
     start = max(peak, (peak + room) // 2 >> 20 << 20)  # whole MiB, as a user would write it
-    saved = sum(layer.saved_bytes for layer in ctx.profile.layers) * ctx.profile.training.grad_accumulation
-    if saved > room - start:
-        return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
-            f"{out.allocator.why}; from the start: an iteration saves {SIZE.format_short(saved)} of activations, "
-            f"more than the {SIZE.format_short(room - start)} a switch halfway to the budget would leave")))
     if room - start < ctx.dram_budget_bytes // SWITCH_SHARE:
         return replace(out, allocator=replace(out.allocator, from_bytes=None, why=(
             f"{out.allocator.why}; from the start: a switch halfway to the budget would leave "
@@ -67,7 +63,7 @@ def settle(ctx: Context, out: Plan) -> Plan:
     return replace(out, predicted=predicted, allocator=replace(out.allocator, from_bytes=start, why=(
         f"{out.allocator.why}; with malloc's defaults, whose peak the profile could not measure, until the process "
         f"holds {SIZE.format_short(start)}, halfway from the predicted {SIZE.format_short(peak)} to the budget less "
-        f"headroom ({SIZE.format_short(room)}): no page faults below it, and the process may hold up to it")))
+        f"headroom ({SIZE.format_short(room)}): fewer page faults below it, and the process may hold up to it")))
 
 
 SECTION = Section(name="allocator", phase="draft", solve=solve, cost_s=cost_s, settle=settle)
