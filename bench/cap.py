@@ -302,6 +302,7 @@ def machine() -> str:
 
 
 def main() -> int:
+    cgroup.end_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limits", nargs="+", default=["768MiB", "1GiB", "1536MiB"])
     p.add_argument("--n-embd", type=int, default=768)

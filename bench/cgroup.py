@@ -89,6 +89,12 @@ def layout() -> Layout | str:
     return "no memory cgroup controller mounted at /sys/fs/cgroup"
 
 
+def end_on_sigterm() -> None:
+    """Make SIGTERM end this benchmark as Ctrl-C does, through its `finally` blocks: work folders and cgroups are
+    removed (by default SIGTERM ends the process at once, and they were left behind)."""
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+
+
 def unavailable() -> str | None:
     """None when `run` can work here; otherwise one line: why not, and what to run instead."""
     found = layout()

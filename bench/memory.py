@@ -177,6 +177,7 @@ def _sections(plan: Plan) -> str:
 
 
 def main() -> None:
+    cgroup.end_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--script", choices=("gpt", "heldout"), default="gpt")
     p.add_argument("--sizes", nargs="+", default=["4x256x8x128", "6x256x16x256"],

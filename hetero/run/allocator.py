@@ -9,12 +9,14 @@ threshold also stops glibc from raising the mmap threshold by itself.
 
 The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
 first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the
-free memory inside the heaps is returned after every backward call (malloc_trim), when the freed activations leave
-the most of it: the heaps then grow within an iteration, not from one to the next, and the switch is reached later
-or never, for the page faults of one refill per iteration. From the switch on, what was freed inside the heaps is
-returned every interval until the next backward ends: the tensors the switch found live in a heap leave holes there
-when backward frees them, and only a trim returns those (docs/benchmarks.md, "Round four"). Elsewhere than glibc
-(no `mallopt` symbol) nothing can be set, and the runtime says so.
+free memory inside the heaps is returned at the end of a backward call (malloc_trim), when the freed activations
+leave the most of it, where the process ends the backward holding a `GROWTH_SHARE` of `from_bytes` more than it
+ended any backward before with: the heaps then grow within a bound, not from one iteration to the next, and the
+switch is reached later or never, for the page faults of one refill where they grew, nothing where they do not.
+From the switch on, what was freed inside the heaps is returned every interval until the next backward ends: the
+tensors the switch found live in a heap leave holes there when backward frees them, and only a trim returns those
+(docs/benchmarks.md, "Round four"). Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime
+says so.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ RESTORED_TRIM_BYTES = 64 << 20
 # How often the resident set is read with `from_bytes`: filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM
 # (torch.ones of 256 MiB), inside the plan's headroom under its budget from 1 GiB up (hetero.plan.fit.HEADROOM).
 WATCH_INTERVAL_S = 0.005
+# Below the switch the heaps are trimmed after a backward only where the process ends it holding this share of
+# `from_bytes` more than it ended any backward before with: trimming after every backward (or whenever the heaps
+# refilled what the last trim returned) cost 10-20% of the step of a script whose heaps do not grow (train_gpt
+# 1 x 768 under 512 MiB, whose backward ends within +-10 MiB of each other; docs/benchmarks.md "Round four").
+GROWTH_SHARE = 64
 
 
 def _libc():
@@ -75,6 +82,7 @@ class ReturnFreedMemory(Mechanism):
         self.returned_at: int | None = None  # the resident bytes that made it return memory (with `from_bytes`)
         self.trims = 0  # malloc_trim calls below the switch and while its holes are returned
         self._trimming = False  # since the switch, until a backward call has ended
+        self._ended_at = 0  # the most resident bytes a backward below the switch ended with
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backward: watch.Handle | None = None
@@ -100,7 +108,12 @@ class ReturnFreedMemory(Mechanism):
         if self.applied:
             self._trimming = False
             self._backward.remove()
-        self._trim()
+            self._trim()
+        else:
+            resident = process_memory.resident_bytes()
+            if resident >= self._ended_at + self.plan.from_bytes // GROWTH_SHARE:
+                self._trim()
+            self._ended_at = max(self._ended_at, resident)
 
     def _trim(self) -> None:
         self.trims += trim()
@@ -136,5 +149,6 @@ class ReturnFreedMemory(Mechanism):
         if self.plan.from_bytes is None:
             return [f"malloc returned freed memory ({settings})"] if self.applied else []
         if self.returned_at is None:
-            return [f"malloc kept its defaults: the process stayed under {SIZE.format_short(self.plan.from_bytes)}"]
+            return [f"malloc kept its defaults: the process stayed under {SIZE.format_short(self.plan.from_bytes)} "
+                    f"(the heaps' free memory returned after {self.trims} backward calls that grew them)"]
         return [f"malloc returned freed memory ({settings}) from {SIZE.format_short(self.returned_at)} resident on"]

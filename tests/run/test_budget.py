@@ -124,19 +124,23 @@ def test_the_entry_most_to_blame_is_the_one_measured_furthest_over_its_predictio
     assert blame(1, {}, {}) is None
 
 
-def test_below_the_switch_each_backward_returns_the_heaps_free_memory_and_after_it_the_holes_until_one_ends(
+def test_below_the_switch_a_backward_that_grew_the_heaps_returns_their_free_memory_and_after_it_the_holes(
         monkeypatch):
-    trims = []
+    trims, MiB = [], 1 << 20
     monkeypatch.setattr(allocator, "trim", lambda: trims.append(1) or True)
     x = torch.ones(4, requires_grad=True)
-    far = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=1 << 50), interval_s=0.001)
-    far.install(None, None)
-    for _ in range(3):
-        (x * 2).sum().backward()
-    far.close()
-    assert far.trims == 3 and far.returned_at is None
+    # resident as each backward ends; the watch never looks (an hour's interval)
+    held = iter([100 * MiB, 105 * MiB, 116 * MiB, 95 * MiB, 127 * MiB])
+    monkeypatch.setattr(process_memory, "resident_bytes", lambda: next(held))
+    below = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=640 * MiB), interval_s=3600)
+    below.install(None, None)
+    for _ in range(5):  # a 64th of 640 MiB (10) above the most any backward ended with: 100 trimmed, 105 kept,
+        (x * 2).sum().backward()  # 116 trimmed, 95 kept, 127 trimmed
+    below.close()
+    assert below.trims == 3 and below.returned_at is None
     (x * 2).sum().backward()  # closed: nothing listens
     assert len(trims) == 3
+    monkeypatch.setattr(process_memory, "resident_bytes", lambda: 1 << 30)
     near = allocator.ReturnFreedMemory(fit.allocator_plan("test", from_bytes=1), interval_s=0.001)
     near.install(None, None)
     deadline = time.monotonic() + 60  # not a timing assertion: the watch's first looks, however late they come
