@@ -124,8 +124,9 @@ def capped(argv: list[str], limit: int | None, work: Path, name: str) -> tuple[c
 
 
 def failure(stage: str, result: cgroup.Capped, text: str) -> str:
-    if result.oom_killed:
-        return f"killed by the limit in {stage}"
+    said = [line for line in text.splitlines() if line.startswith("error: below the floor")]
+    if result.oom_killed:  # hetero profile says where (hetero.launch.guard): the floor, or the phase it was in
+        return f"killed by the limit in {stage}" + (": below the floor" if said else "")
     last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
     return f"{stage} exited {result.exit_code}: {last[0][:160]}"
 
