@@ -13,10 +13,10 @@ the floor no plan keeps (exit 2, as `hetero plan` refuses a budget below it); an
 It removes the work directories the killed child left. Any other end is passed on: the child's exit
 code, or 128 + the signal that ended it.
 
-Signals: the child stays in the terminal's process group, so a Ctrl-C reaches it directly and the waiter ignores
-SIGINT; SIGTERM and SIGHUP sent to the waiter (hetero's pid, the one a scheduler knows) are passed on to the child.
-The child dies with the waiter (SIGTERM). The waiter, charged to the cgroup too, is inside the profile's headroom
-under its budget (hetero.plan.fit.HEADROOM: 3%, 15 MiB of 512 MiB).
+Signals: the child stays in the terminal's process group, so a terminal's Ctrl-C or hangup reaches it directly;
+SIGINT, SIGTERM and SIGHUP a process sends the waiter (hetero's pid, the one a scheduler knows) are passed on to the
+child (`wait`). The child dies with the waiter (SIGTERM). The waiter, charged to the cgroup too, is inside the
+profile's headroom under its budget (hetero.plan.fit.HEADROOM: 3%, 15 MiB of 512 MiB).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from hetero.profile import phases
 
+WAIT_POLL_S = 0.05  # how often the waiter looks whether the child ended, between signals
 FIRST_STEP = "first step"  # the phase until the child reports one: its first forward has not reached a block
 
 
@@ -150,14 +151,31 @@ def read(fd: int) -> Reached:
     return out
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def wait(child: int) -> int:
+    """The child's wait status, once it ended. Meanwhile each of `FORWARDED` sent to the waiter by a process (kill,
+    a scheduler: si_code <= 0) is passed on to the child; one the kernel sent (a terminal's Ctrl-C or hangup, to the
+    whole foreground process group: si_code > 0) reached the child too, and is not sent twice."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        while True:
+            pid, status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                return status
+            info = signal.sigtimedwait(FORWARDED, WAIT_POLL_S)
+            if info is not None and info.si_code <= 0:
+                os.kill(child, info.si_signo)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def main(argv: list[str]) -> int:
     child, fd, limit = int(argv[0]), int(argv[1]), int(argv[3])
     before = None if argv[2] == "-" else int(argv[2])
     script, nvme = argv[4], None if argv[5] == "-" else argv[5]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C reaches the child itself
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda s, _: os.kill(child, s))
-    _, status = os.waitpid(child, 0)
+    status = wait(child)
     from hetero.run import process_memory
 
     code = os.waitstatus_to_exitcode(status)

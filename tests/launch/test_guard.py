@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,25 @@ def test_any_other_end_is_passed_on():
     assert guard.verdict(3, 0, 0, reached(), 1 << 30, "t.py") == guard.Ended(3)
     assert guard.verdict(KILLED, 1, 1, reached(), 1 << 30, "t.py") == guard.Ended(KILLED)  # not the limit's killer
     assert guard.verdict(143, None, None, reached(), 1 << 30, "t.py") == guard.Ended(143)
+
+
+def test_the_waiter_passes_on_a_signal_a_process_sent_it_and_returns_the_childs_status():
+    child = os.fork()
+    if child == 0:  # sleeps until a signal ends it (SIGINT's default: the exit status says so)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        time.sleep(60)
+        os._exit(0)
+    # blocked in every thread of this process first, as in the single-threaded waiter: only `wait` takes it
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    try:
+        sender = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))  # as `kill -INT <hetero>` does
+        sender.start()
+        status = guard.wait(child)
+        sender.join()
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before | {signal.SIGINT}  # as `wait` found it
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGINT
 
 
 SCRIPT = """
