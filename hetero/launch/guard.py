@@ -45,7 +45,8 @@ class Phases:
     def reached(self, phase: str, done: int, total: int) -> None:
         if phase != self.last or phase in (phases.RECOMPUTED, phases.MOVED):
             self.last = phase
-            os.write(self.fd, f"{phase}\t{done}\t{total}\n".encode())
+            with contextlib.suppress(BrokenPipeError):  # the waiter is gone: its SIGTERM ends this process next
+                os.write(self.fd, f"{phase}\t{done}\t{total}\n".encode())
 
 
 @dataclass(frozen=True, slots=True)
