@@ -118,12 +118,12 @@ def verdict(exit_code: int, oom_before: int | None, oom_after: int | None, reach
     limit = SIZE.format_short(limit_bytes)
     training = reached.phase == FIRST_STEP or reached.phase in phases.TRAINING
     if training and reached.least:
-        held = [what for what, where in (("every repeated block recomputed", reached.recomputed is not None),
-                                         ("Adam's states and gradients on NVMe", reached.moved)) if where]
+        held = ["every repeated block recomputed"] if reached.recomputed is not None else []
+        held.append("Adam's states and gradients on NVMe" if reached.moved else
+                    "the optimizer's states left in memory, where the profile found them to fit")
         return Ended(USAGE, (
             f"below the floor: no plan trains {script} under the {limit} memory limit: the limit killed its training "
-            f"as the profile ran it, holding as little as a plan could ({', '.join(held) or 'nothing to move'}); "
-            "no profile written"),
+            f"as the profile ran it, holding as little as it could ({', '.join(held)}); no profile written"),
             hint="raise the memory limit, or train a smaller model or batch (a profile taken outside the limit and "
                  f"`hetero plan --dram-budget {limit}` name the least any plan needs)")
     where = f"training, {reached.recomputed[0]} of {reached.recomputed[1]} repeated blocks recomputed" \

@@ -125,22 +125,34 @@ def memory_limit_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
     there is none (or cgroups cannot be read). cgroup v1: the `memory` controller's line of /proc/self/cgroup names
     a folder under `root`/memory whose memory.stat has `hierarchical_memory_limit` (memory.limit_in_bytes where it
     lacks it); cgroup v2: the `0::` line, and memory.max in that folder and each one above it."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
+    found = _memory_cgroup(proc_cgroup, root)
+    if found is None:
         return None
-    v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
-    if v1 is not None:
-        return _v1_limit(f"{root}/memory{v1.rstrip('/')}")
-    v2 = next((path for hierarchy, controllers, path in lines if hierarchy == "0" and controllers == ""), None)
-    return _v2_limit(root, v2) if v2 is not None else None
+    version, folders = found
+    if version == 1:
+        return _v1_limit(folders[0])
+    limits = [int(value[0]) for folder in folders
+              if (value := _lines(f"{folder}/memory.max")[:1]) and value[0].strip().isdigit()]
+    return min(limits) if limits else None
 
 
 def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
     """The processes the out-of-memory killers of this process's memory cgroup and of every cgroup above it have
     killed so far, summed (compare two readings: whichever limit was hit, the sum grows); None where no count can be
     read (no cgroup, or a v1 kernel before 4.13). v1: `oom_kill` in memory.oom_control; v2: in memory.events."""
+    found = _memory_cgroup(proc_cgroup, root)
+    if found is None:
+        return None
+    version, folders = found
+    name = "memory.oom_control" if version == 1 else "memory.events"
+    counts = [int(line.split()[1]) for folder in folders for line in _lines(f"{folder}/{name}")
+              if line.startswith("oom_kill ")]
+    return sum(counts) if counts else None
+
+
+def _memory_cgroup(proc_cgroup: str, root: str) -> tuple[int, list[str]] | None:
+    """This process's memory cgroup: its version (1 or 2), and its folder followed by each one above it up to the
+    hierarchy's root; None where /proc/self/cgroup names none."""
     try:
         with open(proc_cgroup) as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -148,14 +160,11 @@ def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
         return None
     v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
     v2 = next((path for hierarchy, controllers, path in lines if hierarchy == "0" and controllers == ""), None)
-    path, base, name = (v1, f"{root}/memory", "memory.oom_control") if v1 is not None else \
-        (v2, root, "memory.events")
-    if path is None:
+    if v1 is None and v2 is None:
         return None
-    parts = [p for p in path.split("/") if p]
-    counts = [int(line.split()[1]) for depth in range(len(parts), -1, -1)
-              for line in _lines("/".join([base, *parts[:depth], name])) if line.startswith("oom_kill ")]
-    return sum(counts) if counts else None
+    version, base = (1, f"{root}/memory") if v1 is not None else (2, root)
+    parts = [p for p in (v1 if v1 is not None else v2).split("/") if p]
+    return version, ["/".join([base, *parts[:depth]]) for depth in range(len(parts), -1, -1)]
 
 
 def _v1_limit(folder: str) -> int | None:
@@ -164,16 +173,6 @@ def _v1_limit(folder: str) -> int | None:
     limits += [int(x) for x in _lines(f"{folder}/memory.limit_in_bytes")[:1] if x.strip().isdigit()]
     tight = min(limits, default=None)
     return tight if tight is not None and tight < UNLIMITED else None
-
-
-def _v2_limit(root: str, path: str) -> int | None:
-    parts = [p for p in path.split("/") if p]
-    limits = []
-    for depth in range(len(parts), -1, -1):
-        value = _lines(f"{root}/{'/'.join(parts[:depth])}/memory.max".replace("//", "/"))[:1]
-        if value and value[0].strip().isdigit():
-            limits.append(int(value[0]))
-    return min(limits) if limits else None
 
 
 def _lines(path: str) -> list[str]:

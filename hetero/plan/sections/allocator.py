@@ -42,11 +42,11 @@ def _allocator(ctx: Context) -> AllocatorPlan:
 
 def settle(ctx: Context, out: Plan) -> Plan:
     """Without plain's own peak, freed memory is returned only from halfway between the plan's predicted peak (with
-    it returned) and the budget less headroom: below, malloc's defaults cost no page faults (the runtime returns what
-    the heaps hold free after each backward, so that they grow within an iteration, not across iterations); the other
-    half is for what the process adds before the switch takes hold (the runtime then returns the holes the tensors
-    live at the switch leave, until the next backward ends). Where that half is under a `SWITCH_SHARE` of the budget,
-    memory is returned from the start, as the profile did."""
+    it returned) and the budget less headroom: below, malloc's defaults cost few page faults (the runtime returns
+    what the heaps hold free after a backward that grew them, so that they do not grow from iteration to
+    iteration); the other half is for what the process adds before the switch takes hold (the runtime then returns
+    the holes the tensors live at the switch leave, until the next backward ends). Where that half is under a
+    `SWITCH_SHARE` of the budget, memory is returned from the start, as the profile did."""
     if out.allocator is None or not ctx.profile.memory.dram_peak_estimated:
         return out
     host = ctx.host.name
