@@ -24,6 +24,7 @@ EXAMPLE = ("Example: hetero profile --steps 5 examples/train_gpt.py --batch-size
 
 
 def profile(
+    ctx: typer.Context,
     script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
     args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
     steps: int = typer.Option(5, help="Optimizer steps to measure."),
@@ -55,8 +56,11 @@ def profile(
     from hetero.launch import guard
 
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
-    # before torch is imported: the waiter a memory limit needs should hold as little as it can
-    phases = guard.fork(script, nvme) if ranks is None and guard.needed() else None
+    # Before torch is imported: the waiter a memory limit needs should hold as little as it can. Only where hetero is
+    # this process's command: called from a Python program (a test, a notebook), forking would turn the caller
+    # into the waiter.
+    own = bool(ctx.obj and ctx.obj.get("own_process"))
+    phases = guard.fork(script, nvme) if own and ranks is None and guard.needed() else None
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,

@@ -220,6 +220,11 @@ class Capture:
     def _named(self, parts: list[nn.Module]) -> nn.Module:
         return combine(dict(zip(names(parts, self.script, unwrap), parts)))
 
+    def every_optimizer_has_a_model(self) -> bool:
+        """Whether each optimizer built so far updates parameters of a root called so far: where one does not (a
+        GAN's generator before its first call), deciding the model now would leave that optimizer without one."""
+        return all(self.candidates(opt) for opt in self.optimizers())
+
     def candidates(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:
         """The roots seen so far (unwrapped) that own parameters `optimizer` updates, in order of first call."""
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -12,12 +12,16 @@ and gradient waits on NVMe as the plan's `states` and `grads` levers place them 
 measures training that way: it says so, and writes plain training's peak as an estimate, the measured one plus what
 plain would hold instead (`plain_estimate`), and plain's optimizer step as timed at the host Adam rate the machine
 phase measures (hetero.profile.profiler). Its layers' backward times include writing their gradients to NVMe.
-Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard.
+Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard. Where plain training needs
+under `AMPLE_SHARE` of the budget (`ample`), the budget binds nothing and the profile goes on as without one. Where
+the first gradient comes before every optimizer's model was called (a GAN), the model cannot be known yet: the
+optimizers stay torch's and the profile measures plain training.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -37,6 +41,9 @@ from hetero.units import COUNT, SIZE
 GRAD_BYTES_PER_PARAM = 4
 PLAIN_BYTES_PER_PARAM = GRAD_BYTES_PER_PARAM + ADAM_STATE_BYTES_PER_PARAM
 STEP_SLACK_BYTES_PER_PARAM = 4
+# Plain training's need as `bind` estimates it under this share of the budget: the limit binds nothing (a container's
+# limit near the machine's memory), and the profile measures as without one (hetero.profile.profiler).
+AMPLE_SHARE = 0.5
 
 
 class Conservative:
@@ -52,17 +59,32 @@ class Conservative:
         self.moved_params = 0
         self.moved_tensors = 0
         self.held_at_bind = 0
+        self.left_to_torch = False  # the first gradient came before every optimizer's model was called
+        self.ample = False  # plain training needs under AMPLE_SHARE of the budget
 
-    def install(self, need_model) -> None:
-        self.offload.install(self.patches, need_model)
+    def install(self, need_model, model_known: Callable[[], bool]) -> None:
+        """`need_model(optimizer)` decides the model now (then `bind` is called); `model_known()` says whether it
+        can be decided yet. Where it cannot (a GAN's first gradient comes before its generator's first call), the
+        optimizers stay torch's and the profile measures plain training, as without a budget."""
+        def first_gradient(optimizer) -> None:
+            if model_known():
+                need_model(optimizer)
+            else:
+                self.left_to_torch = True
+                self.offload.leave_to_torch()
+
+        self.offload.install(self.patches, first_gradient)
 
     def bind(self, model: nn.Module) -> None:
         """Decide, now that the model is known, whether plain training would fit beside what the process holds."""
+        if self.left_to_torch:
+            return
         named = list(model.named_parameters())
         n = sum(p.numel() for _, p in named)
         self.held_at_bind = process_memory.resident_bytes()
         added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n + self.budget_bytes // BLOCK_SHARE
         fits = self.held_at_bind + added <= self.budget_bytes * (1 - HEADROOM)
+        self.ample = self.held_at_bind + added <= self.budget_bytes * AMPLE_SHARE
         if fits or not _movable(named):
             self.offload.leave_to_torch()
             return

@@ -147,7 +147,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     options.check()
     session = _Session(options, progress or (lambda *a: None))
     session.capture = Capture(session.found, script, options.model_name)
-    budget = returned.budget_of(options.dram_budget_bytes)
+    budget = session.budget = returned.budget_of(options.dram_budget_bytes)
     session.budgeted = returned.Budgeted(budget) if budget is not None else None
     try:
         try:
@@ -155,7 +155,8 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
                 if budget is not None:
                     session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir(),
                                                         session.progress)
-                    session.conservative.install(session.capture.resolve)
+                    session.conservative.install(session.capture.resolve,
+                                                 session.capture.every_optimizer_has_a_model)
                     session.pressure = UnderPressure(budget[0], session.progress)
                 try:
                     result = run_script(script, args)
@@ -164,7 +165,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
                         session.conservative.close()
         finally:
             disk_beside = session.close()
-        return _measured(script, args, options, session, result, clips, budget, disk_beside)
+        return _measured(script, args, options, session, result, clips, session.budget, disk_beside)
     finally:  # after the blocks' check, whose forward the overrides keep under the budget too
         if session.pressure is not None:
             session.pressure.close()
@@ -256,6 +257,7 @@ class _Session:
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
+        self.budget: tuple[int, str] | None = None  # the budget the profile keeps, and where it came from
         self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
         self.conservative: Conservative | None = None  # under a budget: the optimizer, moved if plain won't fit
         self.pressure: UnderPressure | None = None  # under a budget: blocks recomputed near it
@@ -270,6 +272,16 @@ class _Session:
         self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
         self._start = self._previous_end = None
 
+    def _unbudgeted(self) -> None:
+        """The memory cgroup's limit binds nothing (Conservative.ample): the rest of the profile measures as without
+        one, plain training's peak in fresh processes included. The optimizer stays torch's. (`--dram-budget` is kept
+        however ample: the user asked for it.)"""
+        self.budget = None
+        self.budgeted.close()
+        self.budgeted = None
+        self.pressure.close()
+        self.pressure = None
+
     @property
     def steps_from(self) -> str:
         return "optimizer" if self.optimizers or self.model is None else "backward"
@@ -277,6 +289,8 @@ class _Session:
     def found(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.conservative is not None:
             self.conservative.bind(model)
+            if self.conservative.ample and self.options.dram_budget_bytes is None and not self.pressure.engaged:
+                self._unbudgeted()
         self.model, self.optimizers = model, optimizers
         self.optimizer_names = names(optimizers, self.capture.script)  # now: the script's frames are alive
         self.device = next(model.parameters()).device

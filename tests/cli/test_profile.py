@@ -152,6 +152,25 @@ def test_an_earlier_profiles_machine_is_taken_instead_of_measured(profiled, tmp_
     assert again.model.fingerprint == earlier.model.fingerprint and main(["check", str(profile)]) == 0
 
 
+def test_a_memory_limit_that_binds_nothing_is_profiled_as_without_one_and_in_process_never_forks(
+        profiled, tmp_path, monkeypatch):
+    """A container's limit near the machine's memory (a GPU machine's 123 GiB) leaves plain training's peak measured
+    in fresh processes, not estimated; `main()` called from Python (here, pytest) is not hetero's own process, so
+    the memory guard must not turn the caller into its waiter."""
+    from hetero.launch import guard
+
+    _, out, _ = profiled
+    monkeypatch.setattr(process_memory, "memory_limit_bytes", lambda *a, **kw: 20 << 30)
+    monkeypatch.setattr(guard, "fork", lambda *a, **kw: pytest.fail("hetero profile forked its caller"))
+    profile = tmp_path / "profile.yaml"
+    assert main(["profile", "--steps", "1", "--warmup", "1", "--machine", str(out / "profile.yaml"), "--nvme",
+                 str(tmp_path / "disk"), "-o", str(profile), *SMALL_GPT]) == 0
+    memory = files.load(profile, expect=Profile).memory
+    assert not memory.dram_peak_estimated and memory.profiled_under is None
+    assert len(memory.dram_peak_runs_bytes) == returned.DEFAULT_RUNS
+    assert process_memory.memory_limit_bytes() == 20 << 30  # the plan still keeps the limit (hetero.plan.context)
+
+
 def test_a_machine_of_another_host_is_refused_before_the_script_runs(profiled, tmp_path, capfd):
     _, out, _ = profiled
     earlier = files.load(out / "profile.yaml", expect=Profile)

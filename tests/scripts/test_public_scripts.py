@@ -92,6 +92,16 @@ def test_amsgrad_stays_the_scripts_optimizer_and_a_plan_that_offloads_it_is_refu
     assert code == UNSUPPORTED_SCRIPT and "amsgrad=True is not supported" in err and "Traceback" not in err
 
 
+def test_a_gan_profiles_under_a_budget_though_its_first_gradient_comes_before_its_generators_first_call(workdir):
+    """Under a budget hetero's profile decides where Adam's states go at the first gradient, when only the
+    discriminator was called: it leaves both optimizers to torch then, rather than deciding the models too early
+    (which refused the generator's optimizer at its first step)."""
+    run = measure_script(harness.script("gan"), [str(workdir / "profiled.pt"), harness.STEPS],
+                         ProfileOptions(steps=2, warmup=1, dram_budget_bytes=64 << 20, nvme_dir=str(workdir)))
+    assert [m.name for m in run.model.models] == ["netD", "netG"]
+    assert run.moved_tensors == 0 and run.memory.dram_peak_estimated
+
+
 def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed(workdir, capfd):
     profile = harness.profile("gan", workdir)
     prof = files.load(profile, expect=Profile)
