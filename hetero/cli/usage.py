@@ -30,6 +30,13 @@ def readable(text: str) -> str:
 
 
 class Command(TyperCommand):
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        """Click's pieces, a variadic argument's ending with `...` whatever typer writes (0.27 leaves it out)."""
+        variadic = {(p.metavar or p.name or "").upper() for p in self.params
+                    if p.param_type_name == "argument" and p.nargs == -1}
+        return [f"{piece}..." if piece.strip("[]{}") in variadic and not piece.endswith("...") else piece
+                for piece in super().collect_usage_pieces(ctx)]
+
     def get_usage(self, ctx) -> str:
         return readable(super().get_usage(ctx))
 
