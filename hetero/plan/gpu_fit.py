@@ -29,6 +29,7 @@ LEVERS = ("offload", "host_grads", "tiering")
 NEEDS = {"host_grads": "offload"}
 # A predicted peak keeps this far under the budget, where the prediction is not plain training's own measured peak.
 HEADROOM = 0.03
+REFITS = 4  # searches of a candidate's layers, each for a budget tighter by the last one's overshoot
 TIE = 0.02  # a lever must shorten the predicted iteration by more than this share to be worth its risk
 NAMES = {"offload": "the optimizer's states and updates off the GPU",
          "host_grads": "gradients beyond the reserve written to host memory",
@@ -74,8 +75,9 @@ def available(ctx, pins) -> tuple[list[str], frozenset[str], dict[str, str]]:
     return [x for x in LEVERS if x not in why], frozenset(forced), why
 
 
-def fit(ctx, pins, solve: Callable[[frozenset[str]], Plan]) -> Plan:
-    """The plan for a GPU profile: see the module. HeteroError (exit 2) when no candidate fits the budget."""
+def fit(ctx, pins, solve: Callable[[frozenset[str], int], Plan]) -> Plan:
+    """The plan for a GPU profile: see the module. `solve(levers, budget_bytes)` plans with the levers for a GPU
+    budget. HeteroError (exit 2) when no candidate fits the budget."""
     levers, forced, unusable = available(ctx, pins)
     seen: dict[frozenset[str], Candidate] = {}
     for k in range(len(levers) + 1):
@@ -83,10 +85,7 @@ def fit(ctx, pins, solve: Callable[[frozenset[str]], Plan]) -> Plan:
             chosen = frozenset(combo)
             if forced - chosen or any(x in chosen and NEEDS[x] not in chosen for x in NEEDS):
                 continue
-            try:
-                seen[chosen] = Candidate(chosen, solve(chosen))
-            except HeteroError as e:  # MemFerry found no placement within the device: names its least need
-                seen[chosen] = Candidate(chosen, None, e.message)
+            seen[chosen] = candidate(ctx.gpu_budget_bytes, chosen, solve)
     budget = ctx.gpu_budget_bytes
     fitting = [c for c in seen.values() if c.plan is not None and c.peak_bytes <= room_bytes(c, budget)]
     if not fitting:
@@ -94,6 +93,28 @@ def fit(ctx, pins, solve: Callable[[frozenset[str]], Plan]) -> Plan:
     fastest = min(c.iteration_s for c in fitting)
     best = min(fitting, key=lambda c: (c.iteration_s > fastest * (1 + TIE), len(c.levers), c.iteration_s))
     return _explained(ctx, best, seen, len(fitting), unusable)
+
+
+def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[str], int], Plan]) -> Candidate:
+    """The plan with `levers` whose anchored prediction fits `budget`, where one does. MemFerry's search places
+    layers in the simulator's count (hetero.plan.plain.counted_budget_bytes), where a gradient moved off the GPU
+    saves all its bytes; at plain training's measured peak it saves only what coexists with the activations
+    (plain.backward_peak_bytes). So a plan over the budget is searched again for a budget tighter by its overshoot,
+    up to REFITS times."""
+    searched, best = budget, None
+    for _ in range(REFITS):
+        try:
+            plan = solve(levers, searched)
+        except HeteroError as e:  # MemFerry found no placement within the device: names its least need
+            return best or Candidate(levers, None, e.message)
+        found = Candidate(levers, plan)
+        over = found.peak_bytes - room_bytes(found, budget)
+        if best is None or found.peak_bytes < best.peak_bytes:
+            best = found
+        if over <= 0 or not levers:
+            return found
+        searched -= over
+    return best
 
 
 def room_bytes(c: Candidate, budget: int) -> int:

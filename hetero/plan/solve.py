@@ -45,7 +45,8 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
     if fit.applies(profile, ctx.gpu, ctx.budget_source):
         return fit.fit(ctx, lambda levers, blocks=None: _solve(ctx, pins, levers, blocks), ctx.host.name)
     if ctx.gpu is not None:
-        out = gpu_fit.fit(ctx, pins, lambda levers: _solve(ctx, pins, levers))
+        out = gpu_fit.fit(ctx, pins, lambda levers, gpu_budget: _solve(replace(ctx, gpu_budget_bytes=gpu_budget),
+                                                                        pins, levers))
     else:
         out = _solve(ctx, pins, frozenset({"recompute"}) if options.recompute else frozenset())
     _check_dram(ctx, out)

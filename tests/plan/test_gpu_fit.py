@@ -10,7 +10,7 @@ from hetero.errors import USAGE, HeteroError
 from hetero.plan import gpu_fit, plain
 from hetero.plan.model import GPU
 from hetero.plan.sections import plain_of
-from hetero.plan.solve import PlanOptions, plan, predict
+from hetero.plan.solve import PlanOptions, plan, predict, predicted_of
 from hetero.schema import files
 from hetero.schema.profile import Memory, Profile
 from tests.plan.synthetic import GiB, MiB, gpu_profile
@@ -78,6 +78,26 @@ def test_a_budget_below_any_plan_is_refused_naming_the_least_need_which_then_pla
 
     p = plan(profile, PlanOptions(gpu_memory_bytes=SIZE.parse(need)))
     assert p.predicted.peak_bytes[GPU] <= SIZE.parse(need)
+
+
+@pytest.mark.parametrize("saved_per_layer", [0, 64 * MiB])
+def test_gradients_moved_to_host_save_at_plains_peak_only_what_coexists_with_the_saved_activations(
+        profile, saved_per_layer):
+    """Plain training's GPU peak is backward's start where activations outweigh gradients (no gradient exists
+    then: moving them saves nothing there), and its end where gradients do (moving them saves them all)."""
+    profile = dataclasses.replace(profile, layers=[dataclasses.replace(x, saved_bytes=saved_per_layer)
+                                                   for x in profile.layers])
+    forced = plan(profile, PlanOptions(optimizer_device="host", reserve=1.0))
+    forced.layers = [dataclasses.replace(e, grad="host") for e in forced.layers]
+    forced.activations = None
+    gpu = predicted_of(profile, forced, predict(profile, forced))
+    moved = sum(x.params_bytes for x in profile.layers)
+    largest = max(x.params_bytes for x in profile.layers)
+    saved = gpu.gpu_saved.get(plain.GRADS, 0)
+    if saved_per_layer:  # each layer's saved activations outweigh any layer's gradients
+        assert largest < saved_per_layer and saved <= largest
+    else:
+        assert saved == moved
 
 
 def test_the_reserve_moves_gradients_only_when_the_budget_needs_it(profile):

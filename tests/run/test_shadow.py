@@ -4,7 +4,9 @@ destination until something waits for it), on a CUDA GPU under the `gpu` marker.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import weakref
 from pathlib import Path
 
 import pytest
@@ -311,6 +313,19 @@ def test_state_dict_waits_for_weights_in_flight(stand_in):
         assert not stand_in.queue
 
 
+@pytest.mark.parametrize("mode,grad", [("gfgb", "gpu"), ("dha", "host"), ("mixed", "gpu"), ("dfgb", "gpu")])
+def test_the_model_and_its_optimizer_are_freed_when_the_run_ends(stand_in, mode, grad):
+    """Nothing of a run outlives it: a process that trains several models (a notebook, these tests) gets their
+    memory back (on an H100 each plan's model stayed allocated: the parameters' optimizer hooks held it)."""
+    model = gpt()
+    with Runtime(layer_plan(model, mode, grad), script=__file__):
+        train(model, steps=2)
+    freed = [weakref.ref(model), *map(weakref.ref, model.parameters())]
+    del model
+    gc.collect()
+    assert all(ref() is None for ref in freed)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------------------------
 
 GPU_CONFIG = {"vocab": 256, "block_size": 128, "n_layer": 4, "n_embd": 256, "n_head": 4}
@@ -329,20 +344,13 @@ def gpu_profile(tmp_path_factory):
                           ProfileOptions(steps=3, warmup=2, nvme_dir=str(tmp_path_factory.mktemp("nvme"))))
 
 
-def _cublas_workspaces() -> int:
-    """GPU memory cuBLAS keeps per thread (the script's, autograd's): held by every run, planned by none."""
-    layer = nn.Linear(64, 64, device="cuda")
-    layer(torch.randn(8, 64, device="cuda")).sum().backward()
-    del layer
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", list(GPU_PLANS))
 def test_gpu_training_matches_plain_pytorch_within_predicted_memory(gpu_profile, config):
+    """Equal to plain, and the process's reserved GPU peak within 5% of the plan's prediction (anchored on plain
+    training's measured reserved peak: cuBLAS's workspaces and the allocator's rounding are in both)."""
     from hetero.plan.simulate import GPU
-    from hetero.plan.solve import PlanOptions, plan, predict
+    from hetero.plan.solve import PlanOptions, plan, predict, predicted_of
 
     planned = plan(gpu_profile, PlanOptions(optimizer_device="host", reserve=1.0))
     planned.activations = None  # the shadow model alone: activation tiering has its own tests
@@ -351,11 +359,13 @@ def test_gpu_training_matches_plain_pytorch_within_predicted_memory(gpu_profile,
         mode, grad = GPU_PLANS[config]
         planned.layers = [LayerPlan(name=e.name, mode=MODES[i % 3] if mode == "mixed" else mode, grad=grad)
                           for i, e in enumerate(planned.layers)]
-    predicted = predict(gpu_profile, planned).peak_bytes[GPU]
+    predicted = predicted_of(gpu_profile, planned, predict(gpu_profile, planned)).peak_bytes[GPU]
 
     ref_model = gpt(**GPU_CONFIG).cuda()
     ref = train(ref_model, device="cuda", size=8)
-    base = _cublas_workspaces()
+    ref_model.cpu()  # out of the way of the measured run: only what a process of its own would hold is on the GPU
+    gc.collect()
+    torch.cuda.empty_cache()
     model = gpt(**GPU_CONFIG).cuda()
     peaks, held = [], []
 
@@ -363,12 +373,12 @@ def test_gpu_training_matches_plain_pytorch_within_predicted_memory(gpu_profile,
         if step == 0:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # from the second step: the model is bound and placed
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append(torch.cuda.max_memory_reserved())
         held.append(torch.cuda.memory_allocated())
 
     with Runtime(planned, script=__file__):
         out = train(model, device="cuda", size=8, after_backward=measure)
     compare(model, ref_model, out, ref)
     assert len(set(held[1:])) == 1, f"GPU memory held after backward changes between steps: {held}"
-    used = max(peaks[1:]) - base
-    assert used <= 1.05 * predicted, f"{config}: peak {used / 2**20:.1f} MiB, predicted {predicted / 2**20:.1f} MiB"
+    used = max(peaks[1:])
+    assert used <= 1.05 * predicted, f"{config}: reserved {used / 2**20:.1f} MiB, predicted {predicted / 2**20:.1f} MiB"
