@@ -55,21 +55,23 @@ def pieces(python: str, work: Path) -> list[Piece]:
     """The pieces, in the order they run, their limits summing to TOTAL_S; `work` holds what they make."""
     gpt = ("examples/train_gpt.py", "--device", "cuda", "--n-layer", "8", "--n-embd", "512", "--n-head", "8",
            "--batch-size", "8", "--seq-len", "256", "--steps", "30", "--log-every", "15", "--weight-sum")
-    # -v: each test's outcome as it ends, so a suite cut at its limit still names what failed
-    suite = (python, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-m", "not gpu",
+    # -vv (the project's addopts say -q): each test's outcome as it ends, so a suite cut at its limit still names
+    # what failed; 60 s a test, so one that hangs cannot eat the piece
+    suite = (python, "-m", "pytest", "-vv", "-rfE", "--tb=short", "-o", "timeout=60", "-p", "no:cacheprovider",
+             "-m", "not gpu",
              f"--junitxml={work / 'suite.xml'}", *(("-n", "14") if importlib.util.find_spec("xdist") else ()))
     return [
         Piece("tests", "GPU tests (pytest -m gpu)",
               ((python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu",
-                f"--junitxml={work / 'gpu-tests.xml'}"),), limit_s=55),
-        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=115,
+                f"--junitxml={work / 'gpu-tests.xml'}"),), limit_s=45),
+        Piece("suite", "The whole CPU suite on the GPU machine (CUDA present)", (suite,), limit_s=170,
               env=(("OMP_NUM_THREADS", "1"),)),  # 14 workers of torch's 16 threads each would only thrash
         Piece("fits", "A model that fits: plain against the default plan (examples/train_gpt.py, 27M parameters)",
               ((python, "bench/gpu_e2e.py", "--out", str(work / "fits"), "--timeout", "45", "--", *gpt),),
-              limit_s=95),
+              limit_s=70),
         Piece("heldout", "A held-out LM end to end: plain, the default plan, and half of plain's reserved GPU peak",
               ((python, "bench/gpu_e2e.py", "--out", str(work / "heldout"), "--half", "--rounds", "1", "--timeout",
-                "50", "--", "bench/lm_heldout.py", "--steps", "30"),), limit_s=115),
+                "50", "--", "bench/lm_heldout.py", "--steps", "30"),), limit_s=90),
         Piece("offload", "Beyond a GPU budget: plain, ZeRO-Offload-style, FSDP2 CPUOffloadPolicy, hetero",
               ((python, "bench/gpu_offload.py", "--only", "compare", "--n-layer", "14", "--steps", "6",
                 "--timeout", "70"),), limit_s=100),
