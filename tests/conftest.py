@@ -31,6 +31,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def terminal_width_unset(monkeypatch):
+    """Tables are as wide as `COLUMNS` says where it is set (hetero.cli.usage.console): a shell that exports it (the
+    GPU image's did) must not change what the tests render. A test that wants a width sets it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def cpu_tests_leave_cuda_alone(request):
     """A test not marked `gpu` runs on the CPU wherever CUDA exists, and never starts CUDA: a context per pytest
     process costs GPU memory and seconds, and a CPU test that reaches the GPU checks what it does not name."""

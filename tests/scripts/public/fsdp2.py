@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -21,9 +22,10 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # FSDP2's default mesh is CUDA's wherever CUDA exists
 for layer in (model[0], model[2], model[4]):
-    fully_shard(layer)
-fully_shard(model)
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 data = torch.Generator().manual_seed(100 + rank)
 losses = []
