@@ -99,8 +99,8 @@ def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[st
     """The plan with `levers` whose anchored prediction fits `budget`, where one does. MemFerry's search places
     layers in the simulator's count (hetero.plan.plain.counted_budget_bytes), where a gradient moved off the GPU
     saves all its bytes; at plain training's measured peak it saves only what coexists with the activations
-    (plain.backward_peak_bytes). So a plan over the budget is searched again for a budget tighter by its overshoot,
-    up to REFITS times."""
+    (plain.backward_peak_bytes). So a plan with `host_grads` over the budget is searched again for a budget tighter
+    by its overshoot, up to REFITS times (without gradients on the host, both count the same)."""
     searched, best = budget, None
     for _ in range(REFITS):
         try:
@@ -111,7 +111,7 @@ def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[st
         over = found.peak_bytes - room_bytes(found, budget)
         if best is None or found.peak_bytes < best.peak_bytes:
             best = found
-        if over <= 0 or not levers:
+        if over <= 0 or "host_grads" not in levers:
             return found
         searched -= over
     return best
