@@ -271,7 +271,8 @@ class Predicted:
     gpu: dict[str, int] = doc("What makes up the predicted GPU peak (`peak` of `gpu` is this sum less `gpu_saved`): "
                               "plain training's measured reserved peak, and what the plan adds there; empty without "
                               "a GPU.", unit=SIZE, default_factory=dict)
-    gpu_saved: dict[str, int] = doc("What the plan moves off the GPU, by what it is.", unit=SIZE,
+    gpu_saved: dict[str, int] = doc("What the plan takes off plain training's GPU peak, by what it moves (a "
+                                    "gradient moved saves only what coexists with the peak).", unit=SIZE,
                                     default_factory=dict)
 
 
