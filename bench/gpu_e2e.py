@@ -149,6 +149,16 @@ def report(rows: list[Outcome], default: Path, half: Path) -> None:
     checks(rows, plans, base)
 
 
+def noise(by: dict[str, Outcome]) -> str:
+    """Whether plain's own runs differ as much (a CUDA backward that is not deterministic run to run)."""
+    first, second = by.get("plain-0"), by.get("plain-1")
+    if second is None or not second.ok:
+        return " (one plain run: whether plain's own runs differ is not known)"
+    same = (first.weights, first.loss) == (second.weights, second.loss)
+    return " (plain's two runs are equal: hetero's run is not plain's)" if same else \
+        f" (plain's two runs differ too: {first.weights!r} and {second.weights!r})"
+
+
 def checks(rows: list[Outcome], plans: dict, base: float | None) -> None:
     from hetero.plan.model import GPU
 
@@ -162,7 +172,7 @@ def checks(rows: list[Outcome], plans: dict, base: float | None) -> None:
     if plain and plain.ok and default and default[0].weights is not None:
         same = default[0].weights == plain.weights and default[0].loss == plain.loss
         print(f"check: default plan's weight sum {default[0].weights!r} and loss {default[0].loss!r} against "
-              f"plain's {plain.weights!r}, {plain.loss!r}: {'equal' if same else 'differ'}")
+              f"plain's {plain.weights!r}, {plain.loss!r}: {'equal' if same else 'differ'}{'' if same else noise(by)}")
     half, plan = by.get("hetero-half"), plans.get("hetero-half")
     if half is not None and half.ok and plan is not None and plain is not None and half.reserved:
         budget, predicted = plan.budget.gpu_memory_bytes, plan.predicted.peak_bytes.get(GPU)

@@ -218,3 +218,23 @@ def test_cgroup_keeps_a_command_under_its_limit_or_says_why_not():
     over = bench("cgroup.py", "--limit", "64MiB", "--", sys.executable, "-c", grow.format(256), timeout=60)
     assert over.returncode == 137, over.stderr
     assert "exit 137 (killed by the memory limit)" in over.stderr
+
+
+def test_gpu_e2e_says_whether_plain_differs_from_itself_when_the_default_plan_differs(capsys, monkeypatch):
+    """A CUDA backward that is not deterministic makes plain's own runs differ: bench/gpu_e2e.py's weight check
+    says so, rather than a bare `differ` that reads as hetero's fault."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e_bench", REPO / "bench" / "gpu_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+
+    def run(name: str, weights: float):
+        return module.Outcome(name, True, 1.0, 10.0, 1.0, weights, 1, 1, None)
+
+    plain, other = run("plain-0", 1.0), run("hetero-0", 2.0)
+    for rows, said in (([plain, other], "whether plain's own runs differ is not known"),
+                       ([plain, other, run("plain-1", 1.0)], "hetero's run is not plain's"),
+                       ([plain, other, run("plain-1", 3.0)], "plain's two runs differ too"),
+                       ([plain, run("hetero-0", 1.0)], ": equal")):
+        module.checks(rows, {}, 10.0)
+        assert said in capsys.readouterr().out
