@@ -94,7 +94,7 @@ SMOKES = [
                         "{machine}"),
           (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"plan \(default\) +peak",
            r"measured/predicted [0-9.]+")),
-    Smoke("cap.py", ("--limits", "2GiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
+    Smoke("cap.py", ("--limits", "512MiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
                      "--repeats", "0", "--max-layers", "1", "--machine", "{machine}"),
           (r"hetero: 1 layers peak [0-9.]+[KMG]iB",
            r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$"), cgroup=True),
