@@ -52,15 +52,13 @@ def profile(
     --nproc-per-node, the links between its ranks). Without a GPU, 4 more steps time the disk with every layer's
     activations tiered to it, as `hetero run` would; a script that ends sooner gets the disk timed beside a GEMM
     loop instead."""
-    from hetero.cli.usage import quantity
+    from hetero.cli.usage import own_process, quantity
     from hetero.launch import guard
 
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
-    # Before torch is imported: the waiter a memory limit needs should hold as little as it can. Only where hetero is
-    # this process's command: called from a Python program (a test, a notebook), forking would turn the caller
-    # into the waiter.
-    own = bool(ctx.obj and ctx.obj.get("own_process"))
-    phases = guard.fork(script, nvme) if own and ranks is None and guard.needed() else None
+    # Before torch is imported: the waiter a memory limit needs should hold as little as it can. Called from a Python
+    # program (a test, a notebook), forking would turn the caller into the waiter.
+    phases = guard.fork(script, nvme) if own_process(ctx) and ranks is None and guard.needed() else None
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from hetero.cli.usage import own_process
 from hetero.launch import launcher as launch
 
 # torchrun's own options, shared with `hetero profile`
@@ -47,9 +48,8 @@ def run(
     The script's exit code passes through; with several workers, that of the first one to fail."""
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
     traced = launch.Trace(trace, trace_steps) if trace is not None else None
-    own = bool(ctx.obj and ctx.obj.get("own_process"))
     code = launch.run(script, list(args or []), plan=plan, allow_stale=allow_stale, torchrun=ranks, trace=traced,
-                      skip_profile_check=skip_profile_check, replace_process=own)
+                      skip_profile_check=skip_profile_check, replace_process=own_process(ctx))
     raise typer.Exit(code)
 
 

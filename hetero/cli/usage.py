@@ -44,6 +44,12 @@ class Command(TyperCommand):
         return readable(super().get_help(ctx))
 
 
+def own_process(ctx) -> bool:
+    """Whether hetero is this process's command (`hetero ...`, `python -m hetero`; hetero.cli.main sets it), not a
+    call of `main()` from a Python program: only then may a command fork or replace the process."""
+    return bool(ctx.obj and ctx.obj.get("own_process"))
+
+
 def quantity(unit: Unit, text: str | None, flag: str):
     """The value of option `flag` (`8GiB`, `1ms`) in `unit`'s base unit; None when not given."""
     if text is None:

@@ -108,6 +108,7 @@ class ReturnFreedMemory(Mechanism):
         if self.applied:
             self._trimming = False
             self._backward.remove()
+            self._backward = None
             self._trim()
         else:
             resident = process_memory.resident_bytes()
