@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/memory.py [--script gpt|heldout] [--sizes 4x256x8x128 6x256x16x256] [--vocab N]
                                      [--pairs 3] [--steps 8] [--plans "default; --optimizer-device host"]
-                                     [--limit 0.5x|SIZE] [--env MALLOC_MMAP_THRESHOLD_=131072] [--machine PROFILE]
+                                     [--limit 0.5x|SIZE] [--env MALLOC_MMAP_THRESHOLD_=131072]
+                                     [--machine PROFILE] [--profile FILE]
 
 For each size (layers x width x batch x context of examples/train_gpt.py, or of bench/heldout_lm.py with
 `--script heldout`) this profiles the script once, makes one plan per `--plans` entry (flags of `hetero plan`, or
@@ -18,7 +19,8 @@ plain's median peak, measured first without a limit); plain runs without one (it
 reference for the loss. The environment is the caller's for every process alike (set OMP_NUM_THREADS and
 GOMP_SPINCOUNT outside; GOMP_SPINCOUNT=1000 where unset, so that libgomp's spinning does not favour whichever
 process has more threads), plus `--env` settings for the runs; the profile runs without those. `--machine PROFILE`
-is given to `hetero profile` (an earlier profile's machine section instead of measuring the machine each time).
+is given to `hetero profile` (an earlier profile's machine section instead of measuring the machine each time);
+`--profile FILE` plans from that profile of the script at its one size instead of profiling it.
 """
 
 from __future__ import annotations
@@ -115,11 +117,17 @@ def measure_size(script: str, size: str, args: argparse.Namespace, env: dict[str
         runs["plain"].append(sample([sys.executable, *argv], work, env))
         plain = runs["plain"][0].peak_bytes
         limit = int(float(args.limit[:-1]) * plain) if args.limit.endswith("x") else SIZE.parse(args.limit)
-    profile = [*HETERO, "profile", "--nvme", str(work / "disk"), *(["--machine", args.machine] if args.machine else []),
-               *script_args(script, size, max(args.steps, PROFILE_STEPS), args.vocab)]
-    code, profile_peak, text = run(profile, work, {}, limit, check=False)
-    if code != 0:
-        return [f"{size}: hetero profile under {SIZE.format_short(limit)} exited {code}: {text[-300:]}"]
+    if args.profile:
+        shutil.copyfile(args.profile, work / "profile.yaml")
+        profiled = f"profile {args.profile}"
+    else:
+        profile = [*HETERO, "profile", "--nvme", str(work / "disk"),
+                   *(["--machine", args.machine] if args.machine else []),
+                   *script_args(script, size, max(args.steps, PROFILE_STEPS), args.vocab)]
+        code, profile_peak, text = run(profile, work, {}, limit, check=False)
+        if code != 0:
+            return [f"{size}: hetero profile under {SIZE.format_short(limit)} exited {code}: {text[-300:]}"]
+        profiled = f"profile peaked at {SIZE.format_short(profile_peak)}"
     plans: dict[str, Plan | str] = {}
     for k, flags in enumerate(args.plans):
         out = work / f"plan-{k}.yaml"
@@ -137,8 +145,7 @@ def measure_size(script: str, size: str, args: argparse.Namespace, env: dict[str
                                           env, limit))
     how = "cgroup max_usage_in_bytes" if cgroup.unavailable() is None else "ru_maxrss (VmHWM: file pages included)"
     under = f", hetero under a {SIZE.format_short(limit)} cgroup" if limit else ""
-    rows = [f"{script} {size} ({shlex.join(argv[1:])}): peaks by {how}{under}; profile peaked at "
-            f"{SIZE.format_short(profile_peak)}"]
+    rows = [f"{script} {size} ({shlex.join(argv[1:])}): peaks by {how}{under}; {profiled}"]
     plain_peak = statistics.median(s.peak_bytes for s in runs["plain"])
     plain_step = statistics.median(s.step_s for s in runs["plain"])
     rows.append(_row("plain", runs["plain"], plain_peak, plain_step))
@@ -192,7 +199,11 @@ def main() -> None:
     p.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of the runs")
     p.add_argument("--machine", default=None, metavar="PROFILE",
                    help="`hetero profile --machine PROFILE`: an earlier profile's machine, not measured each time")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="plan from this profile of the script at its one size instead of profiling it")
     a = p.parse_args()
+    if a.profile and (a.limit or len(a.sizes) > 1):
+        p.error("--profile is one size's profile, taken without a limit: not with --limit or several --sizes")
     env = dict(item.split("=", 1) for item in a.env)
     a.plans = ["" if flags.strip() == "default" else flags.strip() for flags in a.plans.split(";")]
     for size in a.sizes:

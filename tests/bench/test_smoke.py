@@ -87,13 +87,13 @@ SMOKES = [
                          "examples/train_gpt.py", "--device", "cpu", *TINY_PLAN_GPT, "--steps", "8", "--weight-sum"),
           (r"^plan +ok", rf"plain-0 +{NUMBER} +1\.000x", rf"hetero-0 +{NUMBER}",
            r"check: default plan's weight sum .*: equal"), files=("e2e/outcomes.json", "e2e/plan.yaml")),
-    # These profile their script first, with the machine section of the session's profile of this machine
-    # (`hetero profile --machine`; tests/conftest.py's `profiled`) rather than measure the machine once each;
-    # cap.py finds each configuration's largest size but times none (`--repeats 0`: three more runs).
-    Smoke("memory.py", ("--sizes", "1x32x1x16", "--vocab", "64", "--pairs", "1", "--steps", "4", "--machine",
-                        "{machine}"),
+    Smoke("memory.py", ("--sizes", "2x32x2x16", "--vocab", "64", "--pairs", "1", "--steps", "4", "--profile",
+                        TINY_PROFILE),
           (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"plan \(default\) +peak",
            r"measured/predicted [0-9.]+")),
+    # This one profiles its script first, with the machine section of the session's profile of this machine
+    # (`hetero profile --machine`; tests/conftest.py's `profiled`) rather than measure the machine; it finds each
+    # configuration's largest size but times none (`--repeats 0`: three more runs).
     Smoke("cap.py", ("--limits", "512MiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
                      "--repeats", "0", "--max-layers", "1", "--machine", "{machine}"),
           (r"hetero: 1 layers peak [0-9.]+[KMG]iB",

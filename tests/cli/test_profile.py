@@ -53,7 +53,7 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert f"plain peak │ {SIZE.format_short(profile.memory.dram_peak_bytes)} resident" in " ".join(summary.split())
 
 
-def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path, cuda_reported):
+def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path, cuda_reported, bundled_machine):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
                  "20GiB", "-o", str(out), *SMALL_GPT]) == 0
@@ -110,7 +110,8 @@ def test_a_disk_directory_that_cannot_be_used_is_refused_before_the_script_runs(
     assert sorted(os.listdir(tmp_path)) == ["file", "train.py"]
 
 
-def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path, cuda_reported):
+def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_nvme(tmp_path, cuda_reported,
+                                                                                   bundled_machine):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--nvme", str(tmp_path / "disk"), "--dram-budget",
                  "64MiB", "-o", str(out), *SMALL_GPT]) == 0
@@ -162,6 +163,7 @@ def test_a_memory_limit_that_binds_nothing_is_profiled_as_without_one_and_in_pro
     _, out, _ = profiled
     monkeypatch.setattr(process_memory, "memory_limit_bytes", lambda *a, **kw: 20 << 30)
     monkeypatch.setattr(guard, "fork", lambda *a, **kw: pytest.fail("hetero profile forked its caller"))
+    monkeypatch.setattr(returned, "DEFAULT_RUNS", 1)  # fresh processes, however many
     profile = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--machine", str(out / "profile.yaml"), "--nvme",
                  str(tmp_path / "disk"), "-o", str(profile), *SMALL_GPT]) == 0

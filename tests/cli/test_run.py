@@ -9,6 +9,7 @@ import pytest
 
 from hetero.cli.main import main
 from hetero.launch.launcher import PLAN_ENV, build
+from hetero.profile import returned
 from hetero.schema import files
 from tests.conftest import REPO
 from tests.profile import scripts
@@ -106,8 +107,10 @@ def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
 
 
-def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_plains(tmp_path, monkeypatch, capfd):
+def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_plains(tmp_path, monkeypatch, capfd,
+                                                                                     bundled_machine):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(returned, "DEFAULT_RUNS", 1)  # one fresh process of plain training is enough to compare
     script = scripts.write(tmp_path, TRAIN)
     assert main(["profile", "--steps", "2", "--warmup", "1", "--nvme", str(tmp_path / "disk"), script, "12"]) == 0
     assert main(["plan"]) == 0
