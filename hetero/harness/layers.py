@@ -103,6 +103,17 @@ def tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
+def unique_storages(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`ts` less every tensor whose storage an earlier one shares (views of one storage count once)."""
+    out, ids = [], set()
+    for t in ts:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in ids:
+            ids.add(key)
+            out.append(t)
+    return out
+
+
 def before_backward(output: Any, hook) -> None:
     """Call `hook(grad_outputs)` when backward reaches a module's output: a pre-hook on each distinct grad_fn of the
     output's tensors."""

@@ -14,8 +14,9 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
 - `tiering`: saved activations evicted to the slow tier after each layer's forward (lowers the peak only where
   freed memory is returned, which the footprint counts);
 - `recompute`: the blocks the profile found recomputable keep only their inputs, and backward runs their forward
-  again (hetero.plan.recompute): time for memory, like the disk levers, so the fastest combination that fits decides
-  between them; with it, the fewest blocks (most bytes saved per second first) that keep the budget.
+  again (hetero.plan.recompute), with freed memory returned (`NEEDS`): time for memory, like the disk levers, so the
+  fastest combination that fits decides between them; with it, the fewest blocks (most bytes saved per second
+  first) that keep the budget.
 
 A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
 I/O; `solve` builds and simulates each candidate.
@@ -33,7 +34,10 @@ from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "in_backward", "states", "grads", "tiering", "recompute")  # in the order of their lines
-NEEDS = {"grads": "states"}  # a lever that works only with another
+# A lever that works only with another. Recomputed blocks with malloc's defaults: the heap keeps what their rebuilds
+# free, and train_gpt 6 x 256 with every block recomputed peaked at 931-1020 MiB from run to run against 526 MiB,
+# twice, with freed memory returned (plain: 1.27-1.32 GiB, 970 MiB; docs/benchmarks.md, round five).
+NEEDS = {"grads": "states", "recompute": "allocator"}
 EXCLUDES = (frozenset({"in_backward", "states"}),)  # levers that cannot work together (both drive the optimizer)
 # On this CPU-only VM, evicted activations left host memory far later than the simulator has them leave (a width-128
 # LM with 1024-token context under a 520 MiB budget: tiering predicted to save 92 MiB of the peak saved ~15, and the
@@ -85,6 +89,8 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
     refused = recompute.refused_text(ctx.profile)
     if refused:
         why["recompute"] = refused
+    elif "allocator" not in out:
+        why["recompute"] = "recomputed blocks need freed memory returned, " + why["allocator"]
     else:
         out.append("recompute")
     if ctx.slow is None or "layers" in ctx.profile.unmeasured:
@@ -103,7 +109,7 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     levers, unusable = available(ctx)
     forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \
         else frozenset()
-    forced |= {"recompute"} if ctx.options.recompute and "recompute" in levers else set()  # --recompute
+    forced |= recompute_levers(ctx) if ctx.options.recompute and "recompute" in levers else set()
     seen: dict[frozenset[str], Candidate] = {}
     for k in range(len(levers) + 1):
         for combo in combinations(levers, k):
@@ -136,6 +142,13 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     best = _fewest_blocks(ctx, solve, best, host, room)
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))
+
+
+def recompute_levers(ctx) -> frozenset[str]:
+    """--recompute: every block it can, with freed memory returned (`NEEDS`) where the profile measured its cost."""
+    memory = ctx.profile.memory
+    returned = memory is not None and memory.dram_peak_returned_bytes is not None
+    return frozenset({"recompute", "allocator"} if returned else {"recompute"})
 
 
 def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, room: int) -> Candidate:

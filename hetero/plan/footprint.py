@@ -7,8 +7,9 @@ cancels. With glibc's default allocator, saved activations evicted *from* host m
 allocator keeps the memory they freed for the next ones, so the process's peak stays where plain training put it
 (docs/benchmarks.md, "Memory is what the process pays"). A plan whose `allocator` section returns freed memory
 starts from the peak the profile measured that way, and there evictions do lower it: by the simulated drop of
-the saved-activation peak. Recomputed blocks (the plan's `recompute`) never allocate what they would have saved, so
-they lower it with either allocator (hetero.plan.recompute.peak_drop).
+the saved-activation peak. Recomputed blocks (the plan's `recompute`, which comes with freed memory returned) never
+hold what they would have saved, so they lower it by the level of saved activations and gradients at its highest
+through the step (hetero.plan.backward), as updates in backward do by the gradients that coexist there.
 
 `contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
 `hetero run` names its largest entries when the process nears the budget. Each section writes its own entries

@@ -12,6 +12,7 @@ is the prediction, the script's own Adam states included.
 
 from __future__ import annotations
 
+from hetero.plan.backward import Held, peak_bytes
 from hetero.plan.model import GPU
 from hetero.plan.simulate import Result
 from hetero.schema.plan import Plan
@@ -60,17 +61,10 @@ def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result
 
 def backward_peak_bytes(profile: Profile, host_grads: set[str]) -> int:
     """Saved activations and gradients on the GPU at their highest through backward, gradients of `host_grads`
-    layers written to host memory instead. Layer by layer from the last, a layer's gradients appear while its saved
-    tensors are still held, which go once its backward ends; before backward no gradient exists (a script zeroes
-    them to None). So moving gradients saves at plain training's peak only what coexists with the activations
-    still saved: nothing where backward's start is the peak (measured on an H100: subtracting every host
-    gradient predicted 7% under the reserved peak)."""
-    held = peak = sum(x.saved_bytes for x in profile.layers)
-    for x in reversed(profile.layers):
-        held += 0 if x.name in host_grads else x.params_bytes
-        peak = max(peak, held)
-        held -= x.saved_bytes
-    return peak
+    layers written to host memory instead (hetero.plan.backward). Moving gradients saves at plain training's peak
+    only what coexists with the activations still saved: nothing where backward's start is the peak (measured on an
+    H100: subtracting every host gradient predicted 7% under the reserved peak)."""
+    return peak_bytes(profile.layers, Held(gone_grads=frozenset(host_grads)), profile.training.output_bytes)
 
 
 def _transient_grad_bytes(profile: Profile, plan: Plan) -> int:

@@ -7,11 +7,10 @@ saves until the next layer starts, the ops between layers included), its recompu
 `input_bytes`. Blocks are taken in the order of bytes saved per second of recomputation, so that the fewest
 seconds buy the saving a budget needs (`fewest`).
 
-What it takes off the process's peak (`peak_drop`): the saved-activation peak falls by every chosen block's saving
-but the largest (backward rebuilds one block at a time); and the peak falls only while it is the forward-backward
-turn's: once activations are below what the optimizer step holds in their place (a gradient per parameter,
-`STEP_BYTES_PER_PARAM`; torch's Adam steps its parameters a few tensors at a time), the process peaks in the step
-and recomputing more saves nothing.
+What it takes off the process's peak (`peak_drop`): the highest level of saved activations and gradients through
+the step falls from plain training's to the plan's, where every block recomputed holds its inputs and backward
+rebuilds one block at a time, each on top of what is still held then (hetero.plan.backward); once that level is the
+optimizer step's, all gradients held, recomputing more saves nothing.
 Pure: no torch, no I/O.
 """
 
@@ -20,11 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hetero.plan import backward
 from hetero.schema.plan import RecomputePlan
 from hetero.schema.profile import Block, Profile
 from hetero.units import SIZE, short_time
-
-STEP_BYTES_PER_PARAM = 4  # the fp32 gradients, all held when the optimizer steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +90,12 @@ def cost_s(profile: Profile, recomputed: RecomputePlan | None) -> float:
 
 def peak_drop(profile: Profile, recomputed: RecomputePlan | None) -> int:
     """What recomputation takes off the process's predicted peak (see the module's docstring)."""
-    chosen_units = chosen(profile, recomputed)
-    if not chosen_units:
-        return 0
-    savings = [u.saving_bytes for u in chosen_units]
-    drop = sum(savings) - max(savings)
-    saved = sum(layer.saved_bytes for layer in profile.layers)
-    params = sum(layer.num_params for layer in profile.layers)
-    above_step = max(0, saved - STEP_BYTES_PER_PARAM * params)
-    return max(0, min(drop, above_step))
+    return backward.drop_bytes(profile.layers, kept_inputs(profile, recomputed), profile.training.output_bytes)
+
+
+def kept_inputs(profile: Profile, recomputed: RecomputePlan | None) -> dict[str, int]:
+    """Each recomputed block the profile knows, with the input bytes it keeps."""
+    return {u.name: u.kept_bytes for u in chosen(profile, recomputed)}
 
 
 def section(profile: Profile, count: int | None = None) -> RecomputePlan | None:

@@ -48,7 +48,7 @@ def plan(profile: Profile, options: PlanOptions) -> Plan:
         out = gpu_fit.fit(ctx, pins, lambda levers, gpu_budget: _solve(replace(ctx, gpu_budget_bytes=gpu_budget),
                                                                         pins, levers))
     else:
-        out = _solve(ctx, pins, frozenset({"recompute"}) if options.recompute else frozenset())
+        out = _solve(ctx, pins, fit.recompute_levers(ctx) if options.recompute else frozenset())
     _check_dram(ctx, out)
     if ctx.budget_source is None:
         return out

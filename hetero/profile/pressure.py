@@ -14,8 +14,10 @@ stays under it; decided in that second forward, each block keeps its decision fo
 that every measured step recomputes the same blocks. Blocks that run as written keep their activations and are
 measured as usual; the
 others (`engaged`) save nothing the layer profiler sees, so `fill` gives each of their layers what the same layer of
-a measured block of the same class saved: the profile measures the script in parts. `unkept_bytes` is what the
-engaged blocks would have held, which plain training's estimated peak adds back. Nothing happens below the mark.
+a measured block of the same class saved: the profile measures the script in parts. What recomputing the engaged
+blocks took off the peak, counted as the planner counts a plan's recomputation, is what plain training's estimated
+peak adds back: a plan that recomputes the same blocks is then predicted at the peak measured. Nothing happens below
+the mark.
 Each forward that decides, the first and the second, reports how many blocks it recomputes to `progress`
 (hetero.profile.phases.RECOMPUTED): where a memory limit kills the profile, hetero.launch.guard tells the floor from
 a misjudged block.
@@ -32,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetero.harness import hooks
 from hetero.harness.layers import repeated_blocks
+from hetero.plan import backward
 from hetero.plan.fit import HEADROOM
 from hetero.profile import phases
 from hetero.run import process_memory
@@ -120,21 +123,20 @@ class UnderPressure:
             beyond = max(0, process_memory.dram_peak_bytes() - self.started_at)
             self.mark = int(self.budget_bytes * (1 - HEADROOM)) - beyond
 
-    def fill(self, layers: list[Layer]) -> tuple[list[Layer], int]:
+    def fill(self, layers: list[Layer], output_bytes: int) -> tuple[list[Layer], int]:
         """`layers` with every engaged block's layers given what the same layer of a measured block of its class
         saved (where no block of its class ran as written, what `saved_by_layer` counts of its class's last
-        recomputed block), and the bytes the engaged blocks did not keep (their layers' saved bytes less their
-        inputs)."""
+        recomputed block), and what recomputing the engaged blocks took off the peak, by the planner's own rule
+        (hetero.plan.backward): what plain training's estimated peak adds back to the one measured."""
         measured = [b for b in self.classes if b not in self.engaged]
         by_name = {layer.name: layer for layer in layers}
         counted = {cls: self.saved_by_layer(*call) for cls, call in self.calls.items()
                    if not any(self.classes[b] is cls for b in measured)}
-        out, unkept = list(layers), 0
+        out = list(layers)
         for block in self.engaged:
             twin = next((b for b in measured if self.classes[b] is self.classes[block]), None)
             if twin is None and self.classes[block] not in counted:
                 continue
-            saved = 0
             for k, layer in enumerate(out):
                 if not layer.name.startswith(block + "."):
                     continue
@@ -145,9 +147,7 @@ class UnderPressure:
                 elif (source := by_name.get(twin + rest)) is not None:
                     out[k] = replace(layer, saved_bytes=source.saved_bytes,
                                      saved_storages_bytes=list(source.saved_storages_bytes))
-                saved += out[k].saved_bytes
-            unkept += max(0, saved - self.inputs.get(block, 0))
-        return out, unkept
+        return out, backward.drop_bytes(out, {b: self.inputs.get(b, 0) for b in self.engaged}, output_bytes)
 
     def saved_by_layer(self, name: str, args: tuple, kwargs: dict) -> dict[str, list[int]]:
         """What the block `name`'s forward saves for backward, by layer (the part of the layer's name after the
@@ -180,11 +180,12 @@ class UnderPressure:
                 handle.remove()
         return {rel: sorted(sizes, reverse=True) for rel, sizes in storages.items()}
 
-    def described(self, unkept: int) -> str:
+    def described(self, added: int) -> str:
         measured = [b for b in self.classes if b not in self.engaged]
         return (f"{len(self.engaged)} of {len(self.classes)} blocks recomputed while the process held more than "
                 f"{SIZE.format_short(max(0, self.mark))}, their layers measured in {', '.join(measured[:2]) or 'none'}"
-                f"{'...' * (len(measured) > 2)} (plain training would have held {SIZE.format_short(unkept)} more)")
+                f"{'...' * (len(measured) > 2)} (plain training would have held {SIZE.format_short(added)} more at its "
+                "peak)")
 
     def least(self) -> None:
         """Recompute every block from now on (the profile's own forward after the script, checking the blocks)."""

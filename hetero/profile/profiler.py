@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.harness import capture, watch
+from hetero.harness import capture, hooks, watch
 from hetero.harness.capture import Capture, fingerprint
 from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
-from hetero.harness.layers import select_layers, sharded
+from hetero.harness.layers import select_layers, sharded, tensors, unique_storages
 from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import StopScript, run_script
 from hetero.profile import dha, machine, peers, phases, recompute, returned, same_machine, tier_steps
@@ -182,11 +182,11 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     if session.pressure is not None and session.pressure.engaged:  # measured in parts: the rest from twins
-        layers, unkept = session.pressure.fill(layers)
+        layers, added = session.pressure.fill(layers, session.output_bytes)
         memory = session.memory
-        memory.dram_peak_bytes += unkept
+        memory.dram_peak_bytes += added
         memory.dram_peak_returned_bytes = memory.dram_peak_bytes
-        memory.profiled_under = f"{memory.profiled_under}; {session.pressure.described(unkept)}"
+        memory.profiled_under = f"{memory.profiled_under}; {session.pressure.described(added)}"
     layers = [replace(x, model=part_of(session.model, x.name)) for x in layers]
     if session.pressure is not None:
         session.pressure.least()  # the check's forward under the budget too
@@ -269,6 +269,7 @@ class _Session:
         self.spans: list[tuple] = []  # this step's optimizer steps so far
         self.handles: list = []
         self.warm_ends: list = []  # clock tokens at the end of each warm-up step (no profiler hooks then)
+        self.output_bytes = 0  # the most the model's training forward returned with gradients
         self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
         self._start = self._previous_end = None
 
@@ -298,6 +299,7 @@ class _Session:
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" and len(roots(model)) == 1 else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.compiled = capture.compiled(model, self.capture.roots)
+        self.handles.append(hooks.forward(model, self._returned))
         self.recompute = None if self.compiled else recompute.watch(model)
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
                                       compiled=self.compiled)
@@ -315,6 +317,12 @@ class _Session:
         if not optimizers:  # steps are backward calls; this one was the first
             self.handles.append(watch.backward_calls(self._step_ended))
             self._step_ended()
+
+    def _returned(self, module: nn.Module, args, output) -> None:
+        if torch.is_grad_enabled():
+            returned_bytes = sum(t.untyped_storage().nbytes() for t in unique_storages(tensors(output))
+                                 if t.requires_grad)
+            self.output_bytes = max(self.output_bytes, returned_bytes)
 
     def _step_start(self, optimizer, args, kwargs) -> None:
         self._start = self.profiler.clock.mark()
@@ -405,7 +413,7 @@ class _Session:
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
             optimizer_step_s=measured(step_s), overhead=round(self.profiler.hook_s / (iteration * steps), 4),
             steps_from=self.steps_from, updates_wait=self._updates_wait(), optimizers=self._optimizers(),
-            plain_iteration_s=self._plain_iteration_s())
+            plain_iteration_s=self._plain_iteration_s(), output_bytes=self.output_bytes)
 
     def _updates_wait(self) -> str | None:
         if len(self.optimizers) > 1:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hetero.harness import hooks
-from hetero.harness.layers import repeated_blocks, tensors
+from hetero.harness.layers import repeated_blocks, tensors, unique_storages
 from hetero.profile.dha import RootInputs
 from hetero.schema.profile import Block
 
@@ -98,7 +98,7 @@ def _before(seen: _Seen):
         if seen.done:
             return
         seen.args, seen.kwargs, seen.training = args, kwargs, module.training
-        seen.input_bytes = sum(t.untyped_storage().nbytes() for t in _unique(tensors(list(args) +
+        seen.input_bytes = sum(t.untyped_storage().nbytes() for t in unique_storages(tensors(list(args) +
                                                                                    list(kwargs.values()))))
         seen.rng = _rng_state(tensors(list(args)))
         seen.buffers = _digest(list(module.buffers()))
@@ -123,16 +123,6 @@ def _after(seen: _Seen):
             _set_rng_state(after)
         seen.args, seen.kwargs = (), {}
     return hook
-
-
-def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, ids = [], set()
-    for t in ts:
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key not in ids:
-            ids.add(key)
-            out.append(t)
-    return out
 
 
 def _digest(ts: list[torch.Tensor]) -> str:

@@ -113,6 +113,10 @@ class Training:
     optimizers: list[ScriptOptimizer] = doc("Every optimizer of the model(s) the script steps, the first to step "
                                             "first. Empty: none, or a profile made before hetero listed them.",
                                             default_factory=list)
+    output_bytes: int = doc("Bytes of the tensors the model's training forward returns with gradients (an LM's "
+                            "logits): the loss's backward holds about three times that at backward's start "
+                            "(hetero.plan.backward); 0: not measured, or a script of several models.", unit=SIZE,
+                            ge=0, default=0, added=True)
 
 
 @dataclass(kw_only=True, slots=True)

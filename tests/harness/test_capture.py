@@ -23,6 +23,7 @@ def test_teacher_and_student_picks_the_one_being_trained(tmp_path):
     run = measure_script(path, [], ONE_STEP)
     assert run.layers[0].params_bytes == (16 * 32 + 32) * 4  # the student's width, not the teacher's
     assert run.training.optimizer == "adam"
+    assert run.training.output_bytes == 4 * 4 * 4  # what the student returns, the loss's backward starts from
 
 
 TWO_MODELS = """

@@ -1,0 +1,77 @@
+"""Saved activations and gradients through one training step, at their highest: the one rule the GPU prediction
+(hetero.plan.plain), recomputation and updates in backward (the DRAM account, hetero.plan.footprint) and the
+profile's estimate of plain training under a budget (hetero.profile.pressure) all count a plan's memory by.
+
+Backward runs the layers from the last. When it starts, every saved tensor of forward is held, and no gradient
+exists (a script zeroes them to None); the loss's own backward comes first, outside the model's layers: for a
+cross-entropy over the model's output it holds three tensors of the output's size (the log-probabilities it saved,
+their gradient and the output's), which the profile cannot see layer by layer (`output_bytes`, measured:
+`Training.output_bytes`). On a CPU with freed memory returned, an LM's peak was there: a GPT of 6 blocks whose plan
+kept 2 of them was killed 6% over a prediction that put the peak at a block's rebuild, and one that kept none
+peaked within 1% of this count (docs/benchmarks.md, round five).
+
+A layer's gradients appear during its backward, while its saved tensors are still held, which go once its backward
+ends. A recomputed block holds only its inputs from forward on; when backward reaches its last layer, its forward
+runs again and all its layers' saved tensors are back at once (its inputs among them, held already), on top of
+what is still held. Gradients leave as soon as they are made where they go to another tier (`gone_grads`) or
+where each parameter is updated in backward (`in_backward`: a gradient, and the two parameter-sized temporaries of
+torch's Adam update, for one parameter at a time, here counted for the largest). Otherwise they all coexist when the
+optimizer steps, with those two temporaries (`step`). Differences of `peak_bytes` are what a plan changes at the
+process's peak: a gradient moved or freed saves only where it coexists with what makes the peak. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hetero.schema.profile import Layer
+
+ADAM_TEMPORARIES = 2  # parameter-sized tensors torch's Adam(W) makes while it updates a parameter
+LOSS_OUTPUTS = 3  # output-sized tensors a cross-entropy's backward holds: its saved log-probabilities, two gradients
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What one configuration keeps through the step."""
+
+    recomputed: Mapping[str, int] = field(default_factory=dict)  # block name -> the input bytes it keeps
+    gone_grads: frozenset[str] = frozenset()  # layers whose gradients leave for another tier as they are made
+    in_backward: bool = False  # each parameter updated, and its gradient freed, as soon as it is final
+    step: bool = False  # count the optimizer's step, all gradients held
+
+
+def in_block(layer: str, block: str) -> bool:
+    return layer == block or layer.startswith(block + ".")
+
+
+def peak_bytes(layers: Sequence[Layer], held: Held = Held(), output_bytes: int = 0) -> int:
+    """Saved activations and gradients at their highest through backward (and the step, with `held.step`), the
+    loss's backward on a model output of `output_bytes` included."""
+    block_of = {x.name: next((b for b in held.recomputed if in_block(x.name, b)), None) for x in layers}
+    rebuilt = {b: sum(x.saved_bytes for x in layers if block_of[x.name] == b) for b in held.recomputed}
+    largest = max((b for x in layers for b in x.params.values()), default=0)
+    present = set(block_of.values())
+    saved = sum(x.saved_bytes for x in layers if block_of[x.name] is None) + \
+        sum(kept for b, kept in held.recomputed.items() if b in present)
+    peak, grads, seen = saved + LOSS_OUTPUTS * output_bytes, 0, set()
+    for x in reversed(layers):
+        block = block_of[x.name]
+        if block is not None and block not in seen:  # its last layer: the block's forward runs again
+            seen.add(block)
+            saved += rebuilt[block] - held.recomputed[block]
+        if x.name not in held.gone_grads:
+            grads += x.params_bytes
+        made = min(grads, (1 + ADAM_TEMPORARIES) * largest) if held.in_backward else grads
+        peak = max(peak, saved + made)
+        saved -= x.saved_bytes
+    if held.step and not held.in_backward:
+        peak = max(peak, grads + ADAM_TEMPORARIES * largest)
+    return peak
+
+
+def drop_bytes(layers: Sequence[Layer], recomputed: Mapping[str, int], output_bytes: int = 0) -> int:
+    """What recomputing `recomputed` (block -> input bytes kept) takes off the peak of a step that holds every
+    gradient until the optimizer steps."""
+    return peak_bytes(layers, Held(step=True), output_bytes) - \
+        peak_bytes(layers, Held(recomputed=recomputed, step=True), output_bytes)
