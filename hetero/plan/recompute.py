@@ -88,9 +88,11 @@ def cost_s(profile: Profile, recomputed: RecomputePlan | None) -> float:
     return sum(u.forward_s for u in chosen(profile, recomputed)) * profile.training.grad_accumulation
 
 
-def peak_drop(profile: Profile, recomputed: RecomputePlan | None) -> int:
-    """What recomputation takes off the process's predicted peak (see the module's docstring)."""
-    return backward.drop_bytes(profile.layers, kept_inputs(profile, recomputed), profile.training.output_bytes)
+def peak_drop(profile: Profile, recomputed: RecomputePlan | None,
+              base: backward.Held = backward.Held(step=True)) -> int:
+    """What recomputation takes off the process's predicted peak, its gradients placed as `base` places them (see
+    the module's docstring)."""
+    return backward.drop_bytes(profile.layers, kept_inputs(profile, recomputed), profile.training.output_bytes, base)
 
 
 def kept_inputs(profile: Profile, recomputed: RecomputePlan | None) -> dict[str, int]:

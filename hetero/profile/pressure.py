@@ -123,11 +123,12 @@ class UnderPressure:
             beyond = max(0, process_memory.dram_peak_bytes() - self.started_at)
             self.mark = int(self.budget_bytes * (1 - HEADROOM)) - beyond
 
-    def fill(self, layers: list[Layer], output_bytes: int) -> tuple[list[Layer], int]:
+    def fill(self, layers: list[Layer], output_bytes: int, grads_gone: bool) -> tuple[list[Layer], int]:
         """`layers` with every engaged block's layers given what the same layer of a measured block of its class
         saved (where no block of its class ran as written, what `saved_by_layer` counts of its class's last
         recomputed block), and what recomputing the engaged blocks took off the peak, by the planner's own rule
-        (hetero.plan.backward): what plain training's estimated peak adds back to the one measured."""
+        (hetero.plan.backward), with the gradients where the profile kept them (`grads_gone`: on NVMe as made,
+        Conservative): what plain training's estimated peak adds back to the one measured."""
         measured = [b for b in self.classes if b not in self.engaged]
         by_name = {layer.name: layer for layer in layers}
         counted = {cls: self.saved_by_layer(*call) for cls, call in self.calls.items()
@@ -147,7 +148,10 @@ class UnderPressure:
                 elif (source := by_name.get(twin + rest)) is not None:
                     out[k] = replace(layer, saved_bytes=source.saved_bytes,
                                      saved_storages_bytes=list(source.saved_storages_bytes))
-        return out, backward.drop_bytes(out, {b: self.inputs.get(b, 0) for b in self.engaged}, output_bytes)
+        gradients = backward.Held(gone_grads=frozenset(x.name for x in out), step=True) if grads_gone else \
+            backward.Held(step=True)
+        return out, backward.drop_bytes(out, {b: self.inputs.get(b, 0) for b in self.engaged}, output_bytes,
+                                        gradients)
 
     def saved_by_layer(self, name: str, args: tuple, kwargs: dict) -> dict[str, list[int]]:
         """What the block `name`'s forward saves for backward, by layer (the part of the layer's name after the

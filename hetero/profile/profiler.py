@@ -182,7 +182,8 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
         if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
     if session.pressure is not None and session.pressure.engaged:  # measured in parts: the rest from twins
-        layers, added = session.pressure.fill(layers, session.output_bytes)
+        moved = session.conservative is not None and session.conservative.moved_params > 0
+        layers, added = session.pressure.fill(layers, session.output_bytes, grads_gone=moved)
         memory = session.memory
         memory.dram_peak_bytes += added
         memory.dram_peak_returned_bytes = memory.dram_peak_bytes

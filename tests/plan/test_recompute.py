@@ -2,12 +2,16 @@
 blocks that keep the budget, its time in the predicted iteration and its saving in the plan's account; blocks the
 profile found it cannot recompute are left out, with why."""
 
+from dataclasses import replace
+
 import pytest
 
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import backward, fit, footprint, recompute
+from hetero.plan.sections.recompute import gradients_of
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
+from hetero.schema.plan import UpdateInBackward
 from hetero.schema.profile import Block, Memory, Profile
 
 MiB = 2**20
@@ -48,7 +52,8 @@ def test_the_fit_recomputes_the_fewest_blocks_that_keep_the_budget_and_counts_th
     # backward rebuilds one block at a time, on top of the gradients made by then: less than every block's saving
     # but the largest is taken off the peak
     drop = p.predicted.dram_saved[footprint.RECOMPUTED]
-    assert drop == backward.drop_bytes(cpu.layers, {u.name: u.kept_bytes for u in chosen})
+    assert drop == backward.drop_bytes(cpu.layers, {u.name: u.kept_bytes for u in chosen},
+                                       base=gradients_of(cpu, p))
     assert 0.8 < drop / (sum(u.saving_bytes for u in chosen) - max(u.saving_bytes for u in chosen)) < 1
     assert p.predicted.peak_bytes["dram"] <= 650 * MiB
     fewer = plan(cpu, budget(640 * MiB))
@@ -80,6 +85,9 @@ def test_recomputing_saves_nothing_below_what_the_optimizer_step_holds(cpu):
     plain = backward.peak_bytes(cpu.layers, backward.Held(step=True))
     assert plain > params + 2 * largest
     assert recompute.peak_drop(cpu, recompute.section(cpu)) == plain - (params + 2 * largest)
+    # with the gradients gone to NVMe as they are made, the step no longer hides the activations
+    gone = backward.Held(gone_grads=frozenset(x.name for x in cpu.layers), step=True)
+    assert recompute.peak_drop(cpu, recompute.section(cpu), gone) > plain - (params + 2 * largest)
     assert recompute.fewest(lambda k: k >= 3, 4) == 3 and recompute.fewest(lambda k: True, 4) == 1
 
 
@@ -103,3 +111,14 @@ def test_where_blocks_can_be_recomputed_tiering_is_left_out_and_says_why(cpu):
     p = plan(cpu, budget(RETURNED - 60 * MiB))
     assert p.activations is None and p.recompute is not None
     assert f"not evicting saved activations: {fit.TIERING_LEFT_OUT}" in p.budget.why
+
+
+def test_recomputing_is_counted_with_the_plans_own_gradients(cpu):
+    p = plan(cpu, budget(650 * MiB))
+    assert gradients_of(cpu, p) == backward.Held(step=True)  # the script's optimizer's gradients, all held
+    in_backward = replace(p, update_in_backward=UpdateInBackward(kind="adamw"))
+    assert gradients_of(cpu, in_backward) == backward.Held(in_backward=True)
+    nvme = replace(p.optimizer, nvme=replace(p.optimizer.nvme, grads=True),
+                   states=[replace(s, tier="nvme") for s in p.optimizer.states])
+    gone = gradients_of(cpu, replace(p, optimizer=nvme))
+    assert gone.gone_grads == {x.name for x in cpu.layers if x.params} and gone.step

@@ -63,7 +63,7 @@ def test_blocks_run_as_written_while_they_keep_the_budget_and_the_rest_are_fille
     assert "forward" not in model.blocks[0].__dict__  # closed: the class's forward again
     watch.inputs["blocks.3"] = 1000
     layers = [layer("blocks.0.fc", 5000), layer("blocks.3.fc", 0), layer("head", 700)]
-    filled, added = watch.fill(layers, output_bytes=0)
+    filled, added = watch.fill(layers, output_bytes=0, grads_gone=False)
     # plain's peak: every saved tensor and the head's gradients (10700 + 288); recomputing blocks.3 tops out at its
     # rebuild, blocks.0's 5000 still held (5000 + 1000 kept + 4000 rebuilt + 576 of gradients)
     assert [x.saved_bytes for x in filled] == [5000, 5000, 700] and added == 10988 - 10576
@@ -83,7 +83,8 @@ def test_where_no_block_of_its_class_ran_as_written_its_saved_tensors_are_counte
         state = torch.get_rng_state()
         layers = [layer(f"blocks.{k}.fc", 0) for k in range(4)] + [layer("head", 700)]
         watch.inputs = dict.fromkeys(watch.engaged, 100)
-        filled, added = watch.fill(layers, output_bytes=0)
+        filled, added = watch.fill(layers, output_bytes=0, grads_gone=False)
+        _, added_gone = watch.fill(layers, output_bytes=0, grads_gone=True)
         assert torch.equal(torch.get_rng_state(), state)
     finally:
         watch.close()
@@ -91,3 +92,6 @@ def test_where_no_block_of_its_class_ran_as_written_its_saved_tensors_are_counte
     assert [x.saved_storages_bytes for x in filled[:4]] == [[128, 128]] * 4
     # every block recomputed: the optimizer's step (5 layers' gradients, Adam's temporaries) is the peak
     assert [x.saved_bytes for x in filled] == [256] * 4 + [700] and added == (1024 + 700 + 288) - (5 * 288 + 2 * 256)
+    # with the gradients on NVMe as they are made (the profile's own optimizer there), backward's start is the peak
+    # either way: the four blocks' savings beyond their inputs
+    assert added_gone == (1024 + 700) - (4 * 100 + 700)

@@ -2,8 +2,8 @@
 each contributes). Adding a section on the plan side: its module, and its entry here.
 
 The order: `draft` sections are solved in it, each from the ones before (update_in_backward only where the
-optimizer section left the script's optimizer, and after recompute, whose blocks change what it saves), then the
-`whole` ones; sections left out say why in this order; the iteration adds their costs in it.
+optimizer section left the script's optimizer), then the `whole` ones; sections left out say why in this order;
+the iteration adds their costs in it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hetero.plan.section import Section
 from hetero.plan.sections import activations, allocator, layers, optimizer, recompute, routing, update_in_backward
 from hetero.schema.plan import Plan
 
-TABLE: tuple[Section, ...] = (optimizer.SECTION, allocator.SECTION, recompute.SECTION, update_in_backward.SECTION,
+TABLE: tuple[Section, ...] = (optimizer.SECTION, allocator.SECTION, update_in_backward.SECTION, recompute.SECTION,
                               activations.SECTION, routing.SECTION, layers.SECTION)
 
 

@@ -3,7 +3,6 @@ gradient final, and frees it (a lever of the DRAM-budget fit, hetero.plan.fit). 
 
 from __future__ import annotations
 
-from hetero.plan import recompute
 from hetero.plan.backward import Held, peak_bytes
 from hetero.plan.context import Context
 from hetero.plan.section import HostPeak, Section, Step
@@ -17,25 +16,24 @@ GRADS_FREED = "gradients freed in backward"  # its host-memory account entry (he
 def solve(step: Step) -> UpdateInBackward | None:
     """Only for the script's own optimizer: hetero's places its updates itself."""
     wanted = "in_backward" in step.levers and step.draft.optimizer is None
-    return _in_backward(step.ctx, step.draft) if wanted else None
+    return _in_backward(step.ctx) if wanted else None
 
 
-def grads_freed_in_backward(profile: Profile, plan: Plan | None = None) -> int:
-    """What updating in backward takes off the peak, with the blocks `plan` recomputes: the gradients that would
-    coexist with the saved activations at their highest, or with each other in the optimizer's step, less the
-    largest parameter's gradient and update temporaries, which now fall inside backward (hetero.plan.backward)."""
-    kept = recompute.kept_inputs(profile, plan.recompute if plan is not None else None)
+def grads_freed_in_backward(profile: Profile) -> int:
+    """What updating in backward takes off the peak: the gradients that would coexist with the saved activations at
+    their highest, or with each other in the optimizer's step, less the largest parameter's gradient and update
+    temporaries, which now fall inside backward (hetero.plan.backward; with blocks recomputed, the recompute
+    section's entry counts what they save with the gradients freed)."""
     out = profile.training.output_bytes
-    return peak_bytes(profile.layers, Held(recomputed=kept, step=True), out) - \
-        peak_bytes(profile.layers, Held(recomputed=kept, in_backward=True), out)
+    return peak_bytes(profile.layers, Held(step=True), out) - peak_bytes(profile.layers, Held(in_backward=True), out)
 
 
 def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
-    return {GRADS_FREED: -grads_freed_in_backward(profile, plan) if plan.update_in_backward is not None else 0}
+    return {GRADS_FREED: -grads_freed_in_backward(profile) if plan.update_in_backward is not None else 0}
 
 
-def _in_backward(ctx: Context, draft: Plan) -> UpdateInBackward:
-    freed = grads_freed_in_backward(ctx.profile, draft)
+def _in_backward(ctx: Context) -> UpdateInBackward:
+    freed = grads_freed_in_backward(ctx.profile)
     return UpdateInBackward(kind=ctx.profile.training.optimizer, why=(
         f"the script's {ctx.profile.training.optimizer} updates each parameter as soon as backward makes its gradient "
         f"final and frees it: the process holds {SIZE.format_short(freed)} less at its peak, for no time (the same "
