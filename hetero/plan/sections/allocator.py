@@ -20,7 +20,13 @@ SWITCH_SHARE = 16
 
 
 def solve(step: Step) -> AllocatorPlan | None:
-    return _allocator(step.ctx) if "allocator" in step.levers else None
+    if "allocator" not in step.levers:
+        return None
+    plan = _allocator(step.ctx)
+    if "recompute" not in step.levers:
+        return plan
+    return replace(plan, why=f"{plan.why}; recomputed blocks need it (hetero.plan.fit.NEEDS): with malloc's "
+                             "defaults the heap keeps much of what their rebuilds free, and the peak falls by far less")
 
 
 def cost_s(profile: Profile, plan: Plan) -> float:
