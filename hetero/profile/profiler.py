@@ -300,7 +300,8 @@ class _Session:
         self.replay = dha.RootInputs(model) if self.device.type == "cuda" and len(roots(model)) == 1 else None
         clock = CudaClock() if self.device.type == "cuda" else CpuClock()
         self.compiled = capture.compiled(model, self.capture.roots)
-        self.handles.append(hooks.forward(model, self._returned))
+        if not self.compiled:  # a compiled model would trace the hook into its graph (layer_timing.COMPILED)
+            self.handles.append(hooks.forward(model, self._returned))
         self.recompute = None if self.compiled else recompute.watch(model)
         self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
                                       compiled=self.compiled)

@@ -115,8 +115,8 @@ class Training:
                                             default_factory=list)
     output_bytes: int = doc("Bytes of the tensors the model's training forward returns with gradients (an LM's "
                             "logits): the loss's backward holds about three times that at backward's start "
-                            "(hetero.plan.backward); 0: not measured, or a script of several models.", unit=SIZE,
-                            ge=0, default=0, added=True)
+                            "(hetero.plan.backward); 0: not measured (a compiled model, or a script of several "
+                            "models).", unit=SIZE, ge=0, default=0, added=True)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -63,6 +63,7 @@ def test_a_compiled_model_trains_with_the_offloaded_optimizer_and_its_plan_says_
     prof = files.load(profile, expect=Profile)
     assert len(prof.layers) == 2 and prof.training.grad_accumulation == 1  # not "0 layers"
     assert "torch.compile" in prof.unmeasured["layers"]
+    assert prof.training.output_bytes == 0  # no hook on a compiled model: it would be traced into its graph
     assert "torch.compile" in capfd.readouterr().err
     planned = harness.plan(profile, "--optimizer-device", "host")
     assert planned.activations is None and "torch.compile" in planned.omitted["activations"]
