@@ -42,6 +42,7 @@ class Held:
 
 
 def in_block(layer: str, block: str) -> bool:
+    """Whether the layer named `layer` is the block `block` or inside it (`h.1.attn` is in `h.1`, `h.10` is not)."""
     return layer == block or layer.startswith(block + ".")
 
 

@@ -56,8 +56,7 @@ def units(profile: Profile) -> tuple[list[Unit], dict[str, str]]:
 
 
 def _unit(profile: Profile, block: Block) -> Unit | None:
-    inside = [i for i, layer in enumerate(profile.layers)
-              if layer.name == block.name or layer.name.startswith(block.name + ".")]
+    inside = [i for i, layer in enumerate(profile.layers) if backward.in_block(layer.name, block.name)]
     if not inside:
         return None
     layers = profile.layers
@@ -69,8 +68,7 @@ def _unit(profile: Profile, block: Block) -> Unit | None:
 
 def layers_of(profile: Profile, blocks: list[str]) -> set[str]:
     """The profile's layers inside the recomputed `blocks` (their saved tensors are rebuilt, never kept)."""
-    return {layer.name for layer in profile.layers
-            if any(layer.name == b or layer.name.startswith(b + ".") for b in blocks)}
+    return {layer.name for layer in profile.layers if any(backward.in_block(layer.name, b) for b in blocks)}
 
 
 def chosen(profile: Profile, recomputed: RecomputePlan | None) -> list[Unit]:
