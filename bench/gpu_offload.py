@@ -63,6 +63,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-layers", type=int, default=512, help="stop the capacity search here")
     p.add_argument("--timeout", type=int, default=1800, help="seconds one measurement may take")
     p.add_argument("--only", choices=("compare", "capacity"), default=None)
+    p.add_argument("--keep", type=Path, default=None, help="write hetero's profile and plan of the comparison here")
     p.add_argument("--n-layer", type=int, default=None, help="skip phase 1: compare at this many blocks")
     p.add_argument("--worker", choices=METHODS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
@@ -190,12 +191,19 @@ def planned(a, n_layer: int):
 
     options = PlanOptions(optimizer_device="host", gpu_memory_bytes=a.budget, reserve=a.reserve)
     try:
-        return plan(profile, options)
+        chosen = plan(profile, options)
     except HeteroError as e:  # below what hetero can plan: run at the least it can, and say so in the table
         least = SIZE.parse(re.search(r"--gpu-memory (\S+)", e.hint).group(1))
         print(json.dumps({"budget": least, "note": f"zero's peak is below hetero's least plan: {e.message}"}))
         options.gpu_memory_bytes = least
-        return plan(profile, options)
+        chosen = plan(profile, options)
+    if a.keep:
+        from hetero.schema import files
+
+        a.keep.mkdir(parents=True, exist_ok=True)
+        files.save(profile, a.keep / f"profile-{n_layer}.yaml")
+        files.save(chosen, a.keep / f"plan-{n_layer}.yaml")
+    return chosen
 
 
 def policy_plan(a, n_layer: int):
@@ -239,7 +247,7 @@ def measure(a: argparse.Namespace, method: str, n_layer: int, budget: int | None
             str(a.gpu_memory), "--n-embd", str(a.n_embd), "--n-head", str(a.n_head), "--vocab", str(a.vocab),
             "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
             "--reserve", str(a.reserve)] + (["--budget", str(budget)] if budget else []) + \
-        (["--policy"] if policy else [])
+        (["--policy"] if policy else []) + (["--keep", str(a.keep)] if a.keep else [])
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
@@ -253,6 +261,9 @@ def measure(a: argparse.Namespace, method: str, n_layer: int, budget: int | None
     result.update(next((x for x in lines if "note" in x), {}))
     print(f"  {method:7} {n_layer:4d} blocks: " + (f"{result['step_s'] * 1e3:8.1f} ms/step, peak "
           f"{SIZE.format_short(result['peak'])}" if result["ok"] else result["error"]), flush=True)
+    if "plan" in result:  # what hetero ran, and its own account of predicted against measured
+        print(f"          plan: {result['plan']}" + "".join(
+            f"\n          {x}" for x in (done.stderr or "").splitlines() if x.startswith("hetero:")), flush=True)
     return result
 
 

@@ -51,7 +51,7 @@ def floor_table(text: str) -> list[Row]:
 
 
 ROWS = floor_table(ARCHITECTURE.read_text())
-FLOOR = {package: row.floor for row in ROWS for package in row.packages}
+FLOOR = {name: row.floor for row in ROWS for name in row.packages}
 
 
 def modules() -> dict[str, Path]:
@@ -108,7 +108,9 @@ def test_every_package_has_a_floor():
 
 def disagreements(rows: list[Row], edges: dict[str, set[str]]) -> list[str]:
     """Where a row's Imports column is not what its packages import from outside the row."""
-    floor = {package: row.floor for row in rows for package in row.packages}
+    # not `package`: Python 3.12 inlines comprehensions (PEP 709), and a loop variable of that name made the
+    # function `package` an unbound local in the next comprehension (UnboundLocalError on the GPU image's 3.12.3)
+    floor = {name: row.floor for row in rows for name in row.packages}
     wrong = []
     for row in rows:
         actual = {package(b) for a, bs in edges.items() if package(a) in row.packages for b in bs} - row.packages
