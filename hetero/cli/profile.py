@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,10 +77,28 @@ def profile(
             with _progress(phases) as report:
                 result = profile_script(script, list(args or []), options, report)
             save(result, output, script)
-    if as_json:
+    # Under a memory limit, plain training's own peak is measured alone once the profile is written: this process
+    # becomes a bare interpreter that runs it (its torch alone holds 150 MiB), and says the outcome last.
+    alone = _alone(result, options, output, as_json, script, list(args or [])) if phases is not None else None
+    if as_json and alone is None:
         print(json.dumps(files.to_data(result), indent=2))
-    else:
+    elif not as_json:
         _summary(result, output)
+    if alone is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(alone[0], alone)
+
+
+def _alone(result, options, output: Path, as_json: bool, script: str, args: list[str]) -> list[str] | None:
+    """The command that measures plain training's own peak alone (hetero.profile.returned.alone_argv), or None."""
+    import torch
+
+    from hetero.profile import returned
+
+    budget = returned.budget_of(options.dram_budget_bytes)
+    return None if budget is None else returned.alone_argv(
+        result, budget[0], options.warmup_on(torch.device("cpu")), str(output), as_json, script, args)
 
 
 @contextlib.contextmanager

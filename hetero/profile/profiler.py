@@ -47,6 +47,7 @@ from hetero.schema.profile import (
     ScriptOptimizer,
     TrainedModel,
     Training,
+    header,
 )
 from hetero.units import SIZE, measured
 
@@ -124,7 +125,7 @@ def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
 
 
 def save(profile: Profile, output: Path, script: str) -> None:
-    files.save(profile, output, header=(f"hetero profile of {script}", "Edit with care: `hetero plan` reads it."))
+    files.save(profile, output, header=header(script))
 
 
 @dataclass(frozen=True, slots=True)

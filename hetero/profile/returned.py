@@ -17,12 +17,17 @@ Two ways, one per case:
 - Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
   profile must not die of it: `Budgeted` returns freed memory from before the script's first allocation, the
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
-  measured: the profile writes the measured one as an estimate (a lower bound) and says so.
+  measured: the profile writes the measured one as an estimate (a lower bound) and says so. Under a memory limit,
+  where that estimate leaves room under the budget, `hetero profile` then becomes a bare interpreter that runs the
+  script alone with malloc's defaults (`alone_argv`, hetero.profile.fresh), and takes its peak where it settled
+  below the room: plain training that fits by a few percent (train_gpt 3 x 768 under 768 MiB, 680-727 MiB) is
+  then planned as plain training, not with the page faults of memory returned from the start.
 
-`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward SCRIPT [ARGS]` is the fresh process
-(started with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a private work directory of the profile
-(`hetero-returned-*`, hetero.run.devices.workdir: swept by the next start if the profile is killed), and it ends
-when the profile ends, however the profile ends (Linux parent-death signal), SIGKILL and a memory limit included.
+`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward STOP_AT SCRIPT [ARGS]` is the fresh
+process (started by hetero.profile.fresh with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a
+private work directory of the profile (`hetero-returned-*`, hetero.run.devices.workdir: swept by the next start if
+the profile is killed), ends itself once it holds `STOP_AT` bytes (0: never), and ends when the profile ends, however
+the profile ends (Linux parent-death signal), SIGKILL and a memory limit included.
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hetero.plan.fit import HEADROOM
+from hetero.profile import fresh
 from hetero.run import allocator, process_memory
-from hetero.run.devices import workdir
 from hetero.schema.plan import AllocatorPlan
+from hetero.schema.profile import Profile
 from hetero.units import SIZE
 
 TIMED_STEPS = 2
@@ -56,13 +63,6 @@ class Returned:
     default_step_s: float  # the same script's step with malloc's defaults
     default_steps: int  # steps the default run took to settle (or the script's, where it ended first)
     default_peaks_bytes: tuple[int, ...]  # each default run's peak, in the order they ran
-
-
-@dataclass(frozen=True, slots=True)
-class _Run:
-    peak_bytes: int
-    step_s: float
-    steps: int
 
 
 def settled(peaks: list[int], least_steps: int) -> bool:
@@ -91,12 +91,13 @@ def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimi
     profile counted them (`steps_from`: optimizer steps, or backward calls); None when it could not run that many
     steps (or malloc is not glibc). `progress(done, total)` follows the processes."""
     total = 1 + DEFAULT_RUNS
-    returned = _run(script, args, warmup, "returned", steps_from)
-    defaults: list[_Run] = []
+    steps = warmup + TIMED_STEPS
+    returned = fresh.run(script, args, steps, "returned", steps_from)
+    defaults: list[fresh.Run] = []
     while returned is not None and len(defaults) < DEFAULT_RUNS:
         if progress is not None:
             progress(1 + len(defaults), total)
-        run = _run(script, args, warmup, "default", steps_from)
+        run = fresh.run(script, args, steps, "default", steps_from)
         if run is None:
             return None
         defaults.append(run)
@@ -110,36 +111,11 @@ def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimi
                     default_peaks_bytes=tuple(r.peak_bytes for r in defaults))
 
 
-def _run(script: str, args: list[str], warmup: int, malloc: str, steps_from: str) -> _Run | None:
-    work = workdir.create(None, "returned", "TMPDIR")
-    try:
-        out = os.path.join(work.path, "returned.json")
-        steps = warmup + TIMED_STEPS
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(os.getpid()), out, str(steps), malloc, steps_from,
-                               script, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, check=False)
-        if done.returncode != 0 or not os.path.exists(out):
-            return None
-        with open(out) as f:
-            data = json.load(f)
-    finally:
-        work.remove()
-    return _Run(peak_bytes=data["peak_bytes"], step_s=data["step_s"], steps=data["steps"])
-
-
-# The fresh process first asks to die with the profile (it gets SIGTERM, whose default action ends it, when the
-# profile ends, or at once if the profile, whose pid is its first argument, is gone already); then it loads what
-# `hetero run` has loaded when its script starts (the CLI, the runtime, the adapters Typer loads when it parses a
-# command's arguments), so that its peak counts them as a planned run's does (~20 MiB here), and runs this module.
-_CHILD = ("import sys, hetero.interrupts; hetero.interrupts.die_with_parent(int(sys.argv.pop(1))); "
-          "import runpy, importlib.util, hetero.cli.main, hetero.run.runtime; sys.argv[0] = 'returned'; "
-          "importlib.util.find_spec('typer._adapters') and __import__('typer._adapters'); "
-          "runpy.run_module('hetero.profile.returned', run_name='__main__', alter_sys=True)")
-
-
-def _child(out: str, steps: int, malloc: str, steps_from: str, script: str, args: list[str]) -> int:
+def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, script: str, args: list[str]) -> int:
     if malloc == "returned" and not returning():
         return 1
+    if stop_at:
+        threading.Thread(target=_stop_at, args=(stop_at,), name="hetero-stop-at", daemon=True).start()
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from hetero.harness import watch
@@ -174,12 +150,34 @@ def _child(out: str, steps: int, malloc: str, steps_from: str, script: str, args
     return 0
 
 
+def _stop_at(limit: int) -> None:
+    while process_memory.resident_bytes() < limit:
+        time.sleep(fresh.POLL_S)
+    os._exit(fresh.STOPPED)  # mid-step, where the peak is: no Python code of the script may run on (fresh.py)
+
+
 def budget_of(option_bytes: int | None) -> tuple[int, str] | None:
     """The budget the profile keeps: `--dram-budget`, else the memory cgroup's limit; None: none."""
     if option_bytes is not None:
         return option_bytes, f"--dram-budget {SIZE.format_short(option_bytes)}"
     limit = process_memory.memory_limit_bytes()
     return (limit, f"the {SIZE.format_short(limit)} memory cgroup") if limit is not None else None
+
+
+def alone_argv(profile: Profile, budget_bytes: int, warmup: int, output: str, as_json: bool, script: str,
+               args: list[str]) -> list[str] | None:
+    """Under a memory limit, once the profile (`profile`, written to `output`) is done: the command its process
+    becomes (hetero.profile.fresh `main`, exec'd, so that nothing of this process stays beside it) to measure plain
+    training's own peak alone, as `measure` does without a budget; None where there is nothing to measure: a GPU, a
+    peak measured already, no memory limit, or an estimate (a lower bound) at the budget's room already."""
+    memory, limit = profile.memory, process_memory.memory_limit_bytes()
+    if memory is None or not memory.dram_peak_estimated or profile.machine.gpu is not None or limit is None:
+        return None
+    room = int(budget_bytes * (1 - HEADROOM))
+    if memory.dram_peak_bytes >= room:
+        return None
+    return [sys.executable, "-m", "hetero.profile.fresh", output, str(room), str(limit), str(warmup + TIMED_STEPS),
+            profile.training.steps_from, "json" if as_json else "text", script, *args]
 
 
 class Budgeted:
@@ -202,4 +200,5 @@ class Budgeted:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]))
+    sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6],
+                    sys.argv[7:]))

@@ -1,0 +1,85 @@
+"""Plain training's own peak measured alone after a profile under a memory limit (hetero.profile.fresh): the fresh
+process ends itself at `stop_at`, the profile takes the peak where it settled below, keeps its estimate where it
+did not, and the launcher stays small (no torch)."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+from hetero.profile import fresh, returned
+from hetero.schema import files
+from hetero.schema.profile import Profile
+from tests.conftest import REPO
+from tests.profile import scripts
+
+MiB = 2**20
+PROFILE = REPO / "plans/gpt-tiny-cpu.profile.yaml"
+
+
+def estimated(tmp_path, peak: int = 100 * MiB) -> str:
+    """The bundled profile as a profile under a budget writes it: plain's peak estimated."""
+    profile = files.load(PROFILE, expect=Profile)
+    profile.memory = replace(profile.memory, dram_peak_bytes=peak, dram_peak_estimated=True, dram_peak_runs_bytes=[],
+                             profiled_under="freed memory returned from the start, under the 1GiB memory cgroup")
+    path = tmp_path / "profile.yaml"
+    files.save(profile, path)
+    return str(path)
+
+
+def test_the_launcher_imports_no_torch():
+    code = "import sys, hetero.profile.fresh; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.stdout.strip() == "False"
+
+
+def test_a_fresh_process_that_reaches_stop_at_ends_itself_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    script = scripts.write(tmp_path, scripts.LOOP)
+    found = fresh.run(script, ["--steps", "6"], 3, "default", "optimizer")
+    assert found is not None and found.peak_bytes > 50 * MiB and 3 <= found.steps <= 6
+    assert fresh.run(script, ["--steps", "6"], 3, "default", "optimizer", stop_at=found.peak_bytes // 4) is None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hetero-")] == []
+
+
+def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_path, capsys):
+    script = scripts.write(tmp_path, scripts.LOOP)
+    path = estimated(tmp_path)
+    argv = [path, str(2 << 30), str(3 << 30), "3", "optimizer", "text", script, "--steps", "6"]
+    assert fresh.main(argv) == 0
+    memory = files.load(path, expect=Profile).memory
+    assert not memory.dram_peak_estimated and memory.dram_peak_runs_bytes == [memory.dram_peak_bytes]
+    assert 50 * MiB < memory.dram_peak_bytes < 2 << 30 and memory.default_step_s > 0
+    assert "measured alone" in memory.profiled_under and "measured alone" in capsys.readouterr().out
+
+    path = estimated(tmp_path)
+    assert fresh.main([path, str(40 * MiB), str(3 << 30), *argv[3:]]) == 0  # torch alone holds more than 40 MiB
+    memory = files.load(path, expect=Profile).memory
+    assert memory.dram_peak_estimated and memory.dram_peak_bytes == 100 * MiB and "stays estimated" in \
+        memory.profiled_under
+    assert capsys.readouterr().out.startswith("plain peak: with malloc's defaults plain training passed 40MiB")
+
+
+def test_json_prints_the_updated_profile(tmp_path, capsys):
+    script = scripts.write(tmp_path, scripts.LOOP)
+    path = estimated(tmp_path)
+    assert fresh.main([path, str(2 << 30), str(3 << 30), "3", "optimizer", "json", script, "--steps", "6"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["memory"]["dram_peak_estimated"] is False
+
+
+def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(tmp_path, monkeypatch):
+    profile = files.load(estimated(tmp_path, peak=500 * MiB), expect=Profile)
+    argv = lambda p: returned.alone_argv(p, 1 << 30, 2, "out.yaml", False, "train.py", ["--x"])  # noqa: E731
+    monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: None)
+    assert argv(profile) is None  # --dram-budget alone: no limit to keep the fresh process under
+    monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: 1 << 30)
+    room = int((1 << 30) * (1 - returned.HEADROOM))
+    assert argv(profile) == [sys.executable, "-m", "hetero.profile.fresh", "out.yaml", str(room), str(1 << 30),
+                             str(2 + returned.TIMED_STEPS), "optimizer", "text", "train.py", "--x"]
+    profile.memory = replace(profile.memory, dram_peak_bytes=room)
+    assert argv(profile) is None  # the lower bound is at the room already: plain cannot be planned
+    profile.memory = replace(profile.memory, dram_peak_bytes=500 * MiB, dram_peak_estimated=False)
+    assert argv(profile) is None  # measured already
