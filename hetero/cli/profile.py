@@ -85,6 +85,8 @@ def profile(
     elif not as_json:
         _summary(result, output)
     if alone is not None:
+        print("measuring plain training's own peak alone, in a fresh process with malloc's defaults ...",
+              file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(alone[0], alone)

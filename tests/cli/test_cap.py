@@ -81,6 +81,48 @@ def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
 
 
 @needs_cgroups
+def this_machine(tmp_path: Path) -> Path:
+    """The bundled profile with this machine's identity and its disk tier in `tmp_path`: a `--machine` file
+    `hetero profile` takes instead of measuring the machine (tens of seconds, nothing this test looks at)."""
+    from dataclasses import replace
+
+    from hetero.profile import machine
+    from hetero.run.devices import workdir
+
+    profile = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
+    m = profile.machine
+    tiers = [replace(t, path=str(tmp_path)) if t.kind == "nvme" else t for t in m.tiers]
+    profile.machine = replace(m, host=workdir.host(), cpu=replace(m.cpu, model=machine.cpu_model(),
+                                                                  cores=machine.cores()),
+                              numa=machine.numa_nodes(), tiers=tiers)
+    files.save(profile, tmp_path / "machine.yaml")
+    return tmp_path / "machine.yaml"
+
+
+@needs_cgroups
+@pytest.mark.timeout(600)
+def test_plain_training_that_fits_the_limit_is_measured_alone_and_planned_as_plain(tmp_path, cuda_reported):
+    """Under a limit plain training needs more than a quarter of, the profile runs with freed memory returned and
+    estimates plain's peak; once written, plain training runs alone in a fresh process, and its peak, settled well
+    under the limit, makes the plan plain training (no page faults paid for memory it has)."""
+    script = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "2", "--n-embd", "64",
+              "--batch-size", "2", "--seq-len", "32", "--steps", "8", "--log-every", "1"]
+    argv = [*HETERO, "profile", "--warmup", "1", "--steps", "2", "--machine", str(this_machine(tmp_path)),
+            "--nvme", str(tmp_path), *script]
+    with open(tmp_path / "profile.log", "w") as out:
+        result = cgroup.run(argv, 600 * 2**20, "test", cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    log = (tmp_path / "profile.log").read_text()
+    assert (result.exit_code, result.oom_killed) == (0, False), log[-3000:]
+    memory = files.load(tmp_path / "profile.yaml", expect=Profile).memory
+    assert not memory.dram_peak_estimated and "measured alone" in memory.profiled_under, memory.profiled_under
+    assert memory.dram_peak_runs_bytes == [memory.dram_peak_bytes] and memory.dram_peak_bytes < 400 * 2**20
+    assert "plain peak: " in log.splitlines()[-1] and "measured alone" in log.splitlines()[-1]
+    plan = subprocess.run([*HETERO, "plan"], cwd=tmp_path, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    planned = files.load(tmp_path / "plan.yaml", expect=Plan)
+    assert planned.allocator is None and planned.budget.dram_budget_bytes == 600 * 2**20
+
+
 def test_the_runner_reports_the_exit_the_limit_and_the_peak_and_leaves_no_cgroup():
     mine = cgroup.layout().parent / f"hetero-test-{os.getpid()}"  # others' cgroups may come and go beside it
     fill = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); sys.exit(3)"
