@@ -82,8 +82,9 @@ def alone(memory, found: Run | None, stop: int):
 
     if found is None:
         return replace(memory, profiled_under=f"{memory.profiled_under}; plain training with malloc's defaults, run "
-                                              f"alone after the profile, did not settle below "
-                                              f"{SIZE.format_short(stop)}: its peak stays estimated")
+                                              f"alone after the profile, gave no peak settled below "
+                                              f"{SIZE.format_short(stop)} (it passed it, or ended first): its peak "
+                                              "stays estimated")
     return replace(memory, dram_peak_bytes=found.peak_bytes, dram_peak_runs_bytes=[found.peak_bytes],
                    dram_peak_estimated=False, default_step_s=measured(found.step_s),
                    profiled_under=f"{memory.profiled_under}; plain training's own peak then measured alone, in a "
@@ -113,8 +114,8 @@ def main(argv: list[str]) -> int:
     if form == "json":
         print(json.dumps(files.to_data(profile), indent=2))
     elif found is None:
-        print(f"plain peak: with malloc's defaults plain training passed {SIZE.format_short(stop)} alone: it stays "
-              f"estimated in {output}, and a plan returns freed memory")
+        print(f"plain peak: plain training with malloc's defaults, run alone, gave no peak settled below "
+              f"{SIZE.format_short(stop)} (it passed it, or ended first): it stays estimated in {output}")
     else:
         print(f"plain peak: {SIZE.format_short(found.peak_bytes)} measured alone (a fresh process with malloc's "
               f"defaults, once its peak settled), written to {output}")
