@@ -47,6 +47,10 @@ TIERING_LEFT_OUT = ("the blocks can be recomputed instead, which frees what they
 # The predicted peak must stay this far under the budget: measured peaks of planned runs came out up to 2% above
 # their predictions, and 1% apart from run to run (docs/benchmarks.md, "Training under a DRAM budget").
 HEADROOM = 0.03
+# What a memory limit charges beside the predicted peak (anonymous memory): the mapped files a running process cannot
+# do without, its libraries' pages in use, which the limit's reclaim leaves it. A planned run killed with 14 MiB left
+# under a 1 GiB limit; plain training with 27-33 MiB left under 768 MiB never was (docs/benchmarks.md, round six).
+MAPPED_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +131,11 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
         least = min(seen.values(), key=lambda c: c.peak_bytes)
         raise HeteroError(
             f"below the floor: no plan keeps the budget {SIZE.format_short(budget, 5)} ({ctx.budget_source}, less "
-            f"{HEADROOM:.0%} headroom); the least any plan needs is {SIZE.format_short(least.peak_bytes, 5)} of "
+            f"{HEADROOM:.0%} headroom and {SIZE.format_short(MAPPED_BYTES)} for mapped files); the least any plan "
+            f"needs is {SIZE.format_short(least.peak_bytes, 5)} of "
             f"{host}, with {_names(least.levers) or 'nothing moved'}: {floor_text(least.plan)}"
             + _unusable_text(unusable),
-            hint=f"raise --dram-budget to {SIZE.format_short(least.peak_bytes / (1 - HEADROOM) + (1 << 20), 3)} or "
+            hint=f"raise --dram-budget to {SIZE.format_short(budget_for(least.peak_bytes), 5)} or "
                  "more, or train a smaller model or batch", exit_code=USAGE)
     # Equally fast: one that evicts activations last (the disk's workers take their share of the cores, which the
     # simulator hides behind compute, and evictions left host memory later than simulated: TIERING_LEFT_OUT); then
@@ -202,7 +207,18 @@ def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
 
 def room_bytes(ctx) -> int:
     """The most the predicted peak may be under the budget."""
-    return int(ctx.dram_budget_bytes * (1 - HEADROOM))
+    return room_of(ctx.dram_budget_bytes)
+
+
+def room_of(budget_bytes: int) -> int:
+    """The most a predicted peak may be under `budget_bytes`: `HEADROOM` for the predictions' error, `MAPPED_BYTES`
+    for the mapped files a memory limit charges too."""
+    return int(budget_bytes * (1 - HEADROOM)) - MAPPED_BYTES
+
+
+def budget_for(peak_bytes: int) -> int:
+    """The least budget whose room holds `peak_bytes` (`room_of` reversed, to the MiB above)."""
+    return ((int((peak_bytes + MAPPED_BYTES) / (1 - HEADROOM)) >> 20) + 1) << 20
 
 
 def allocator_cost_s(profile) -> float:
@@ -216,7 +232,7 @@ def allocator_cost_s(profile) -> float:
 
 def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced: frozenset[str]) -> str:
     source = (f"DRAM budget {SIZE.format_short(ctx.dram_budget_bytes)} ({ctx.budget_source}; the prediction keeps "
-              f"{HEADROOM:.0%} under it)")
+              f"{HEADROOM:.0%} and {SIZE.format_short(MAPPED_BYTES)} for mapped files under it)")
     if best is base and not best.levers:
         return f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits, nothing moved"
     parts = []

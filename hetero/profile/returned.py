@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetero.plan.fit import HEADROOM
+from hetero.plan.fit import room_of
 from hetero.profile import fresh
 from hetero.run import allocator, process_memory
 from hetero.schema.plan import AllocatorPlan
@@ -173,7 +173,7 @@ def alone_argv(profile: Profile, budget_bytes: int, warmup: int, output: str, as
     memory, limit = profile.memory, process_memory.memory_limit_bytes()
     if memory is None or not memory.dram_peak_estimated or profile.machine.gpu is not None or limit is None:
         return None
-    room = int(budget_bytes * (1 - HEADROOM))
+    room = room_of(budget_bytes)
     if memory.dram_peak_bytes >= room:
         return None
     return [sys.executable, "-m", "hetero.profile.fresh", output, str(room), str(limit), str(warmup + TIMED_STEPS),

@@ -27,7 +27,7 @@ def cpu(repo) -> Profile:
 
 def room_for(peak: int) -> int:
     """The least budget a plan predicting `peak` fits, headroom included."""
-    return int(peak / (1 - fit.HEADROOM)) + 1
+    return fit.budget_for(peak)
 
 
 def own_states(profile: Profile) -> int:
@@ -48,7 +48,7 @@ def test_a_budget_plain_training_fits_moves_nothing_and_says_so(cpu):
     assert (p.allocator, p.optimizer, p.activations) == (None, None, None)
     assert peak(p) == PLAIN and "fits, nothing moved" in p.budget.why
     # a budget plain's predicted peak meets only without the headroom is not met by plain training
-    assert peak(plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))) <= PLAIN * (1 - fit.HEADROOM)
+    assert peak(plan(cpu, PlanOptions(dram_budget_bytes=PLAIN))) <= fit.room_of(PLAIN)
 
 
 def test_returning_freed_memory_is_turned_on_when_it_is_what_fits_and_its_cost_counts(cpu):
@@ -94,7 +94,7 @@ def test_a_budget_nothing_meets_is_refused_with_the_least_the_plan_needs(cpu):
     # the floor is named, and what it is made of by the plan's account
     least = SIZE.parse(e.value.message.split("the least any plan needs is ")[1].split(" ")[0])
     assert least > 100 * MiB and f"plain training, memory returned {SIZE.format_short(RETURNED)}" in e.value.message
-    assert SIZE.parse(e.value.hint.split("raise --dram-budget to ")[1].split(" ")[0]) >= least / (1 - fit.HEADROOM)
+    assert fit.room_of(SIZE.parse(e.value.hint.split("raise --dram-budget to ")[1].split(" ")[0])) >= least
 
 
 def test_the_memory_cgroup_is_the_default_budget_and_an_option_above_it_is_refused(cpu):

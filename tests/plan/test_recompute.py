@@ -29,7 +29,7 @@ def cpu(repo) -> Profile:
 
 
 def budget(peak: int) -> PlanOptions:
-    return PlanOptions(dram_budget_bytes=int(peak / (1 - fit.HEADROOM)) + 1)
+    return PlanOptions(dram_budget_bytes=fit.budget_for(peak))
 
 
 def test_a_blocks_saving_is_what_its_layers_save_beyond_its_inputs_and_its_cost_its_forward(cpu):

@@ -38,9 +38,7 @@ def test_the_launcher_imports_no_torch():
 def test_a_fresh_process_that_reaches_stop_at_ends_itself_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     script = scripts.write(tmp_path, scripts.LOOP)
-    found = fresh.run(script, ["--steps", "6"], 3, "default", "optimizer")
-    assert found is not None and found.peak_bytes > 50 * MiB and 3 <= found.steps <= 6
-    assert fresh.run(script, ["--steps", "6"], 3, "default", "optimizer", stop_at=found.peak_bytes // 4) is None
+    assert fresh.run(script, ["--steps", "6"], 3, "default", "optimizer", stop_at=40 * MiB) is None  # torch: 150
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hetero-")] == []
 
 
@@ -62,12 +60,12 @@ def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_pat
     assert "gave no peak settled below 40MiB" in capsys.readouterr().out
 
 
-def test_json_prints_the_updated_profile(tmp_path, capsys):
+def test_json_prints_the_profile_as_written(tmp_path, capsys):
     script = scripts.write(tmp_path, scripts.LOOP)
     path = estimated(tmp_path)
-    assert fresh.main([path, str(2 << 30), str(3 << 30), "3", "optimizer", "json", script, "--steps", "6"]) == 0
+    assert fresh.main([path, str(40 * MiB), str(3 << 30), "3", "optimizer", "json", script, "--steps", "6"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["memory"]["dram_peak_estimated"] is False
+    assert printed["memory"]["dram_peak_estimated"] is True and "stays estimated" in printed["memory"]["profiled_under"]
 
 
 def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(tmp_path, monkeypatch):
@@ -76,7 +74,7 @@ def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(t
     monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: None)
     assert argv(profile) is None  # --dram-budget alone: no limit to keep the fresh process under
     monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: 1 << 30)
-    room = int((1 << 30) * (1 - returned.HEADROOM))
+    room = returned.room_of(1 << 30)
     assert argv(profile) == [sys.executable, "-m", "hetero.profile.fresh", "out.yaml", str(room), str(1 << 30),
                              str(2 + returned.TIMED_STEPS), "optimizer", "text", "train.py", "--x"]
     profile.memory = replace(profile.memory, dram_peak_bytes=room)
