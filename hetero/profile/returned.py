@@ -52,7 +52,7 @@ TIMED_STEPS = 2
 SETTLE_STEPS = 2  # steps in a row that must leave the peak where it was
 SETTLE_BYTES = 2 << 20  # what "where it was" allows: the peak's own noise between steps
 MAX_STEPS = 12  # a peak still rising by then rises with the script's own state (a list of losses), not the heap's
-DEFAULT_RUNS = 3  # fresh processes with malloc's defaults: their median peak and step
+DEFAULT_RUNS = fresh.RUNS  # fresh processes with malloc's defaults: their median peak and step
 
 
 @dataclass(frozen=True, slots=True)

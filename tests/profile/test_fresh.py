@@ -42,7 +42,16 @@ def test_a_fresh_process_that_reaches_stop_at_ends_itself_and_leaves_nothing(tmp
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hetero-")] == []
 
 
-def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_path, capsys):
+def test_the_median_of_the_runs_alone_counts_a_run_without_a_peak_above_every_other(monkeypatch):
+    a, b = fresh.Run(peak_bytes=700 * MiB, step_s=0.1, steps=4), fresh.Run(peak_bytes=690 * MiB, step_s=0.2, steps=4)
+    assert fresh.median([a, None, b]) == a and fresh.median([None, b, None]) is None and fresh.median([b]) == b
+    calls = []
+    monkeypatch.setattr(fresh, "run", lambda *args: calls.append(args) or None)
+    assert fresh.runs_alone("train.py", [], 3, "optimizer", 1 << 30) == [None, None] and len(calls) == 2
+
+
+def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fresh, "RUNS", 1)  # one fresh process each way: the median is tested above
     script = scripts.write(tmp_path, scripts.LOOP)
     path = estimated(tmp_path)
     argv = [path, str(2 << 30), str(3 << 30), "3", "optimizer", "text", script, "--steps", "6"]
