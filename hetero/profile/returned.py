@@ -101,10 +101,9 @@ def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimi
         if run is None:
             return None
         defaults.append(run)
-    if not defaults:
+    median = fresh.median(defaults)
+    if median is None:
         return None
-    by_peak = sorted(defaults, key=lambda r: r.peak_bytes)
-    median = by_peak[len(by_peak) // 2]
     return Returned(peak_bytes=returned.peak_bytes, step_s=returned.step_s, default_peak_bytes=median.peak_bytes,
                     default_step_s=statistics.median(r.step_s for r in defaults),
                     default_steps=max(r.steps for r in defaults),
