@@ -48,6 +48,8 @@ def test_the_median_of_the_runs_alone_counts_a_run_without_a_peak_above_every_ot
     calls = []
     monkeypatch.setattr(fresh, "run", lambda *args: calls.append(args) or None)
     assert fresh.runs_alone("train.py", [], 3, "optimizer", 1 << 30) == [None, None] and len(calls) == 2
+    monkeypatch.setattr(fresh, "run", lambda *args: a)
+    assert fresh.runs_alone("train.py", [], 3, "optimizer", 1 << 30) == [a, a]  # two agree: plain fits
 
 
 def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_path, capsys, monkeypatch):
