@@ -15,8 +15,12 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hetero.run.devices import workdir
+
+if TYPE_CHECKING:  # the schema is imported once the processes alone are done: this process stays small meanwhile
+    from hetero.schema.profile import Memory
 
 STOPPED = 3  # the fresh process's exit code when it reached `stop_at`
 # Processes alone, as many as a profile without a budget runs (hetero.profile.returned.DEFAULT_RUNS): malloc's
@@ -92,8 +96,8 @@ def median(runs: list[Run | None]) -> Run | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
-def alone(memory, runs: list[Run | None], stop: int):
-    """The profile's `memory` (hetero.schema.profile.Memory) once plain training ran alone: its own peak, the
+def alone(memory: Memory, runs: list[Run | None], stop: int) -> Memory:
+    """The profile's `memory` once plain training ran alone: its own peak, the
     median of `runs`, where that settled below `stop`, else the estimate as it was, each said in
     `profiled_under`."""
     from dataclasses import replace
