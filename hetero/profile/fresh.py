@@ -23,9 +23,9 @@ if TYPE_CHECKING:  # the schema is imported once the processes alone are done: t
     from hetero.schema.profile import Memory
 
 STOPPED = 3  # the fresh process's exit code when it reached `stop_at`
-# Processes alone, as many as a profile without a budget runs (hetero.profile.returned.DEFAULT_RUNS): malloc's
-# defaults peak differently from one process to the next (train_gpt 3 x 768, 680-735 MiB), and one run alone put
-# the same script on either side of a 729 MiB room in two profiles (docs/benchmarks.md, round six).
+# Processes alone, at most: malloc's defaults peak differently from one process to the next (train_gpt 3 x 768,
+# 680-735 MiB), and one run alone put the same script on either side of a 729 MiB room in two profiles
+# (docs/benchmarks.md, round six); two that agree end it, a third decides where they do not.
 RUNS = 3
 POLL_S = 0.002  # filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM (hetero.run.allocator): ~10 in this
 # How far past `stop_at` the process may get before the thread sees it: what one poll can add, with room to spare.
