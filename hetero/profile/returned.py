@@ -90,9 +90,9 @@ def restore() -> None:
 def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimizer",
             progress: Callable[[int, int], None] | None = None) -> Returned | None:
     """The script's peak and step time with freed memory returned (one fresh process: that peak is the same in
-    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes: with two, the higher), its steps counted as the
-    profile counted them (`steps_from`: optimizer steps, or backward calls); None when it could not run that many
-    steps (or malloc is not glibc). `progress(done, total)` follows the processes."""
+    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes: with two, the higher),
+    its steps counted as the profile counted them (`steps_from`: optimizer steps, or backward calls); None when it
+    could not run that many steps (or malloc is not glibc). `progress(done, total)` follows the processes."""
     total = 1 + DEFAULT_RUNS
     steps = warmup + TIMED_STEPS
     returned = fresh.run(script, args, steps, "returned", steps_from)
