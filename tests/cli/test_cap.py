@@ -20,6 +20,7 @@ import pytest
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
+from tests.machines import this_machine
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_cgroup", REPO / "bench" / "cgroup.py")
@@ -61,7 +62,8 @@ def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
     assert (killed.exit_code, killed.oom_killed) == (137, True), (tmp_path / "plain.log").read_text()[-2000:]
 
     nvme = tmp_path / "nvme"
-    steps = [("profile", [*HETERO, "profile", "--warmup", "1", "--steps", "1", "--nvme", str(nvme), *SCRIPT]),
+    steps = [("profile", [*HETERO, "profile", "--warmup", "1", "--steps", "1", "--nvme", str(nvme), "--machine",
+                          str(this_machine(tmp_path)), *SCRIPT]),
              ("plan", [*HETERO, "plan"]),
              ("run", [*HETERO, "run", *SCRIPT])]
     for name, argv in steps:
@@ -81,24 +83,6 @@ def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
 
 
 @needs_cgroups
-def this_machine(tmp_path: Path) -> Path:
-    """The bundled profile with this machine's identity and its disk tier in `tmp_path`: a `--machine` file
-    `hetero profile` takes instead of measuring the machine (tens of seconds, nothing this test looks at)."""
-    from dataclasses import replace
-
-    from hetero.profile import machine
-    from hetero.run.devices import workdir
-
-    profile = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile)
-    m = profile.machine
-    tiers = [replace(t, path=str(tmp_path)) if t.kind == "nvme" else t for t in m.tiers]
-    profile.machine = replace(m, host=workdir.host(), cpu=replace(m.cpu, model=machine.cpu_model(),
-                                                                  cores=machine.cores()),
-                              numa=machine.numa_nodes(), tiers=tiers)
-    files.save(profile, tmp_path / "machine.yaml")
-    return tmp_path / "machine.yaml"
-
-
 @needs_cgroups
 @pytest.mark.timeout(600)
 def test_plain_training_that_fits_the_limit_is_measured_alone_and_planned_as_plain(tmp_path, cuda_reported):

@@ -15,6 +15,7 @@ from hetero.launch.torchrun import first_failure
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from tests.cli.test_run import net
+from tests.machines import this_machine
 from tests.profile import scripts
 from tests.run.test_routing import routed_plan
 
@@ -183,7 +184,8 @@ def ddp_adamw(tmp_path_factory):
                            cwd=work, capture_output=True, text=True)
     assert plain.returncode == 0, plain.stderr
     profiled = subprocess.run([sys.executable, "-m", "hetero", "profile", "--nproc-per-node", "2", "--steps", "2",
-                               "--warmup", "1", "--nvme", str(work / "disk"), script, str(work / "profiling")],
+                               "--warmup", "1", "--nvme", str(work / "disk"), "--machine", str(this_machine(work)),
+                               script, str(work / "profiling")],
                               cwd=work, capture_output=True, text=True)
     assert profiled.returncode == 0, profiled.stderr
     return work, script
