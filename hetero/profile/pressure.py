@@ -26,6 +26,7 @@ a misjudged block.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import replace
 
 import torch
@@ -163,13 +164,17 @@ class UnderPressure:
         params = {p.untyped_storage().data_ptr() for p in block.parameters()}
         owners = [(rel, m) for rel, m in block.named_modules() if rel and any(True for _ in m.parameters(False))]
         current = [f".{owners[0][0]}"] if owners else [""]
-        seen: set[int] = set()
+        # A storage is known by its address while a tensor saved on it lives: one freed since leaves its address to
+        # the next allocation, which is another storage (counting by address alone missed 5% of a train_gpt block's)
+        seen: dict[int, weakref.ref] = {}
         storages: dict[str, list[int]] = {}
 
         def pack(t: torch.Tensor) -> int:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            address = storage.data_ptr()
+            earlier = seen[address]() if address in seen else None
+            if address not in params and earlier is None:
+                seen[address] = weakref.ref(t)
                 storages.setdefault(current[0], []).append(storage.nbytes())
             return 0
 

@@ -95,3 +95,35 @@ def test_where_no_block_of_its_class_ran_as_written_its_saved_tensors_are_counte
     # with the gradients on NVMe as they are made (the profile's own optimizer there), backward's start is the peak
     # either way: the four blocks' savings beyond their inputs
     assert added_gone == (1024 + 700) - (4 * 100 + 700)
+
+
+class Freeing(nn.Module):
+    """Each step's input is saved, then freed once the next step has it: the next allocation takes its address."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for _ in range(4):
+            x = torch.tanh(self.fc(x)).clone()
+        return x
+
+
+def test_what_a_block_saves_counts_each_storage_saved_once_even_where_a_freed_ones_address_is_taken_again():
+    block, x = Freeing(), torch.randn(32, 64, requires_grad=True)
+    watched = pressure.UnderPressure(1 << 30)
+    watched.modules = {"b": block}
+    counted = watched.saved_by_layer("b", (x,), {})
+    kept, truth = [], {}
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def keep(t):  # every saved tensor held: no address is taken twice
+        kept.append(t)
+        if t.untyped_storage().data_ptr() not in params:
+            truth[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        block(x)
+    assert sum(map(sum, counted.values())) == sum(truth.values()) == 8 * 32 * 64 * 4  # 4 inputs, 4 tanh outputs
