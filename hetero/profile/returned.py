@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetero.plan.fit import room_of
+from hetero.plan.fit import DEFAULTS_SPREAD, room_of
 from hetero.profile import fresh
 from hetero.run import allocator, process_memory
 from hetero.schema.plan import AllocatorPlan
@@ -171,12 +171,13 @@ def alone_argv(profile: Profile, budget_bytes: int, warmup: int, output: str, as
     """Under a memory limit, once the profile (`profile`, written to `output`) is done: the command its process
     becomes (hetero.profile.fresh `main`, exec'd, so that nothing of this process stays beside it) to measure plain
     training's own peak alone, as `measure` does without a budget; None where there is nothing to measure: a GPU, a
-    peak measured already, no memory limit, or an estimate (a lower bound) at the budget's room already."""
+    peak measured already, no memory limit, or an estimate (a lower bound) that leaves no room under the budget for
+    malloc's defaults' spread above it already (hetero.plan.fit.DEFAULTS_SPREAD: plain would not be planned)."""
     memory, limit = profile.memory, process_memory.memory_limit_bytes()
     if memory is None or not memory.dram_peak_estimated or profile.machine.gpu is not None or limit is None:
         return None
     room = room_of(budget_bytes)
-    if memory.dram_peak_bytes >= room:
+    if memory.dram_peak_bytes * (1 + DEFAULTS_SPREAD) >= room:
         return None
     return [sys.executable, "-m", "hetero.profile.fresh", output, str(room), str(limit), str(warmup + TIMED_STEPS),
             profile.training.steps_from, "json" if as_json else "text", script, *args]
