@@ -22,13 +22,14 @@ from hetero.plan.choices import host_tier, static_bytes
 from hetero.plan.section import HostPeak
 from hetero.plan.sections import TABLE
 from hetero.plan.sections.activations import EVICTED, TIERING
+from hetero.plan.sections.allocator import BELOW_SWITCH
 from hetero.plan.sections.optimizer_bytes import ADAM_STATE_BYTES_PER_PARAM, OPTIMIZER, STAGING, STATES
 from hetero.plan.sections.recompute import RECOMPUTED
 from hetero.plan.sections.update_in_backward import GRADS_FREED
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 
-__all__ = ["ADAM_STATE_BYTES_PER_PARAM", "EVICTED", "GRADS_FREED", "OPTIMIZER", "RECOMPUTED",
+__all__ = ["ADAM_STATE_BYTES_PER_PARAM", "BELOW_SWITCH", "EVICTED", "GRADS_FREED", "OPTIMIZER", "RECOMPUTED",
            "STAGING", "STATES", "TIERING", "contributors", "dram_peak_bytes", "returns_memory"]
 
 PLAIN = "plain training"  # its measured peak

@@ -214,9 +214,7 @@ class AllocatorPlan:
                                     unit=SIZE, ge=0)
     from_bytes: int | None = doc("Keep malloc's defaults until the process's resident memory reaches this, then "
                                  "set the thresholds and return what is free (a thread watches it): below it, no "
-                                 "page faults are paid; null: from the start. `hetero plan` never writes it: past "
-                                 "the switch the process went on growing by far more than the plan could predict.",
-                                 unit=SIZE, ge=0, default=None)
+                                 "page faults are paid; null: from the start.", unit=SIZE, ge=0, default=None)
     why: str = doc("The numbers behind the decision.", default="", comment=True)
 
 

@@ -161,8 +161,8 @@ def test_one_process(cell, tmp_path):
 @pytest.mark.parametrize("tiering", [False, True], ids=["kept", "tiered"])
 def test_one_process_updating_in_backward(tiering, tmp_path):
     """What the planner writes for one process, one backward per step, no clipping: the script's own AdamW steps in
-    backward, with tiering, and malloc returning freed memory from partway on (`from_bytes`, as a plan edited by
-    hand may ask; 1 B: at the watch's first look)."""
+    backward, with tiering, and malloc returning freed memory from partway on (`from_bytes`, as under a budget
+    whose plain peak the profile could not measure; 1 B: at the watch's first look)."""
     model, workdir = make_model(), str(tmp_path / "work")
     planned = plan_for(Cell("host", False, tiering, "plain"), model, workdir, routed=False)
     planned = replace(planned, optimizer=None, update_in_backward=UpdateInBackward(kind="adamw"),
