@@ -16,7 +16,9 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
 - `recompute`: the blocks the profile found recomputable keep only their inputs, and backward runs their forward
   again (hetero.plan.recompute), with freed memory returned (`NEEDS`): time for memory, like the disk levers, so the
   fastest combination that fits decides between them; with it, the fewest blocks (most bytes saved per second
-  first) that keep the budget.
+  first) that keep the budget. Where the profile measured every block recomputed with malloc's defaults alone
+  (under a memory limit that plain training's own peak did not settle under), that is one more candidate, alone,
+  at its measured peak and step.
 
 A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
 I/O; `solve` builds and simulates each candidate.
@@ -134,6 +136,11 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
             if chosen not in seen:
                 p = solve(chosen)
                 seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
+    measured = frozenset({"recompute"})  # every block, malloc's defaults: as the profile measured it alone
+    if "recompute" in levers and forced <= {"allocator", "recompute"} and measured not in seen:
+        p = solve(measured)
+        if recompute.measured_alone(ctx.profile, p):
+            seen[measured] = Candidate(measured, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
     budget, room = ctx.dram_budget_bytes, room_bytes(ctx)
     base = seen[forced]
     fitting = [c for c in seen.values() if c.held_bytes <= room]
@@ -167,7 +174,8 @@ def recompute_levers(ctx) -> frozenset[str]:
 
 def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, room: int) -> Candidate:
     """With recomputation chosen, the fewest blocks that keep the budget: each one more costs its forward."""
-    if "recompute" not in best.levers or ctx.options.recompute:  # --recompute: every block it can
+    # --recompute: every block it can; with malloc's defaults, every block, as measured
+    if "recompute" not in best.levers or ctx.options.recompute or "allocator" not in best.levers:
         return best
     units, _ = recompute.units(ctx.profile)
     plans: dict[int, Plan] = {len(units): best.plan}
@@ -251,6 +259,13 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
         dependents = {x for x, needed in NEEDS.items() if needed == lever}
         with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
         with_it = best if lever == "recompute" else with_it  # with the fewest blocks, not every block
+        if lever == "recompute" and "allocator" not in best.levers:
+            m = ctx.profile.memory
+            parts.append(f"{_NAMES[lever]}, every block, with malloc's defaults (measured alone after the profile: "
+                         f"peak {SIZE.format_short(m.recomputed_peak_bytes)}, {short_time(m.recomputed_step_s)} "
+                         f"per step against {short_time(m.returned_step_s)} for plain training with freed memory "
+                         "returned)")
+            continue
         if without is None:
             parts.append(f"{_NAMES[lever]} (--recompute)" if lever == "recompute" else
                          f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "

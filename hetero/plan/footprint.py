@@ -18,6 +18,7 @@ through the step (hetero.plan.backward), as updates in backward do by the gradie
 
 from __future__ import annotations
 
+from hetero.plan import recompute
 from hetero.plan.choices import host_tier, static_bytes
 from hetero.plan.section import HostPeak
 from hetero.plan.sections import TABLE
@@ -34,9 +35,11 @@ __all__ = ["ADAM_STATE_BYTES_PER_PARAM", "BELOW_SWITCH", "EVICTED", "GRADS_FREED
 
 PLAIN = "plain training"  # its measured peak
 PLAIN_RETURNED = "plain training, memory returned"  # its peak measured with freed memory returned
+PLAIN_RECOMPUTED = "every block recomputed"  # its peak measured alone (hetero.plan.recompute.measured_alone)
 MOVED_IN = "moved in from the gpu"
 # The order plans have always listed their entries in; an entry not here follows them, in the sections' order.
-ORDER = (PLAIN, PLAIN_RETURNED, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED, RECOMPUTED, TIERING)
+ORDER = (PLAIN, PLAIN_RETURNED, PLAIN_RECOMPUTED, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED,
+         RECOMPUTED, TIERING)
 
 
 def returns_memory(profile: Profile, plan: Plan) -> bool:
@@ -53,8 +56,12 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     the saved-activation peak in host memory (counted only where freed memory is returned)."""
     assert profile.memory is not None
     host, returned = host_tier(profile), returns_memory(profile, plan)
-    out = {PLAIN_RETURNED: profile.memory.dram_peak_returned_bytes} if returned else \
-        {PLAIN: profile.memory.dram_peak_bytes}
+    if recompute.measured_alone(profile, plan):
+        out = {PLAIN_RECOMPUTED: profile.memory.recomputed_peak_bytes}
+    elif returned:
+        out = {PLAIN_RETURNED: profile.memory.dram_peak_returned_bytes}
+    else:
+        out = {PLAIN: profile.memory.dram_peak_bytes}
     moved_in = simulated_host_peak - static_bytes(profile, plan)[host] - evicted_from_host_peak
     out[MOVED_IN] = max(0, moved_in)
     peak = HostPeak(host=host, simulated_bytes=simulated_host_peak, evicted_from_peak=evicted_from_host_peak,

@@ -24,11 +24,11 @@ from hetero.plan.sections.optimizer_bytes import gpu_state_bytes
 from hetero.plan.sections.routing import ONE_PROCESS, sync_times
 from hetero.plan.simulate import Result
 from hetero.schema import files
-from hetero.schema.plan import ActivationPrediction, Budget, Plan, PlannedModel, Predicted, Source
+from hetero.schema.plan import SECTIONS, ActivationPrediction, Budget, Plan, PlannedModel, Predicted, Source
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
 
-__all__ = ["ONE_PROCESS", "PlanOptions", "build", "plan", "predict", "predicted_of"]
+__all__ = ["ONE_PROCESS", "PlanOptions", "build", "every_block_recomputed", "plan", "predict", "predicted_of"]
 
 UNPREDICTED = Predicted(iteration_s=0.0, peak_bytes={})  # a draft's: the simulator never reads it
 
@@ -71,13 +71,30 @@ def _empty(ctx: Context, omitted: dict[str, str]) -> Plan:
     """The plan before any section is solved: where it came from and its budget; `omitted` is filled as sections
     are left out."""
     budget = ctx.dram_budget_bytes if ctx.budget_source is not None else None
-    return Plan(source=Source(profile=ctx.options.profile_path, profile_sha256=files.content_sha256(ctx.profile),
-                              model_fingerprint=ctx.profile.model.fingerprint,
-                              models=[PlannedModel(name=m.name, fingerprint=m.fingerprint)
-                                      for m in ctx.profile.model.models]),
+    return Plan(source=_source(ctx.profile, ctx.options.profile_path),
                 budget=Budget(gpu_memory_bytes=ctx.options.gpu_memory_bytes, dram_budget_bytes=budget,
                               reserve=ctx.options.reserve),
                 predicted=UNPREDICTED, omitted=omitted, **{s.name: s.absent() for s in TABLE})
+
+
+def _source(profile: Profile, profile_path: str) -> Source:
+    return Source(profile=profile_path, profile_sha256=files.content_sha256(profile),
+                  model_fingerprint=profile.model.fingerprint,
+                  models=[PlannedModel(name=m.name, fingerprint=m.fingerprint) for m in profile.model.models])
+
+
+def every_block_recomputed(profile: Profile, profile_path: str) -> Plan | None:
+    """Plain training with every block the profile found recomputable recomputed, malloc's defaults and no budget,
+    unpredicted: what `hetero profile` runs alone under a memory limit where plain training's own peak was not
+    found (hetero.profile.fresh); None where no block can be recomputed."""
+    section = recompute.section(profile)
+    if section is None:
+        return None
+    return Plan(source=_source(profile, profile_path), budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None,
+                                                                     reserve=PlanOptions().reserve),
+                predicted=UNPREDICTED, omitted=dict.fromkeys(SECTIONS, "every block recomputed, nothing else "
+                                                                       "moved: hetero profile measures it alone"),
+                **{s.name: s.absent() for s in TABLE} | {"recompute": section})
 
 
 def _solved(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None, draft: Plan, phase: Phase) -> Plan:

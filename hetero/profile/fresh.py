@@ -41,16 +41,17 @@ class Run:
     steps: int  # steps it took to settle (or the script's, where it ended first)
 
 
-def run(script: str, args: list[str], steps: int, malloc: str, steps_from: str, stop_at: int | None = None
-        ) -> Run | None:
-    """Train `script` plainly in a fresh process for at least `steps` optimizer steps (or backward calls:
-    `steps_from`), malloc's defaults or freed memory returned (`malloc`: default | returned), until its peak settles;
-    None where it could not (it failed, ended first, or reached `stop_at` resident bytes)."""
+def run(script: str, args: list[str], steps: int, malloc: str, steps_from: str, stop_at: int | None = None,
+        plan: str | None = None) -> Run | None:
+    """Train `script` in a fresh process for at least `steps` optimizer steps (or backward calls: `steps_from`),
+    malloc's defaults or freed memory returned (`malloc`: default | returned), until its peak settles: plainly, or
+    under the plan file `plan` (as `hetero run` would); None where it could not (it failed, ended first, or reached
+    `stop_at` resident bytes)."""
     work = workdir.create(None, "returned", "TMPDIR")
     try:
         out = os.path.join(work.path, "returned.json")
         done = subprocess.run([sys.executable, "-c", CHILD, str(os.getpid()), out, str(steps), malloc, steps_from,
-                               str(stop_at or 0), script, *args], stdin=subprocess.DEVNULL,
+                               str(stop_at or 0), plan or "-", script, *args], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return None
@@ -81,13 +82,50 @@ def stop_at(room_bytes: int, limit_bytes: int) -> int:
     return min(room_bytes, limit_bytes - 2 * process_memory.resident_bytes() - OVERSHOOT_BYTES)
 
 
-def runs_alone(script: str, args: list[str], steps: int, steps_from: str, stop: int) -> list[Run | None]:
-    """Up to `RUNS` fresh processes of plain training with malloc's defaults, each stopped at `stop`; fewer where a
-    majority agrees already (settled below `stop`, their median the higher of two; or gave no peak)."""
+def runs_alone(script: str, args: list[str], steps: int, steps_from: str, stop: int, plan: str | None = None
+               ) -> list[Run | None]:
+    """Up to `RUNS` fresh processes of plain training (under the plan file `plan`, if given) with malloc's defaults,
+    each stopped at `stop`; fewer where a majority agrees already (settled below `stop`, their median the higher of
+    two; or gave no peak)."""
     out: list[Run | None] = []
     while len(out) < RUNS and max(sum(r is None for r in out), sum(r is not None for r in out)) <= RUNS // 2:
-        out.append(run(script, args, steps, "default", steps_from, stop))
+        out.append(run(script, args, steps, "default", steps_from, stop, plan))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Recomputed:
+    """Training with every block recomputed, alone: its processes with malloc's defaults, and one of plain training
+    with freed memory returned, the plan it competes with, whose step it is compared with."""
+
+    runs: list[Run | None]
+    returned: Run
+    stop: int
+
+
+def recomputed_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, room: int,
+                     limit: int) -> Recomputed | None:
+    """Where plain training's own peak was not found: the script with every block the profile (`output`) found
+    recomputable recomputed and malloc's defaults, alone as plain training ran, after one process of plain training
+    with freed memory returned; None where no block can be recomputed or that process gave no step."""
+    from hetero.plan.solve import every_block_recomputed
+    from hetero.schema import files
+    from hetero.schema.profile import Profile
+
+    plan = every_block_recomputed(files.load(output, expect=Profile), output)
+    if plan is None:
+        return None
+    stop = stop_at(room, limit)  # this process has grown by the planner's modules
+    work = workdir.create(None, "returned", "TMPDIR")  # swept as the fresh processes' are
+    try:
+        path = os.path.join(work.path, "plan.yaml")
+        files.save(plan, path)
+        returned = run(script, args, steps, "returned", steps_from, stop)
+        if returned is None:
+            return None
+        return Recomputed(runs=runs_alone(script, args, steps, steps_from, stop, path), returned=returned, stop=stop)
+    finally:
+        work.remove()
 
 
 def median(runs: list[Run | None]) -> Run | None:
@@ -96,26 +134,41 @@ def median(runs: list[Run | None]) -> Run | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
-def alone(memory: Memory, runs: list[Run | None], stop: int) -> Memory:
-    """The profile's `memory` once plain training ran alone: its own peak, the
-    median of `runs`, where that settled below `stop`, else the estimate as it was, each said in
-    `profiled_under`."""
+def fits(run: Run | None, room: int) -> bool:
+    """Whether plain training that peaked as `run` did (None: past the room) can be planned as it is: with malloc's
+    defaults' spread above it (hetero.plan.fit.DEFAULTS_SPREAD)."""
+    from hetero.plan.fit import DEFAULTS_SPREAD
+
+    return run is not None and run.peak_bytes * (1 + DEFAULTS_SPREAD) <= room
+
+
+def alone(memory: Memory, runs: list[Run | None], stop: int, recomputed: Recomputed | None = None) -> Memory:
+    """The profile's `memory` once plain training ran alone: its own peak, the median of `runs`, where that settled
+    below `stop`, else the estimate as it was, and what `recomputed` measured; each said in `profiled_under`."""
     from dataclasses import replace
 
     from hetero.units import SIZE, measured
 
     middle = median(runs)
     if middle is None:
-        return replace(memory, profiled_under=f"{memory.profiled_under}; plain training with malloc's defaults, run "
-                                              f"alone after the profile, gave no peak settled below "
-                                              f"{SIZE.format_short(stop)} in {sum(r is None for r in runs)} of "
-                                              f"{len(runs)} processes (it passed it, or ended first): its peak "
-                                              "stays estimated")
-    return replace(memory, dram_peak_bytes=middle.peak_bytes,
-                   dram_peak_runs_bytes=[r.peak_bytes for r in runs if r is not None], dram_peak_estimated=False,
-                   default_step_s=measured(middle.step_s),
-                   profiled_under=f"{memory.profiled_under}; plain training's own peak then measured alone, the "
-                                  f"median of {len(runs)} fresh processes with malloc's defaults")
+        memory = replace(memory, profiled_under=f"{memory.profiled_under}; plain training with malloc's defaults, "
+                                                f"run alone after the profile, gave no peak settled below "
+                                                f"{SIZE.format_short(stop)} in {sum(r is None for r in runs)} of "
+                                                f"{len(runs)} processes (it passed it, or ended first): its peak "
+                                                "stays estimated")
+    else:
+        memory = replace(memory, dram_peak_bytes=middle.peak_bytes,
+                         dram_peak_runs_bytes=[r.peak_bytes for r in runs if r is not None], dram_peak_estimated=False,
+                         default_step_s=measured(middle.step_s),
+                         profiled_under=f"{memory.profiled_under}; plain training's own peak then measured alone, "
+                                        f"the median of {len(runs)} fresh processes with malloc's defaults")
+    rebuilt = median(recomputed.runs) if recomputed is not None else None
+    if rebuilt is None:
+        return memory
+    return replace(memory, recomputed_peak_bytes=rebuilt.peak_bytes, recomputed_step_s=measured(rebuilt.step_s),
+                   returned_step_s=measured(recomputed.returned.step_s),
+                   profiled_under=f"{memory.profiled_under}; with every block recomputed, its peak measured alone "
+                                  f"the same way (the median of {len(recomputed.runs)} processes)")
 
 
 def main(argv: list[str]) -> int:
@@ -127,6 +180,8 @@ def main(argv: list[str]) -> int:
     stop = stop_at(room, limit)
     try:
         runs = runs_alone(script, args, steps, steps_from, stop)
+        recomputed = recomputed_alone(output, script, args, steps, steps_from, room, limit) \
+            if not fits(median(runs), room) else None
     except KeyboardInterrupt:
         print(f"hetero: interrupted while plain training ran alone; {output} is written, plain's peak estimated",
               file=sys.stderr)
@@ -136,17 +191,25 @@ def main(argv: list[str]) -> int:
     from hetero.units import SIZE
 
     profile = files.load(output, expect=Profile)
-    profile.memory = alone(profile.memory, runs, stop)
+    profile.memory = alone(profile.memory, runs, stop, recomputed)
     files.save(profile, output, header(script))
     middle = median(runs)
     if form == "json":
         print(json.dumps(files.to_data(profile), indent=2))
-    elif middle is None:
+        return 0
+    if middle is None:
         print(f"plain peak: plain training with malloc's defaults, run alone, gave no peak settled below "
               f"{SIZE.format_short(stop)} (it passed it, or ended first): it stays estimated in {output}")
     else:
         print(f"plain peak: {SIZE.format_short(middle.peak_bytes)} measured alone (the median of {len(runs)} fresh "
               f"processes with malloc's defaults, each once its peak settled), written to {output}")
+    if recomputed is not None:
+        rebuilt = median(recomputed.runs)
+        print("recomputed peak: every block recomputed with malloc's defaults, run alone, "
+              + (f"peaked at {SIZE.format_short(rebuilt.peak_bytes)} (the median of {len(recomputed.runs)} "
+                 f"processes), {rebuilt.step_s / recomputed.returned.step_s:.2f}x the step of plain training with "
+                 "freed memory returned" if rebuilt is not None else
+                 f"gave no peak settled below {SIZE.format_short(recomputed.stop)}"))
     return 0
 
 

@@ -21,17 +21,22 @@ Two ways, one per case:
   where that estimate leaves room under the budget, `hetero profile` then becomes a bare interpreter that runs the
   script alone with malloc's defaults (`alone_argv`, hetero.profile.fresh), and takes its peak where it settled
   below the room: plain training that fits by a few percent (train_gpt 3 x 768 under 768 MiB, 680-727 MiB) is
-  then planned as plain training, not with the page faults of memory returned from the start.
+  then planned as plain training, not with the page faults of memory returned from the start. Where it did not,
+  the same is done for plain training with every block recomputed (`hetero.plan.solve.every_block_recomputed`, run
+  by `hetero run`'s runtime in the fresh processes), and once with freed memory returned, whose step it is compared
+  with: recomputation with malloc's defaults, measured so, is a plan of its own.
 
-`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward STOP_AT SCRIPT [ARGS]` is the fresh
-process (started by hetero.profile.fresh with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a
+`python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward STOP_AT PLAN|- SCRIPT [ARGS]` is the
+fresh process (started by hetero.profile.fresh with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a
 private work directory of the profile (`hetero-returned-*`, hetero.run.devices.workdir: swept by the next start if
-the profile is killed), ends itself once it holds `STOP_AT` bytes (0: never), and ends when the profile ends, however
-the profile ends (Linux parent-death signal), SIGKILL and a memory limit included.
+the profile is killed), trains under the plan file PLAN (`-`: none), ends itself once it holds `STOP_AT` bytes (0:
+never), and ends when the profile ends, however the profile ends (Linux parent-death signal), SIGKILL and a memory
+limit included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -113,7 +118,8 @@ def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimi
                     default_peaks_bytes=tuple(r.peak_bytes for r in defaults))
 
 
-def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, script: str, args: list[str]) -> int:
+def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, plan: str, script: str,
+           args: list[str]) -> int:
     if malloc == "returned" and not returning():
         return 1
     if stop_at:
@@ -140,7 +146,8 @@ def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, scr
     handle = register_optimizer_step_post_hook(step_ended) if steps_from == "optimizer" else \
         watch.backward_calls(step_ended)
     try:
-        result = run_script(script, args)
+        with _under(plan, script):
+            result = run_script(script, args)
     finally:
         handle.remove()
     if len(ends) < steps or not (result.stopped or result.exit_code == 0):
@@ -150,6 +157,17 @@ def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, scr
         json.dump({"peak_bytes": process_memory.dram_peak_bytes(), "steps": len(ends),
                    "step_s": (timed[-1] - timed[0]) / TIMED_STEPS}, f)
     return 0
+
+
+def _under(plan: str, script: str) -> contextlib.AbstractContextManager:
+    """The runtime of `hetero run` carrying out the plan file `plan` ("-": none, plain training)."""
+    if plan == "-":
+        return contextlib.nullcontext()
+    from hetero.run.runtime import Runtime
+    from hetero.schema import files
+    from hetero.schema.plan import Plan
+
+    return Runtime(files.load(plan, expect=Plan), script=script)
 
 
 def _stop_at(limit: int) -> None:
@@ -204,4 +222,4 @@ class Budgeted:
 
 if __name__ == "__main__":
     sys.exit(_child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6],
-                    sys.argv[7:]))
+                    sys.argv[7], sys.argv[8:]))

@@ -357,6 +357,16 @@ class Memory:
     default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
                                        "`returned_step` less this is what returning memory costs a step (page "
                                        "faults); null: not measured.", unit=TIME, default=None)
+    recomputed_peak_bytes: int | None = doc("Under a memory limit where plain training's own peak was not found "
+                                            "below the budget's room: the peak (as `dram_peak` counts it) of the "
+                                            "script with every block that can be recomputed recomputed and "
+                                            "malloc's defaults, measured alone after the profile as plain's is "
+                                            "(the median of up to 3 fresh processes), where it settled below the "
+                                            "room; null: not measured.", unit=SIZE, ge=0, default=None)
+    recomputed_step_s: float | None = doc("Those processes' step time; with `returned_step`, measured alone beside "
+                                          "them, what a plan of every block recomputed with malloc's defaults "
+                                          "costs against one that returns freed memory; null: not measured.",
+                                          unit=TIME, default=None)
     profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
                                      "`freed memory returned from the start, under the 2GiB memory cgroup`.",
                                      default=None)

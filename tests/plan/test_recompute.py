@@ -9,7 +9,7 @@ import pytest
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import backward, fit, footprint, recompute
 from hetero.plan.sections.recompute import gradients_of
-from hetero.plan.solve import PlanOptions, plan
+from hetero.plan.solve import PlanOptions, plan, predict
 from hetero.schema import files
 from hetero.schema.plan import UpdateInBackward
 from hetero.schema.profile import Block, Memory, Profile
@@ -122,3 +122,27 @@ def test_recomputing_is_counted_with_the_plans_own_gradients(cpu):
                    states=[replace(s, tier="nvme") for s in p.optimizer.states])
     gone = gradients_of(cpu, replace(p, optimizer=nvme))
     assert gone.gone_grads == {x.name for x in cpu.layers if x.params} and gone.step
+
+
+def test_every_block_recomputed_with_mallocs_defaults_is_planned_at_its_peak_and_step_measured_alone(cpu):
+    """Under a limit plain's own peak did not settle under, the profile measured every block recomputed with
+    malloc's defaults alone: that is a candidate at its measured peak and step, chosen where it is the faster fit."""
+    step = cpu.training.iteration_s
+    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
+                        returned_step_s=step, recomputed_peak_bytes=RETURNED - 50 * MiB,
+                        recomputed_step_s=0.5 * step)
+    p = plan(cpu, budget(RETURNED))
+    assert p.allocator is None and p.update_in_backward is None and p.optimizer is None
+    assert p.recompute.blocks == ["h.0", "h.1", "h.2", "h.3"]  # every block: the measured plan, not fewer
+    assert p.predicted.dram == {footprint.PLAIN_RECOMPUTED: RETURNED - 50 * MiB}
+    # its simulated iteration (the profile's steps returned freed memory), less what the measured step saves
+    assert p.predicted.iteration_s == pytest.approx(predict(cpu, p).iteration_s - 0.5 * step, rel=1e-6)
+    assert "every block, with malloc's defaults (measured alone" in p.budget.why
+    # slower than returning freed memory: not chosen where that fits; above the room: not a candidate
+    cpu.memory.recomputed_step_s = 1.1 * step
+    assert plan(cpu, budget(RETURNED)).allocator is not None
+    cpu.memory.recomputed_step_s, cpu.memory.recomputed_peak_bytes = 0.5 * step, RETURNED + 50 * MiB
+    assert plan(cpu, budget(RETURNED)).allocator is not None
+    # a plan edited to recompute fewer blocks is predicted as the profile's layers count it, not as measured
+    edited = replace(p, recompute=replace(p.recompute, blocks=p.recompute.blocks[1:]))
+    assert not recompute.measured_alone(cpu, edited)

@@ -18,6 +18,8 @@ def solve(step: Step) -> RecomputePlan | None:
 
 
 def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
+    if recompute.measured_alone(profile, plan):  # the peak measured so is the account's base (footprint)
+        return {}
     return {RECOMPUTED: -recompute.peak_drop(profile, plan.recompute, gradients_of(profile, plan))}
 
 
@@ -35,6 +37,11 @@ def gradients_of(profile: Profile, plan: Plan) -> Held:
 
 
 def cost_s(profile: Profile, plan: Plan) -> float:
+    """Each chosen block's forward once more; for every block recomputed with malloc's defaults as the profile
+    measured it alone, that step less plain training's with freed memory returned, measured beside it (the profile's
+    own steps returned freed memory: the difference may be a saving)."""
+    if recompute.measured_alone(profile, plan):
+        return profile.memory.recomputed_step_s - profile.memory.returned_step_s
     return recompute.cost_s(profile, plan.recompute)
 
 
