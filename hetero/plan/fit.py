@@ -70,7 +70,7 @@ class Candidate:
     @property
     def held_bytes(self) -> int:
         """The most its process may hold: the prediction, and with malloc's defaults their spread above it."""
-        return self.peak_bytes if self.plan.allocator is not None else int(self.peak_bytes * (1 + DEFAULTS_SPREAD))
+        return self.peak_bytes if self.plan.allocator is not None else with_spread(self.peak_bytes)
 
 
 def applies(profile, gpu, budget_source: str | None) -> bool:
@@ -220,6 +220,11 @@ def _in_backward_refused(ctx) -> str:
 def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
     return AllocatorPlan(mmap_threshold_bytes=AllocatorPlan.RETURNING, trim_threshold_bytes=AllocatorPlan.RETURNING,
                          from_bytes=from_bytes, why=why)
+
+
+def with_spread(peak_bytes: int) -> int:
+    """What a process that keeps malloc's defaults and is predicted at `peak_bytes` may hold (`DEFAULTS_SPREAD`)."""
+    return int(peak_bytes * (1 + DEFAULTS_SPREAD))
 
 
 def room_bytes(ctx) -> int:

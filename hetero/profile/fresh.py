@@ -137,9 +137,9 @@ def median(runs: list[Run | None]) -> Run | None:
 def fits(run: Run | None, room: int) -> bool:
     """Whether plain training that peaked as `run` did (None: past the room) can be planned as it is: with malloc's
     defaults' spread above it (hetero.plan.fit.DEFAULTS_SPREAD)."""
-    from hetero.plan.fit import DEFAULTS_SPREAD
+    from hetero.plan.fit import with_spread
 
-    return run is not None and run.peak_bytes * (1 + DEFAULTS_SPREAD) <= room
+    return run is not None and with_spread(run.peak_bytes) <= room
 
 
 def alone(memory: Memory, runs: list[Run | None], stop: int, recomputed: Recomputed | None = None) -> Memory:

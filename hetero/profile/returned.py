@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetero.plan.fit import DEFAULTS_SPREAD, room_of
+from hetero.plan.fit import room_of, with_spread
 from hetero.profile import fresh
 from hetero.run import allocator, process_memory
 from hetero.schema.plan import AllocatorPlan
@@ -195,7 +195,7 @@ def alone_argv(profile: Profile, budget_bytes: int, warmup: int, output: str, as
     if memory is None or not memory.dram_peak_estimated or profile.machine.gpu is not None or limit is None:
         return None
     room = room_of(budget_bytes)
-    if memory.dram_peak_bytes * (1 + DEFAULTS_SPREAD) >= room:
+    if with_spread(memory.dram_peak_bytes) >= room:
         return None
     return [sys.executable, "-m", "hetero.profile.fresh", output, str(room), str(limit), str(warmup + TIMED_STEPS),
             profile.training.steps_from, "json" if as_json else "text", script, *args]

@@ -327,13 +327,12 @@ class Memory:
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
                                "VmHWM less the file pages mapped then): the higher of the script run in 2 fresh "
                                "processes with malloc's defaults (`dram_peak_runs`), each until its peak settles "
-                               "(less than 2MiB more in two steps; at most "
-                               "12 steps, or to the script's own end, whose evaluation and saving then count); under a "
-                               "budget, in the profile's own process by the end of the measured steps, unless, under a "
-                               "memory limit, the script then ran alone in up to 3 fresh processes with malloc's "
-                               "defaults (two that agree end it) and their median settled below the budget's room (`profiled_under` says "
-                               "which); under "
-                               "torchrun or on a GPU, by the end of the warm-up steps, which run without the "
+                               "(less than 2MiB more in two steps; at most 12 steps, or to the script's own end, "
+                               "whose evaluation and saving then count); under a budget, in the profile's own "
+                               "process by the end of the measured steps, unless, under a memory limit, the script "
+                               "then ran alone in up to 3 fresh processes with malloc's defaults (two that agree end "
+                               "it) and their median settled below the budget's room (`profiled_under` says which); "
+                               "under torchrun or on a GPU, by the end of the warm-up steps, which run without the "
                                "profiler's hooks.", unit=SIZE, ge=0)
     gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
                                                unit=SIZE, ge=0, default=None)

@@ -28,7 +28,7 @@ def cpu(repo) -> Profile:
 def room_for(peak: int, returned: bool = False) -> int:
     """The least budget a plan predicting `peak` fits, headroom included, and where it keeps malloc's defaults
     (not `returned`) their spread."""
-    return fit.budget_for(peak if returned else int(peak * (1 + fit.DEFAULTS_SPREAD)))
+    return fit.budget_for(peak if returned else fit.with_spread(peak))
 
 
 def own_states(profile: Profile) -> int:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+from hetero.plan import fit
 from hetero.profile import fresh, returned
 from hetero.schema import files
 from hetero.schema.profile import Profile
@@ -88,7 +89,7 @@ def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(t
     room = returned.room_of(1 << 30)
     assert argv(profile) == [sys.executable, "-m", "hetero.profile.fresh", "out.yaml", str(room), str(1 << 30),
                              str(2 + returned.TIMED_STEPS), "optimizer", "text", "train.py", "--x"]
-    profile.memory = replace(profile.memory, dram_peak_bytes=int(room / (1 + returned.DEFAULTS_SPREAD)) + 1)
+    profile.memory = replace(profile.memory, dram_peak_bytes=int(room / (1 + fit.DEFAULTS_SPREAD)) + 1)
     assert argv(profile) is None  # the lower bound and malloc's spread above it fill the room: plain cannot fit
     profile.memory = replace(profile.memory, dram_peak_bytes=500 * MiB, dram_peak_estimated=False)
     assert argv(profile) is None  # measured already
