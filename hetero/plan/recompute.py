@@ -85,7 +85,8 @@ def measured_alone(profile: Profile, plan: Plan) -> bool:
     """`plan` recomputes every block the profile found recomputable with malloc's defaults: what `hetero profile`
     measured alone where plain training's own peak was not found (`recomputed_peak`, hetero.profile.fresh)."""
     m = profile.memory
-    if plan.allocator is not None or plan.recompute is None or m is None or m.recomputed_peak_bytes is None:
+    if plan.allocator is not None or plan.recompute is None or m is None or None in (
+            m.recomputed_peak_bytes, m.recomputed_step_s, m.returned_step_s):
         return False
     return set(plan.recompute.blocks) == {u.name for u in units(profile)[0]}
 

@@ -105,9 +105,10 @@ class Recomputed:
 
 def recomputed_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, room: int,
                      limit: int) -> Recomputed | None:
-    """Where plain training's own peak was not found: the script with every block the profile (`output`) found
-    recomputable recomputed and malloc's defaults, alone as plain training ran, after one process of plain training
-    with freed memory returned; None where no block can be recomputed or that process gave no step."""
+    """Where plain training cannot be planned (no peak settled below the room, or too near it for malloc's spread:
+    `fits`): the script with every block the profile (`output`) found recomputable recomputed and malloc's defaults,
+    alone as plain training ran, after one process of plain training with freed memory returned; None where no block
+    can be recomputed or that process gave no step."""
     from hetero.plan.solve import every_block_recomputed
     from hetero.schema import files
     from hetero.schema.profile import Profile
