@@ -16,9 +16,11 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
 - `recompute`: the blocks the profile found recomputable keep only their inputs, and backward runs their forward
   again (hetero.plan.recompute), with freed memory returned (`NEEDS`): time for memory, like the disk levers, so the
   fastest combination that fits decides between them; with it, the fewest blocks (most bytes saved per second
-  first) that keep the budget. Where the profile measured every block recomputed with malloc's defaults alone
-  (under a memory limit that plain training's own peak did not settle under), that is one more candidate, alone,
-  at its measured peak and step.
+  first) that keep the budget.
+
+Where the profile measured leaner plans with malloc's defaults alone (under a memory limit that plain training's own
+peak did not settle under with room for their spread; hetero.plan.alone: updates in backward, then every block
+recomputed), each is one more candidate, at its measured peak and step.
 
 A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
 I/O; `solve` builds and simulates each candidate.
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import recompute
+from hetero.plan import alone, in_backward, recompute
 from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.units import SIZE, short_time
 
@@ -85,7 +87,7 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
         why["allocator"] = "the profile did not measure the peak with freed memory returned (re-profile)"
     else:
         out.append("allocator")
-    why_not = _in_backward_refused(ctx)
+    why_not = in_backward.refused(ctx.profile, ctx.ranks, ctx.options.optimizer_device)
     if why_not:
         why["in_backward"] = why_not
     else:
@@ -136,11 +138,12 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
             if chosen not in seen:
                 p = solve(chosen)
                 seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
-    measured = frozenset({"recompute"})  # every block, malloc's defaults: as the profile measured it alone
-    if "recompute" in levers and forced <= {"allocator", "recompute"} and measured not in seen:
-        p = solve(measured)
-        if recompute.measured_alone(ctx.profile, p):
-            seen[measured] = Candidate(measured, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
+    for lean in ctx.profile.memory.measured_alone:  # as the profile measured them alone: malloc's defaults
+        chosen = frozenset(lean.levers)
+        if chosen <= set(levers) and forced <= chosen | {"allocator"} and chosen not in seen:
+            p = solve(chosen)
+            if alone.measured(ctx.profile, p):
+                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
     budget, room = ctx.dram_budget_bytes, room_bytes(ctx)
     base = seen[forced]
     fitting = [c for c in seen.values() if c.held_bytes <= room]
@@ -197,26 +200,6 @@ def floor_text(plan: Plan) -> str:
     return held + (f", less {saved}" if saved else "")
 
 
-def _in_backward_refused(ctx) -> str:
-    """Why the script's updates cannot move into backward ('' where they can)."""
-    training = ctx.profile.training
-    if training.optimizer == "none":
-        return "the script updates its parameters itself, without a torch.optim optimizer"
-    if training.optimizer == "other":
-        return "the script's optimizer is not Adam(W)"
-    if training.updates_wait:
-        return training.updates_wait
-    if training.clips_grad:
-        return "the script clips gradients, which needs them all"
-    if training.grad_accumulation > 1:
-        return f"the script accumulates {training.grad_accumulation} backward passes per step"
-    if ctx.ranks > 1:
-        return f"{ctx.ranks} ranks all-reduce their gradients"
-    if ctx.options.optimizer_device is not None:
-        return f"--optimizer-device {ctx.options.optimizer_device} gives the optimizer to hetero"
-    return ""
-
-
 def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
     return AllocatorPlan(mmap_threshold_bytes=AllocatorPlan.RETURNING, trim_threshold_bytes=AllocatorPlan.RETURNING,
                          from_bytes=from_bytes, why=why)
@@ -258,19 +241,20 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
     if best is base and not best.levers:
         return (f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits with "
                 f"{DEFAULTS_SPREAD:.0%} more for malloc's defaults' spread, nothing moved")
+    lean = alone.measured(ctx.profile, best.plan)
+    if lean is not None:
+        return (f"{source}: {_names(best.levers)}{', every block' if 'recompute' in best.levers else ''}, with "
+                f"malloc's defaults, measured alone after the profile: peak {SIZE.format_short(lean.peak_bytes)} "
+                f"({SIZE.format_short(best.held_bytes)} with their {DEFAULTS_SPREAD:.0%} spread), "
+                f"{short_time(lean.step_s)} per step against "
+                f"{short_time(ctx.profile.memory.returned_step_s)} for plain training with freed memory returned; the "
+                f"fastest of {fitting} combinations that fit (of {len(seen)} simulated)")
     parts = []
     for lever in (x for x in LEVERS if x in best.levers):
         # a lever's saving is counted without the levers that need it (they have their own line)
         dependents = {x for x, needed in NEEDS.items() if needed == lever}
         with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
         with_it = best if lever == "recompute" else with_it  # with the fewest blocks, not every block
-        if lever == "recompute" and "allocator" not in best.levers:
-            m = ctx.profile.memory
-            parts.append(f"{_NAMES[lever]}, every block, with malloc's defaults (measured alone after the profile: "
-                         f"peak {SIZE.format_short(m.recomputed_peak_bytes)}, {short_time(m.recomputed_step_s)} "
-                         f"per step against {short_time(m.returned_step_s)} for plain training with freed memory "
-                         "returned)")
-            continue
         if without is None:
             parts.append(f"{_NAMES[lever]} (--recompute)" if lever == "recompute" else
                          f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "

@@ -9,7 +9,8 @@ allocator keeps the memory they freed for the next ones, so the process's peak s
 starts from the peak the profile measured that way, and there evictions do lower it: by the simulated drop of
 the saved-activation peak. Recomputed blocks (the plan's `recompute`, which comes with freed memory returned) never
 hold what they would have saved, so they lower it by the level of saved activations and gradients at its highest
-through the step (hetero.plan.backward), as updates in backward do by the gradients that coexist there.
+through the step (hetero.plan.backward), as updates in backward do by the gradients that coexist there. A leaner
+plan the profile measured alone (hetero.plan.alone) starts from its measured peak instead, which counts them.
 
 `contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
 `hetero run` names its largest entries when the process nears the budget. Each section writes its own entries
@@ -18,7 +19,7 @@ through the step (hetero.plan.backward), as updates in backward do by the gradie
 
 from __future__ import annotations
 
-from hetero.plan import recompute
+from hetero.plan import alone
 from hetero.plan.choices import host_tier, static_bytes
 from hetero.plan.section import HostPeak
 from hetero.plan.sections import TABLE
@@ -35,10 +36,10 @@ __all__ = ["ADAM_STATE_BYTES_PER_PARAM", "BELOW_SWITCH", "EVICTED", "GRADS_FREED
 
 PLAIN = "plain training"  # its measured peak
 PLAIN_RETURNED = "plain training, memory returned"  # its peak measured with freed memory returned
-PLAIN_RECOMPUTED = "every block recomputed"  # its peak measured alone (hetero.plan.recompute.measured_alone)
+MEASURED_ALONE = "measured alone"  # a leaner plan's peak, measured so (hetero.plan.alone)
 MOVED_IN = "moved in from the gpu"
 # The order plans have always listed their entries in; an entry not here follows them, in the sections' order.
-ORDER = (PLAIN, PLAIN_RETURNED, PLAIN_RECOMPUTED, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED,
+ORDER = (PLAIN, PLAIN_RETURNED, MEASURED_ALONE, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED,
          RECOMPUTED, TIERING)
 
 
@@ -56,8 +57,9 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     the saved-activation peak in host memory (counted only where freed memory is returned)."""
     assert profile.memory is not None
     host, returned = host_tier(profile), returns_memory(profile, plan)
-    if recompute.measured_alone(profile, plan):
-        out = {PLAIN_RECOMPUTED: profile.memory.recomputed_peak_bytes}
+    lean = alone.measured(profile, plan)
+    if lean is not None:
+        out = {MEASURED_ALONE: lean.peak_bytes}
     elif returned:
         out = {PLAIN_RETURNED: profile.memory.dram_peak_returned_bytes}
     else:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetero.plan import backward
-from hetero.schema.plan import Plan, RecomputePlan
+from hetero.schema.plan import RecomputePlan
 from hetero.schema.profile import Block, Profile
 from hetero.units import SIZE, short_time
 
@@ -79,16 +79,6 @@ def chosen(profile: Profile, recomputed: RecomputePlan | None) -> list[Unit]:
     by_name = {b.name: b for b in profile.blocks}
     found = [_unit(profile, by_name[name]) for name in recomputed.blocks if name in by_name]
     return [u for u in found if u is not None]
-
-
-def measured_alone(profile: Profile, plan: Plan) -> bool:
-    """`plan` recomputes every block the profile found recomputable with malloc's defaults: what `hetero profile`
-    measured alone where plain training's own peak was not found (`recomputed_peak`, hetero.profile.fresh)."""
-    m = profile.memory
-    if plan.allocator is not None or plan.recompute is None or m is None or None in (
-            m.recomputed_peak_bytes, m.recomputed_step_s, m.returned_step_s):
-        return False
-    return set(plan.recompute.blocks) == {u.name for u in units(profile)[0]}
 
 
 def cost_s(profile: Profile, recomputed: RecomputePlan | None) -> float:

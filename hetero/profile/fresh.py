@@ -94,37 +94,52 @@ def runs_alone(script: str, args: list[str], steps: int, steps_from: str, stop: 
 
 
 @dataclass(frozen=True, slots=True)
-class Recomputed:
-    """Training with every block recomputed, alone: its processes with malloc's defaults, and one of plain training
-    with freed memory returned, the plan it competes with, whose step it is compared with."""
+class Tried:
+    """One leaner plan (hetero.plan.alone), its processes alone with malloc's defaults."""
 
+    levers: frozenset[str]
     runs: list[Run | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Leaner:
+    """The leaner plans run alone, in order, and one process of plain training with freed memory returned, the plan
+    they compete with, whose step they are compared with."""
+
+    tried: list[Tried]
     returned: Run
     stop: int
 
 
-def recomputed_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, room: int,
-                     limit: int) -> Recomputed | None:
+def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, room: int,
+                 limit: int) -> Leaner | None:
     """Where plain training cannot be planned (no peak settled below the room, or too near it for malloc's spread:
-    `fits`): the script with every block the profile (`output`) found recomputable recomputed and malloc's defaults,
-    alone as plain training ran, after one process of plain training with freed memory returned; None where no block
-    can be recomputed or that process gave no step."""
-    from hetero.plan.solve import every_block_recomputed
+    `fits`): the leaner plans the profile (`output`) allows (hetero.plan.alone.to_measure), each alone as plain
+    training ran, until one fits, after one process of plain training with freed memory returned; None where the
+    script allows none or that process gave no step."""
+    from hetero.plan import alone
+    from hetero.plan.solve import measured_alone
     from hetero.schema import files
     from hetero.schema.profile import Profile
 
-    plan = every_block_recomputed(files.load(output, expect=Profile), output)
-    if plan is None:
+    profile = files.load(output, expect=Profile)
+    wanted = alone.to_measure(profile)
+    if not wanted:
         return None
     stop = stop_at(room, limit)  # this process has grown by the planner's modules
     work = workdir.create(None, "returned", "TMPDIR")  # swept as the fresh processes' are
     try:
-        path = os.path.join(work.path, "plan.yaml")
-        files.save(plan, path)
         returned = run(script, args, steps, "returned", steps_from, stop)
         if returned is None:
             return None
-        return Recomputed(runs=runs_alone(script, args, steps, steps_from, stop, path), returned=returned, stop=stop)
+        tried: list[Tried] = []
+        for levers in wanted:
+            path = os.path.join(work.path, f"plan-{len(tried)}.yaml")
+            files.save(measured_alone(profile, output, levers), path)
+            tried.append(Tried(levers, runs_alone(script, args, steps, steps_from, stop, path)))
+            if fits(median(tried[-1].runs), room):
+                break
+        return Leaner(tried=tried, returned=returned, stop=stop)
     finally:
         work.remove()
 
@@ -143,9 +158,9 @@ def fits(run: Run | None, room: int) -> bool:
     return run is not None and with_spread(run.peak_bytes) <= room
 
 
-def alone(memory: Memory, runs: list[Run | None], stop: int, recomputed: Recomputed | None = None) -> Memory:
+def alone(memory: Memory, runs: list[Run | None], stop: int, leaner: Leaner | None = None) -> Memory:
     """The profile's `memory` once plain training ran alone: its own peak, the median of `runs`, where that settled
-    below `stop`, else the estimate as it was, and what `recomputed` measured; each said in `profiled_under`."""
+    below `stop`, else the estimate as it was, and what the `leaner` plans measured; each said in `profiled_under`."""
     from dataclasses import replace
 
     from hetero.units import SIZE, measured
@@ -163,13 +178,31 @@ def alone(memory: Memory, runs: list[Run | None], stop: int, recomputed: Recompu
                          default_step_s=measured(middle.step_s),
                          profiled_under=f"{memory.profiled_under}; plain training's own peak then measured alone, "
                                         f"the median of {len(runs)} fresh processes with malloc's defaults")
-    rebuilt = median(recomputed.runs) if recomputed is not None else None
-    if rebuilt is None:
+    if leaner is None:
         return memory
-    return replace(memory, recomputed_peak_bytes=rebuilt.peak_bytes, recomputed_step_s=measured(rebuilt.step_s),
-                   returned_step_s=measured(recomputed.returned.step_s),
-                   profiled_under=f"{memory.profiled_under}; with every block recomputed, its peak measured alone "
-                                  f"the same way (the median of {len(recomputed.runs)} processes)")
+    from hetero.schema.profile import MeasuredAlone
+
+    found = [(t, median(t.runs)) for t in leaner.tried]
+    records = [MeasuredAlone(levers=sorted(t.levers), peak_bytes=m.peak_bytes, step_s=measured(m.step_s))
+               for t, m in found if m is not None]
+    if not records:
+        return memory
+    return replace(memory, measured_alone=records, returned_step_s=measured(leaner.returned.step_s),
+                   profiled_under=f"{memory.profiled_under}; leaner plans with malloc's defaults then measured alone "
+                                  f"the same way: {'; '.join(_said(t, m, leaner) for t, m in found)}")
+
+
+def _said(tried: Tried, found: Run | None, leaner: Leaner) -> str:
+    from hetero.units import SIZE
+
+    what = " and ".join(LEANER_NAMES[x] for x in sorted(tried.levers))
+    if found is None:
+        return f"{what}: no peak settled below {SIZE.format_short(leaner.stop)}"
+    return (f"{what}: {SIZE.format_short(found.peak_bytes)} (the median of {len(tried.runs)} processes), "
+            f"{found.step_s / leaner.returned.step_s:.2f}x the step of plain training with freed memory returned")
+
+
+LEANER_NAMES = {"in_backward": "updates in backward", "recompute": "every block recomputed"}
 
 
 def main(argv: list[str]) -> int:
@@ -181,7 +214,7 @@ def main(argv: list[str]) -> int:
     stop = stop_at(room, limit)
     try:
         runs = runs_alone(script, args, steps, steps_from, stop)
-        recomputed = recomputed_alone(output, script, args, steps, steps_from, room, limit) \
+        leaner = leaner_alone(output, script, args, steps, steps_from, room, limit) \
             if not fits(median(runs), room) else None
     except KeyboardInterrupt:
         print(f"hetero: interrupted while plain training ran alone; {output} is written, plain's peak estimated",
@@ -192,7 +225,7 @@ def main(argv: list[str]) -> int:
     from hetero.units import SIZE
 
     profile = files.load(output, expect=Profile)
-    profile.memory = alone(profile.memory, runs, stop, recomputed)
+    profile.memory = alone(profile.memory, runs, stop, leaner)
     files.save(profile, output, header(script))
     middle = median(runs)
     if form == "json":
@@ -204,13 +237,8 @@ def main(argv: list[str]) -> int:
     else:
         print(f"plain peak: {SIZE.format_short(middle.peak_bytes)} measured alone (the median of {len(runs)} fresh "
               f"processes with malloc's defaults, each once its peak settled), written to {output}")
-    if recomputed is not None:
-        rebuilt = median(recomputed.runs)
-        print("recomputed peak: every block recomputed with malloc's defaults, run alone, "
-              + (f"peaked at {SIZE.format_short(rebuilt.peak_bytes)} (the median of {len(recomputed.runs)} "
-                 f"processes), {rebuilt.step_s / recomputed.returned.step_s:.2f}x the step of plain training with "
-                 "freed memory returned" if rebuilt is not None else
-                 f"gave no peak settled below {SIZE.format_short(recomputed.stop)}"))
+    for tried in leaner.tried if leaner is not None else []:
+        print(f"leaner plan alone: {_said(tried, median(tried.runs), leaner)}")
     return 0
 
 

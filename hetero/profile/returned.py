@@ -22,9 +22,9 @@ Two ways, one per case:
   script alone with malloc's defaults (`alone_argv`, hetero.profile.fresh), and takes its peak where it settled
   below the room: plain training that fits by a few percent (train_gpt 3 x 768 under 768 MiB, 680-727 MiB) is
   then planned as plain training, not with the page faults of memory returned from the start. Where it did not,
-  the same is done for plain training with every block recomputed (`hetero.plan.solve.every_block_recomputed`, run
-  by `hetero run`'s runtime in the fresh processes), and once with freed memory returned, whose step it is compared
-  with: recomputation with malloc's defaults, measured so, is a plan of its own.
+  the same is done for leaner plans (hetero.plan.alone: the script's updates in backward, then every block
+  recomputed; run by `hetero run`'s runtime in the fresh processes), after one process with freed memory returned,
+  whose step they are compared with: each, measured so, is a plan of its own.
 
 `python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward STOP_AT PLAN|- SCRIPT [ARGS]` is the
 fresh process (started by hetero.profile.fresh with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a

@@ -320,6 +320,20 @@ class Layer:
 
 
 @dataclass(kw_only=True, slots=True)
+class MeasuredAlone:
+    """A plan with malloc's defaults that `hetero profile` ran alone under its memory limit, as `hetero run` would
+    carry it out (hetero.plan.alone), and what it measured."""
+
+    levers: list[Literal["in_backward", "recompute"]] = doc(
+        "What the plan turns on: `in_backward`, the script's own optimizer updating each parameter in backward; "
+        "`recompute`, every block the profile found recomputable recomputed.")
+    peak_bytes: int = doc("Its peak, as `dram_peak` counts it: the median of up to 3 fresh processes (two that agree "
+                          "end it), where it settled below the budget's room.", unit=SIZE, ge=0)
+    step_s: float = doc("Those processes' step time; with `returned_step`, measured alone beside them, what the plan "
+                        "costs against plain training with freed memory returned.", unit=TIME)
+
+
+@dataclass(kw_only=True, slots=True)
 class Memory:
     """What the whole process held while the script trained as it is (its warm-up steps, before the profiler's
     hooks): what plain training costs, interpreter, libraries and allocator slack included."""
@@ -356,16 +370,12 @@ class Memory:
     default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
                                        "`returned_step` less this is what returning memory costs a step (page "
                                        "faults); null: not measured.", unit=TIME, default=None)
-    recomputed_peak_bytes: int | None = doc("Under a memory limit where plain training's own peak was not found "
-                                            "below the budget's room: the peak (as `dram_peak` counts it) of the "
-                                            "script with every block that can be recomputed recomputed and "
-                                            "malloc's defaults, measured alone after the profile as plain's is "
-                                            "(the median of up to 3 fresh processes), where it settled below the "
-                                            "room; null: not measured.", unit=SIZE, ge=0, default=None)
-    recomputed_step_s: float | None = doc("Those processes' step time; with `returned_step`, measured alone beside "
-                                          "them, what a plan of every block recomputed with malloc's defaults "
-                                          "costs against one that returns freed memory; null: not measured.",
-                                          unit=TIME, default=None)
+    measured_alone: list[MeasuredAlone] = doc("Under a memory limit where plain training's own peak was not found "
+                                              "with room for malloc's spread below the budget's room: leaner plans "
+                                              "with malloc's defaults, each measured alone after the profile as "
+                                              "plain's is, in the order they ran (the next only where the one before "
+                                              "did not fit); empty: none measured.", default_factory=list,
+                                              added=True)
     profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
                                      "`freed memory returned from the start, under the 2GiB memory cgroup`.",
                                      default=None)

@@ -5,7 +5,7 @@ import pytest
 
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import backward, fit, footprint
-from hetero.plan.sections.update_in_backward import grads_freed_in_backward
+from hetero.plan.in_backward import grads_freed_in_backward
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
 from hetero.schema.profile import Memory, Profile

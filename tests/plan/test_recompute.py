@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import backward, fit, footprint, recompute
+from hetero.plan import alone, backward, fit, footprint, recompute
 from hetero.plan.sections.recompute import gradients_of
 from hetero.plan.solve import PlanOptions, plan, predict
 from hetero.schema import files
 from hetero.schema.plan import UpdateInBackward
-from hetero.schema.profile import Block, Memory, Profile
+from hetero.schema.profile import Block, MeasuredAlone, Memory, Profile
 
 MiB = 2**20
 PLAIN, RETURNED = 900 * MiB, 700 * MiB
@@ -128,21 +128,41 @@ def test_every_block_recomputed_with_mallocs_defaults_is_planned_at_its_peak_and
     """Under a limit plain's own peak did not settle under, the profile measured every block recomputed with
     malloc's defaults alone: that is a candidate at its measured peak and step, chosen where it is the faster fit."""
     step = cpu.training.iteration_s
+    lean = MeasuredAlone(levers=["recompute"], peak_bytes=RETURNED - 50 * MiB, step_s=0.5 * step)
     cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
-                        returned_step_s=step, recomputed_peak_bytes=RETURNED - 50 * MiB,
-                        recomputed_step_s=0.5 * step)
+                        returned_step_s=step, measured_alone=[lean])
     p = plan(cpu, budget(RETURNED))
     assert p.allocator is None and p.update_in_backward is None and p.optimizer is None
     assert p.recompute.blocks == ["h.0", "h.1", "h.2", "h.3"]  # every block: the measured plan, not fewer
-    assert p.predicted.dram == {footprint.PLAIN_RECOMPUTED: RETURNED - 50 * MiB}
+    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED - 50 * MiB}
     # its simulated iteration (the profile's steps returned freed memory), less what the measured step saves
     assert p.predicted.iteration_s == pytest.approx(predict(cpu, p).iteration_s - 0.5 * step, rel=1e-6)
-    assert "every block, with malloc's defaults (measured alone" in p.budget.why
+    assert "every block, with malloc's defaults, measured alone" in p.budget.why
     # slower than returning freed memory: not chosen where that fits; above the room: not a candidate
-    cpu.memory.recomputed_step_s = 1.1 * step
+    lean.step_s = 1.1 * step
     assert plan(cpu, budget(RETURNED)).allocator is not None
-    cpu.memory.recomputed_step_s, cpu.memory.recomputed_peak_bytes = 0.5 * step, RETURNED + 50 * MiB
+    lean.step_s, lean.peak_bytes = 0.5 * step, RETURNED + 50 * MiB
     assert plan(cpu, budget(RETURNED)).allocator is not None
     # a plan edited to recompute fewer blocks is predicted as the profile's layers count it, not as measured
     edited = replace(p, recompute=replace(p.recompute, blocks=p.recompute.blocks[1:]))
-    assert not recompute.measured_alone(cpu, edited)
+    assert alone.measured(cpu, edited) is None
+
+
+def test_updates_in_backward_measured_alone_are_planned_before_recomputation(cpu):
+    """Updates in backward cost no time: measured alone under the room, they are the plan, with no block
+    recomputed; the planner takes the measured peak, not plain's estimate less the gradients."""
+    step = cpu.training.iteration_s
+    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
+                        returned_step_s=step, measured_alone=[
+                            MeasuredAlone(levers=["in_backward"], peak_bytes=RETURNED - 40 * MiB, step_s=0.7 * step),
+                            MeasuredAlone(levers=["in_backward", "recompute"], peak_bytes=RETURNED // 2,
+                                          step_s=0.8 * step)])
+    p = plan(cpu, budget(RETURNED))
+    assert p.allocator is None and p.recompute is None and p.update_in_backward is not None
+    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED - 40 * MiB}
+    assert p.predicted.iteration_s == pytest.approx(predict(cpu, p).iteration_s - 0.3 * step, rel=1e-6)
+    assert "updating each parameter in backward" in p.budget.why and "measured alone" in p.budget.why
+    # where only the leaner of the two fits, it is the plan
+    p = plan(cpu, PlanOptions(dram_budget_bytes=fit.budget_for(fit.with_spread(RETURNED // 2))))
+    assert p.allocator is None and p.recompute is not None and p.update_in_backward is not None
+    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED // 2}

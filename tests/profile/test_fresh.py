@@ -95,17 +95,22 @@ def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(t
     assert argv(profile) is None  # measured already
 
 
-def test_every_block_recomputed_alone_is_taken_where_plain_cannot_be_planned(tmp_path):
+def test_leaner_plans_alone_are_taken_where_plain_cannot_be_planned(tmp_path):
     memory = files.load(estimated(tmp_path), expect=Profile).memory
     returned_run, run = fresh.Run(peak_bytes=90 * MiB, step_s=1.0, steps=3), fresh.Run(80 * MiB, 1.2, 3)
-    recomputed = fresh.Recomputed(runs=[run, fresh.Run(70 * MiB, 1.1, 3)], returned=returned_run, stop=200 * MiB)
-    taken = fresh.alone(memory, [None, None], 200 * MiB, recomputed)
-    assert taken.dram_peak_estimated and (taken.recomputed_peak_bytes, taken.recomputed_step_s) == (80 * MiB, 1.2)
-    assert taken.returned_step_s == 1.0 and "with every block recomputed" in taken.profiled_under
+    leaner = fresh.Leaner(tried=[fresh.Tried(frozenset({"in_backward"}), [None, None]),
+                                 fresh.Tried(frozenset({"recompute", "in_backward"}),
+                                             [run, fresh.Run(70 * MiB, 1.1, 3)])],
+                          returned=returned_run, stop=200 * MiB)
+    taken = fresh.alone(memory, [None, None], 200 * MiB, leaner)
+    assert taken.dram_peak_estimated and taken.returned_step_s == 1.0
+    assert [(r.levers, r.peak_bytes, r.step_s) for r in taken.measured_alone] == \
+        [(["in_backward", "recompute"], 80 * MiB, 1.2)]  # the one that gave no peak is said, not recorded
+    assert "updates in backward: no peak settled" in taken.profiled_under
     # plain settled under the room, but too near it for malloc's spread: both are kept
     near = fresh.Run(peak_bytes=195 * MiB, step_s=0.9, steps=3)
     assert not fresh.fits(near, 200 * MiB) and fresh.fits(fresh.Run(180 * MiB, 0.9, 3), 200 * MiB)
-    taken = fresh.alone(memory, [near, near], 200 * MiB, recomputed)
+    taken = fresh.alone(memory, [near, near], 200 * MiB, leaner)
     assert not taken.dram_peak_estimated and taken.dram_peak_bytes == 195 * MiB
-    assert taken.recomputed_peak_bytes == 80 * MiB
-    assert fresh.alone(memory, [None, None], 200 * MiB).recomputed_peak_bytes is None
+    assert [r.peak_bytes for r in taken.measured_alone] == [80 * MiB]
+    assert fresh.alone(memory, [None, None], 200 * MiB).measured_alone == []
