@@ -6,6 +6,9 @@ process, torch loaded (150 MiB here before any tensor), would not leave room for
 `stop_at` bounds the fresh process: a thread in it reads its resident memory every `POLL_S` and ends it (exit
 `STOPPED`) once it holds that much, before a memory limit above would kill it (the limit's killer would pick the
 largest process of the cgroup, and a user's cgroup records each kill).
+
+Where plain training alone leaves no room for malloc's spread, `leaner_alone` runs the leaner plans the same way
+(hetero.plan.alone), each under `hetero run`'s runtime, until one fits.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ RUNS = 3
 POLL_S = 0.002  # filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM (hetero.run.allocator): ~10 in this
 # How far past `stop_at` the process may get before the thread sees it: what one poll can add, with room to spare.
 OVERSHOOT_BYTES = 16 << 20
+LEANER_NAMES = {"in_backward": "updates in backward", "recompute": "every block recomputed"}  # hetero.plan.alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +189,6 @@ def alone(memory: Memory, runs: list[Run | None], stop: int, leaner: Leaner | No
     found = [(t, median(t.runs)) for t in leaner.tried]
     records = [MeasuredAlone(levers=sorted(t.levers), peak_bytes=m.peak_bytes, step_s=measured(m.step_s))
                for t, m in found if m is not None]
-    if not records:
-        return memory
     return replace(memory, measured_alone=records, returned_step_s=measured(leaner.returned.step_s),
                    profiled_under=f"{memory.profiled_under}; leaner plans with malloc's defaults then measured alone "
                                   f"the same way: {'; '.join(_said(t, m, leaner) for t, m in found)}")
@@ -200,9 +202,6 @@ def _said(tried: Tried, found: Run | None, leaner: Leaner) -> str:
         return f"{what}: no peak settled below {SIZE.format_short(leaner.stop)}"
     return (f"{what}: {SIZE.format_short(found.peak_bytes)} (the median of {len(tried.runs)} processes), "
             f"{found.step_s / leaner.returned.step_s:.2f}x the step of plain training with freed memory returned")
-
-
-LEANER_NAMES = {"in_backward": "updates in backward", "recompute": "every block recomputed"}
 
 
 def main(argv: list[str]) -> int:

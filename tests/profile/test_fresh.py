@@ -114,3 +114,6 @@ def test_leaner_plans_alone_are_taken_where_plain_cannot_be_planned(tmp_path):
     assert not taken.dram_peak_estimated and taken.dram_peak_bytes == 195 * MiB
     assert [r.peak_bytes for r in taken.measured_alone] == [80 * MiB]
     assert fresh.alone(memory, [None, None], 200 * MiB).measured_alone == []
+    nothing = fresh.Leaner(tried=leaner.tried[:1], returned=returned_run, stop=200 * MiB)
+    taken = fresh.alone(memory, [None, None], 200 * MiB, nothing)
+    assert taken.measured_alone == [] and "updates in backward: no peak settled" in taken.profiled_under
