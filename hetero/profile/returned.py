@@ -57,9 +57,9 @@ TIMED_STEPS = 2
 SETTLE_STEPS = 2  # steps in a row that must leave the peak where it was
 SETTLE_BYTES = 2 << 20  # what "where it was" allows: the peak's own noise between steps
 MAX_STEPS = 12  # a peak still rising by then rises with the script's own state (a list of losses), not the heap's
-# Fresh processes with malloc's defaults: the higher peak of two, as two agreeing processes alone under a limit end
-# theirs (hetero.profile.fresh.runs_alone): on the safe side of a median of three (train_gpt 3 x 768's spread
-# 680-735 MiB), for one start of the script less in every profile.
+# Fresh processes with malloc's defaults: the median (mean) of two, as two agreeing processes alone under a limit end
+# theirs (hetero.profile.fresh.runs_alone), for one start of the script less in every profile than three; the
+# higher of two, taken before, predicted train_gpt 6 x 256 at 1.366 GiB where six runs measured 1.23-1.32 GiB.
 DEFAULT_RUNS = 2
 
 
@@ -95,7 +95,7 @@ def restore() -> None:
 def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimizer",
             progress: Callable[[int, int], None] | None = None) -> Returned | None:
     """The script's peak and step time with freed memory returned (one fresh process: that peak is the same in
-    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes: with two, the higher),
+    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes: of two, their mean),
     its steps counted as the profile counted them (`steps_from`: optimizer steps, or backward calls); None when it
     could not run that many steps (or malloc is not glibc). `progress(done, total)` follows the processes."""
     total = 1 + DEFAULT_RUNS

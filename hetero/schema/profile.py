@@ -339,7 +339,7 @@ class Memory:
     hooks): what plain training costs, interpreter, libraries and allocator slack included."""
 
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
-                               "VmHWM less the file pages mapped then): the higher of the script run in 2 fresh "
+                               "VmHWM less the file pages mapped then): the mean of the script run in 2 fresh "
                                "processes with malloc's defaults (`dram_peak_runs`), each until its peak settles "
                                "(less than 2MiB more in two steps; at most 12 steps, or to the script's own end, "
                                "whose evaluation and saving then count); under a budget, in the profile's own "

@@ -83,7 +83,6 @@ def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
 
 
 @needs_cgroups
-@needs_cgroups
 @pytest.mark.timeout(600)
 def test_plain_training_that_fits_the_limit_is_measured_alone_and_planned_as_plain(tmp_path, cuda_reported):
     """Under a limit plain training needs more than a quarter of, the profile runs with freed memory returned and
@@ -99,8 +98,8 @@ def test_plain_training_that_fits_the_limit_is_measured_alone_and_planned_as_pla
     assert (result.exit_code, result.oom_killed) == (0, False), log[-3000:]
     memory = files.load(tmp_path / "profile.yaml", expect=Profile).memory
     assert not memory.dram_peak_estimated and "measured alone" in memory.profiled_under, memory.profiled_under
-    runs = memory.dram_peak_runs_bytes  # two processes alone settled well under the room: the higher of them
-    assert len(runs) == 2 and memory.dram_peak_bytes == max(runs) < 400 * 2**20
+    runs = memory.dram_peak_runs_bytes  # two processes alone settled well under the room: their mean
+    assert len(runs) == 2 and memory.dram_peak_bytes == sum(runs) // 2 < 400 * 2**20
     assert "plain peak: " in log.splitlines()[-1] and "measured alone" in log.splitlines()[-1]
     plan = subprocess.run([*HETERO, "plan"], cwd=tmp_path, capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr

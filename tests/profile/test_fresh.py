@@ -8,6 +8,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from hetero.plan import fit
 from hetero.profile import fresh, returned
 from hetero.schema import files
@@ -46,6 +48,8 @@ def test_a_fresh_process_that_reaches_stop_at_ends_itself_and_leaves_nothing(tmp
 def test_the_median_of_the_runs_alone_counts_a_run_without_a_peak_above_every_other(monkeypatch):
     a, b = fresh.Run(peak_bytes=700 * MiB, step_s=0.1, steps=4), fresh.Run(peak_bytes=690 * MiB, step_s=0.2, steps=4)
     assert fresh.median([a, None, b]) == a and fresh.median([None, b, None]) is None and fresh.median([b]) == b
+    assert fresh.median([a, b]) == fresh.Run(peak_bytes=695 * MiB, step_s=pytest.approx(0.15), steps=4)
+    assert fresh.median([a, None]) is None
     calls = []
     monkeypatch.setattr(fresh, "run", lambda *args: calls.append(args) or None)
     assert fresh.runs_alone("train.py", [], 3, "optimizer", 1 << 30) == [None, None] and len(calls) == 2
@@ -105,14 +109,14 @@ def test_leaner_plans_alone_are_taken_where_plain_cannot_be_planned(tmp_path):
     taken = fresh.alone(memory, [None, None], 200 * MiB, leaner)
     assert taken.dram_peak_estimated and taken.returned_step_s == 1.0
     assert [(r.levers, r.peak_bytes, r.step_s) for r in taken.measured_alone] == \
-        [(["in_backward", "recompute"], 80 * MiB, 1.2)]  # the one that gave no peak is said, not recorded
+        [(["in_backward", "recompute"], 75 * MiB, pytest.approx(1.15))]  # the one that gave no peak is said only
     assert "updates in backward: no peak settled" in taken.profiled_under
     # plain settled under the room, but too near it for malloc's spread: both are kept
     near = fresh.Run(peak_bytes=195 * MiB, step_s=0.9, steps=3)
     assert not fresh.fits(near, 200 * MiB) and fresh.fits(fresh.Run(180 * MiB, 0.9, 3), 200 * MiB)
     taken = fresh.alone(memory, [near, near], 200 * MiB, leaner)
     assert not taken.dram_peak_estimated and taken.dram_peak_bytes == 195 * MiB
-    assert [r.peak_bytes for r in taken.measured_alone] == [80 * MiB]
+    assert [r.peak_bytes for r in taken.measured_alone] == [75 * MiB]
     assert fresh.alone(memory, [None, None], 200 * MiB).measured_alone == []
     nothing = fresh.Leaner(tried=leaner.tried[:1], returned=returned_run, stop=200 * MiB)
     taken = fresh.alone(memory, [None, None], 200 * MiB, nothing)
