@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 411 s of tests from a fresh clone on the
-# 2-core VM against 644 s one at a time (README).
+# Two workers, a test file each (module fixtures stay with their tests): 439 s of tests from a fresh clone on the
+# 2-core VM, against 644 s one at a time at an earlier commit (README).
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
