@@ -138,6 +138,8 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
             return None
         tried: list[Tried] = []
         for levers in wanted:
+            print(f"measuring {' and '.join(LEANER_NAMES[x] for x in sorted(levers))} alone, with malloc's defaults "
+                  "...", file=sys.stderr, flush=True)  # a few processes of the script each: minutes on a large one
             path = os.path.join(work.path, f"plan-{len(tried)}.yaml")
             files.save(measured_alone(profile, output, levers), path)
             tried.append(Tried(levers, runs_alone(script, args, steps, steps_from, stop, path)))
