@@ -16,6 +16,8 @@ from hetero.plan import in_backward, recompute, routing
 from hetero.schema.plan import Plan
 from hetero.schema.profile import MeasuredAlone, Profile
 
+NAMES = {"in_backward": "updates in backward", "recompute": "every block recomputed"}  # what the profile says
+
 
 def to_measure(profile: Profile) -> list[frozenset[str]]:
     """The leaner plans' levers (hetero.plan.fit.LEVERS), in the order the profile runs them."""
@@ -25,6 +27,11 @@ def to_measure(profile: Profile) -> list[frozenset[str]]:
     if blocks:
         out.append(frozenset({"recompute", "in_backward"} if updates else {"recompute"}))
     return out
+
+
+def named(levers: frozenset[str]) -> str:
+    """A leaner plan as the profile names it: `updates in backward and every block recomputed`."""
+    return " and ".join(NAMES[x] for x in sorted(levers))
 
 
 def levers_of(profile: Profile, plan: Plan) -> frozenset[str] | None:

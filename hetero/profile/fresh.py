@@ -33,7 +33,6 @@ RUNS = 3
 POLL_S = 0.002  # filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM (hetero.run.allocator): ~10 in this
 # How far past `stop_at` the process may get before the thread sees it: what one poll can add, with room to spare.
 OVERSHOOT_BYTES = 16 << 20
-LEANER_NAMES = {"in_backward": "updates in backward", "recompute": "every block recomputed"}  # hetero.plan.alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +137,8 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
             return None
         tried: list[Tried] = []
         for levers in wanted:
-            print(f"measuring {' and '.join(LEANER_NAMES[x] for x in sorted(levers))} alone, with malloc's defaults "
-                  "...", file=sys.stderr, flush=True)  # a few processes of the script each: minutes on a large one
+            print(f"measuring {alone.named(levers)} alone, with malloc's defaults ...", file=sys.stderr,
+                  flush=True)  # a few processes of the script each: minutes on a large one
             path = os.path.join(work.path, f"plan-{len(tried)}.yaml")
             files.save(measured_alone(profile, output, levers), path)
             tried.append(Tried(levers, runs_alone(script, args, steps, steps_from, stop, path)))
@@ -156,9 +155,10 @@ def median(runs: list[Run | None]) -> Run | None:
     peak anywhere in a spread of ~8% from process to process (train_gpt 6 x 256 after 12 steps: 1307-1410 MiB),
     and the prediction is that spread's middle; the fit adds the spread above it (hetero.plan.fit.DEFAULTS_SPREAD)."""
     ordered = sorted(runs, key=lambda r: r.peak_bytes if r is not None else float("inf"))
-    if len(ordered) % 2 or not ordered:
-        return ordered[len(ordered) // 2] if ordered else None
-    low, high = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    low, high = (ordered[middle - 1], ordered[middle]) if ordered else (None, None)
     if low is None or high is None:
         return None
     return Run(peak_bytes=(low.peak_bytes + high.peak_bytes) // 2, step_s=(low.step_s + high.step_s) / 2,
@@ -206,9 +206,10 @@ def alone(memory: Memory, runs: list[Run | None], stop: int, leaner: Leaner | No
 
 
 def _said(tried: Tried, found: Run | None, leaner: Leaner) -> str:
+    from hetero.plan.alone import named
     from hetero.units import SIZE
 
-    what = " and ".join(LEANER_NAMES[x] for x in sorted(tried.levers))
+    what = named(tried.levers)
     if found is None:
         return f"{what}: no peak settled below {SIZE.format_short(leaner.stop)}"
     return (f"{what}: {SIZE.format_short(found.peak_bytes)} (the median of {len(tried.runs)} processes), "
