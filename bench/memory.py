@@ -1,14 +1,17 @@
 """What the whole process pays: plain PyTorch against `hetero run` under one or more plans, in one run.
 
     .venv/bin/python bench/memory.py [--script gpt|heldout] [--sizes 4x256x8x128 6x256x16x256] [--vocab N]
-                                     [--pairs 3] [--steps 8] [--plans "default; --optimizer-device host"]
+                                     [--pairs 3] [--steps 16] [--plans "default; --optimizer-device host"]
                                      [--limit 0.5x|SIZE] [--env MALLOC_MMAP_THRESHOLD_=131072]
                                      [--machine PROFILE] [--profile FILE]
 
 For each size (layers x width x batch x context of examples/train_gpt.py, or of bench/heldout_lm.py with
 `--script heldout`) this profiles the script once, makes one plan per `--plans` entry (flags of `hetero plan`, or
 `default`; entries separated by ';') from that profile, then runs plain and `hetero run` under every plan in interleaved rounds,
-each a fresh process. Every process runs in a memory cgroup of its own (bench/cgroup.py; as root), and its peak is
+each a fresh process. The profile and the runs run the same command, `--steps` included: a plan predicts the peak of
+the training it was profiled on, and plain training's peak with malloc's defaults still rises after its sixth step
+(train_gpt 6 x 256: a median of 1289 MiB over 4 processes of 6 steps, 1342 MiB of 16; docs/benchmarks.md, round
+nine). Every process runs in a memory cgroup of its own (bench/cgroup.py; as root), and its peak is
 the cgroup's `memory.max_usage_in_bytes`: what a memory limit counts. Without root it falls back to wait4's
 `ru_maxrss` (VmHWM, which counts library file pages a cgroup does not) and says so. It prints per configuration the
 median peak and step time (steps after the second, from the script's own clock) with their ranges, the ratios to
@@ -48,7 +51,6 @@ from hetero.schema.plan import Plan  # noqa: E402
 from hetero.units import SIZE  # noqa: E402
 
 HETERO = [sys.executable, "-m", "hetero"]
-PROFILE_STEPS = 16
 ENV = {"GOMP_SPINCOUNT": "1000"} | dict(os.environ)
 STEP = re.compile(r"step\s+(\d+)\s+loss ([\d.]+)\s+(\d+) ms/step")
 
@@ -123,7 +125,7 @@ def measure_size(script: str, size: str, args: argparse.Namespace, env: dict[str
     else:
         profile = [*HETERO, "profile", "--nvme", str(work / "disk"),
                    *(["--machine", args.machine] if args.machine else []),
-                   *script_args(script, size, max(args.steps, PROFILE_STEPS), args.vocab)]
+                   *argv]
         code, profile_peak, text = run(profile, work, {}, limit, check=False)
         if code != 0:
             return [f"{size}: hetero profile under {SIZE.format_short(limit)} exited {code}: {text[-300:]}"]
@@ -191,7 +193,7 @@ def main() -> None:
                    help="layers x width x batch x context")
     p.add_argument("--vocab", type=int, default=None, help="default: 4096 (gpt), 8192 (heldout)")
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16, help="the script's steps, profiled and run")
     p.add_argument("--plans", default="default", help="plans to run, separated by ';': flags of `hetero plan`, or "
                                                       "`default` (e.g. \"default; --optimizer-device host\")")
     p.add_argument("--limit", default=None, help="profile, plan and run hetero under this cgroup limit "
