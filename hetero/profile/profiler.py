@@ -204,10 +204,10 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
     # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
     if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
-        total = 1 + returned.DEFAULT_RUNS
-        session.progress("malloc's settings", 0, total)
+        session.progress("malloc's settings", 0, 1 + returned.DEFAULT_RUNS)
         found = returned.measure(script, args, options.warmup_on(session.device), session.steps_from,
                                  lambda done, n: session.progress("malloc's settings", done, n))
+        total = 1 + (len(found.default_peaks_bytes) if found is not None else returned.DEFAULT_RUNS)
         session.progress("malloc's settings", total, total)
         if found is not None:  # plain training's own peak, settled, without hooks: what a plain process pays
             session.memory.dram_peak_bytes = found.default_peak_bytes

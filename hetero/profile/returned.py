@@ -61,6 +61,9 @@ MAX_STEPS = 12  # a peak still rising by then rises with the script's own state 
 # theirs (hetero.profile.fresh.runs_alone), for one start of the script less in every profile than three; the
 # higher of two, taken before, predicted train_gpt 6 x 256 at 1.366 GiB where six runs measured 1.23-1.32 GiB.
 DEFAULT_RUNS = 2
+# ... and a third where those two disagree by more than malloc's spread (hetero.plan.fit.DEFAULTS_SPREAD): heldout_lm
+# 8 x 256's two peaked at 1.06 and 1.18 GiB, their mean 2% above the 1.09-1.12 GiB of six planned processes.
+MOST_RUNS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +98,16 @@ def restore() -> None:
 def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimizer",
             progress: Callable[[int, int], None] | None = None) -> Returned | None:
     """The script's peak and step time with freed memory returned (one fresh process: that peak is the same in
-    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes: of two, their mean),
+    every run), and with malloc's defaults (the median of `DEFAULT_RUNS` fresh processes, of two their mean, or of
+    `MOST_RUNS` where the first disagree: `more_needed`),
     its steps counted as the profile counted them (`steps_from`: optimizer steps, or backward calls); None when it
     could not run that many steps (or malloc is not glibc). `progress(done, total)` follows the processes."""
-    total = 1 + DEFAULT_RUNS
     steps = warmup + TIMED_STEPS
     returned = fresh.run(script, args, steps, "returned", steps_from)
     defaults: list[fresh.Run] = []
-    while returned is not None and len(defaults) < DEFAULT_RUNS:
+    while returned is not None and more_needed(defaults):
         if progress is not None:
-            progress(1 + len(defaults), total)
+            progress(1 + len(defaults), 1 + max(DEFAULT_RUNS, len(defaults) + 1))
         run = fresh.run(script, args, steps, "default", steps_from)
         if run is None:
             return None
@@ -116,6 +119,15 @@ def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimi
                     default_step_s=statistics.median(r.step_s for r in defaults),
                     default_steps=max(r.steps for r in defaults),
                     default_peaks_bytes=tuple(r.peak_bytes for r in defaults))
+
+
+def more_needed(defaults: list[fresh.Run]) -> bool:
+    """Whether `measure` starts another process with malloc's defaults: fewer than `DEFAULT_RUNS` ran, or the
+    lowest and highest peaks so far are further apart than malloc's spread and fewer than `MOST_RUNS` ran."""
+    if len(defaults) < DEFAULT_RUNS:
+        return True
+    peaks = sorted(r.peak_bytes for r in defaults)
+    return len(defaults) < MOST_RUNS and with_spread(peaks[0]) < peaks[-1]
 
 
 def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, plan: str, script: str,

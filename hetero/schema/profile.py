@@ -340,7 +340,8 @@ class Memory:
 
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
                                "VmHWM less the file pages mapped then): the mean of the script run in 2 fresh "
-                               "processes with malloc's defaults (`dram_peak_runs`), each until its peak settles "
+                               "processes with malloc's defaults (`dram_peak_runs`; the median of 3 where the first "
+                               "two are more than 5% apart), each until its peak settles "
                                "(less than 2MiB more in two steps; at most 12 steps, or to the script's own end, "
                                "whose evaluation and saving then count); under a budget, in the profile's own "
                                "process by the end of the measured steps, unless, under a memory limit, the script "
