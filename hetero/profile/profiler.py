@@ -369,8 +369,9 @@ class _Session:
 
     def _start_tier_steps(self) -> bool:
         """Time the disk beside training where the planner needs it: the CPU computes (a GPU's kernels share no
-        cores with the disk's workers) and some layer saves a storage the runtime would move."""
-        if self.device.type != "cpu":
+        cores with the disk's workers), some layer saves a storage the runtime would move, and the budget leaves
+        room for the store beside the training (`tier_steps.room_beside`)."""
+        if self.device.type != "cpu" or not tier_steps.room_beside(self.budget):
             return False
         steps = tier_steps.TierSteps(self.summary.layers, self.options.nvme_dir or tempfile.gettempdir(),
                                      machine.NVME_TIER, self._iteration_s())

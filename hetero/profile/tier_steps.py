@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hetero.run import spans
+from hetero.plan.fit import room_of
+from hetero.run import process_memory, spans
 from hetero.run.tiering import ActivationTiering
 from hetero.schema.plan import ActivationPlan, Eviction
 from hetero.schema.profile import CurvePoint, Layer
@@ -42,6 +43,18 @@ class DiskBeside:
     read: list[CurvePoint]  # by storage size, each read with the delete of its file (the writer's, right after)
     write: list[CurvePoint]
     stretch: float  # compute seconds the steps lost per second a disk worker was busy (>= 0)
+
+
+def room_beside(budget: tuple[int, str] | None) -> bool:
+    """Whether the process may train `STEPS` more steps with the store's bounce buffers beside its training under
+    `budget` (None: no budget): its peak so far and those buffers stay within the budget's room. At the floor they
+    do not (train_gpt 7 x 768 under 512 MiB: the least training peaked at 510-512 MiB, and the limit killed the
+    profile in these steps; docs/benchmarks.md, round nine): the disk is then timed beside a GEMM loop instead
+    (hetero.profile.machine)."""
+    if budget is None:
+        return True
+    buffers = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES
+    return process_memory.dram_peak_bytes() + buffers <= room_of(budget[0])
 
 
 class TierSteps:

@@ -5,9 +5,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hetero.plan.fit import room_of
 from hetero.profile import tier_steps
 from hetero.profile.profiler import ProfileOptions, measure_script
-from hetero.run import spans
+from hetero.run import process_memory, spans
+from hetero.schema.plan import ActivationPlan
 from hetero.schema.profile import Layer
 from tests.profile import scripts
 from tests.waits import until
@@ -124,3 +126,16 @@ def test_the_profile_times_the_disk_beside_the_scripts_training_when_it_runs_lon
     short = measure_script(path, ["--steps", "3"], ProfileOptions(steps=2, warmup=1, nvme_dir=str(disk)))
     assert short.disk_beside is None and len(short.layers) == len(long.layers)  # measured, timed beside a GEMM loop
 
+
+
+def test_the_disk_is_timed_beside_training_only_where_the_budget_leaves_room_for_the_store(monkeypatch):
+    MiB = 2**20
+    buffers = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES
+    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: 400 * MiB)
+    assert tier_steps.room_beside(None)  # no budget
+    assert tier_steps.room_beside((2 * 400 * MiB, "the memory cgroup"))
+    budget = 512 * MiB  # train_gpt 7 x 768's least training peaked at 510 MiB under it
+    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: room_of(budget) - buffers + 1)
+    assert not tier_steps.room_beside((budget, "the 512MiB memory cgroup"))
+    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: room_of(budget) - buffers)
+    assert tier_steps.room_beside((budget, "the 512MiB memory cgroup"))
