@@ -53,8 +53,7 @@ def room_beside(budget: tuple[int, str] | None) -> bool:
     (hetero.profile.machine)."""
     if budget is None:
         return True
-    buffers = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES
-    return process_memory.dram_peak_bytes() + buffers <= room_of(budget[0])
+    return process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= room_of(budget[0])
 
 
 class TierSteps:

@@ -160,10 +160,11 @@ class ActivationPlan:
 
     The rule the planner and the runtime share: with host memory the fast tier, the NVMe store under the slow tier
     moves data through `STORE_BOUNCES` bounce buffers of `STORE_CHUNK_BYTES` (its writer's and its reader's), which
-    the process holds beside the activations."""
+    the process holds beside the activations: `STORE_BYTES` in all."""
 
     STORE_CHUNK_BYTES: ClassVar[int] = 8 << 20
     STORE_BOUNCES: ClassVar[int] = 2
+    STORE_BYTES: ClassVar[int] = STORE_BOUNCES * STORE_CHUNK_BYTES
 
     fast: str = doc("Tier the layers compute in: a profile tier name, or `gpu` for GPU memory.")
     slow: str = doc("Tier evicted tensors wait in.")

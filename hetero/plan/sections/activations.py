@@ -70,7 +70,7 @@ def host_entries(profile: Profile, plan: Plan, peak: HostPeak) -> dict[str, int]
     only by as much as the store's bounce buffers hold, which cost always."""
     tiered = peak.evicted_from_peak and plan.activations is not None and \
         any(e.evict_bytes for e in plan.activations.schedule)
-    bounces = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES if tiered else 0
+    bounces = ActivationPlan.STORE_BYTES if tiered else 0
     # malloc's heap keeps what evicted tensors free for the next ones saved, so the simulated drop never shows; it
     # did not let tiering's processes pass plain's peak either (0.96-0.99x plain's in five runs of two scripts,
     # docs/benchmarks.md rounds five, eight and nine): the buffers come out of what evictions free
