@@ -4,10 +4,10 @@ freed memory returned, so that the plan can count both (hetero.plan.fit's `alloc
 Two ways, one per case:
 - Without a budget, `measure` runs the script in a fresh process that sets glibc's thresholds as the runtime does
   (hetero.run.allocator) before the script starts, then in two or three with malloc's defaults (`more_needed`):
-  plain training as the user runs it, without the profiler's hooks. Each runs until its peak has settled
-  (`settled`): at least the warm-up steps and `TIMED_STEPS` more (with malloc's defaults, `DEFAULTS_STEPS`), then
-  until `SETTLE_STEPS` steps in a row raised the peak by less than `SETTLE_BYTES`, at most `MAX_STEPS` steps, or to
-  the script's own end (whose evaluation and saving then count).
+  plain training as the user runs it, without the profiler's hooks. The first runs until its peak has settled
+  (`settled`): at least the warm-up steps and `TIMED_STEPS` more, then until `SETTLE_STEPS` steps in a row raised
+  the peak by less than `SETTLE_BYTES`, at most `MAX_STEPS` steps; the others run `DEFAULTS_STEPS` steps. Each ends
+  sooner where the script does (its evaluation and saving then count).
   A process's heap goes on growing for steps after the first: glibc raises its mmap threshold each time a mapped
   block is freed, and blocks it used to map then fragment the heap (a width-512 LM: 1333 MiB after 2 steps,
   1409 after 3, 1501 from the 4th on). Each gives its peak as a memory limit charges it
