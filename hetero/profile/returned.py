@@ -67,7 +67,8 @@ DEFAULTS_STEPS = 16
 # higher of two, taken before, predicted train_gpt 6 x 256 at 1.366 GiB where six runs measured 1.23-1.32 GiB.
 DEFAULT_RUNS = 2
 # ... and a third where those two disagree by more than malloc's spread (hetero.plan.fit.DEFAULTS_SPREAD): heldout_lm
-# 8 x 256's two peaked at 1.06 and 1.18 GiB, their mean 2% above the 1.09-1.12 GiB of six planned processes.
+# 8 x 256's two peaked at 1.06 and 1.18 GiB where six plain processes (`python`, and the plan that runs plain) peaked
+# at 1.06-1.12 GiB.
 MOST_RUNS = 3
 
 
