@@ -52,6 +52,20 @@ def cpu_tests_leave_cuda_alone(request):
         pytest.fail("this CPU test started CUDA: keep it on the CPU (--device cpu, cuda_hidden) or mark it `gpu`")
 
 
+@pytest.fixture(autouse=True)
+def global_hooks_removed():
+    """A test leaves no global module hook behind: one left installed (an `UnderPressure` never closed) runs on
+    every later test's model in the same pytest process, and fails whichever test counts its work."""
+    from torch.nn.modules import module
+
+    kinds = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks")
+    before = {k: len(getattr(module, k, {})) for k in kinds}
+    yield
+    left = {k: n - before[k] for k in kinds if (n := len(getattr(module, k, {}))) > before[k]}
+    if left:
+        pytest.fail(f"this test left global module hooks installed: {left}; close what installed them")
+
+
 @pytest.fixture
 def cuda_hidden(monkeypatch):
     """torch.cuda.is_available() is False for this test, for what torch itself would start CUDA for where it exists

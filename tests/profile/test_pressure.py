@@ -114,7 +114,10 @@ def test_what_a_block_saves_counts_each_storage_saved_once_even_where_a_freed_on
     block, x = Freeing(), torch.randn(32, 64, requires_grad=True)
     watched = pressure.UnderPressure(1 << 30)
     watched.modules = {"b": block}
-    counted = watched.saved_by_layer("b", (x,), {})
+    try:
+        counted = watched.saved_by_layer("b", (x,), {})
+    finally:
+        watched.close()  # its global pre-hook would otherwise recompute the next test's model's blocks
     kept, truth = [], {}
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
 
