@@ -127,10 +127,9 @@ def test_the_profile_times_the_disk_beside_the_scripts_training_when_it_runs_lon
     assert short.disk_beside is None and len(short.layers) == len(long.layers)  # measured, timed beside a GEMM loop
 
 
-
 def test_the_disk_is_timed_beside_training_only_where_the_budget_leaves_room_for_the_store(monkeypatch):
     MiB = 2**20
-    buffers = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES
+    buffers = ActivationPlan.STORE_BYTES
     monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: 400 * MiB)
     assert tier_steps.room_beside(None)  # no budget
     assert tier_steps.room_beside((2 * 400 * MiB, "the memory cgroup"))

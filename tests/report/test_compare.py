@@ -74,7 +74,7 @@ def test_an_edited_plan_is_compared_with_its_own_simulation_not_the_planners_pre
     assert by["iteration"].error == 0 and by["peak dram"].error == 0
     # evicting from host memory lowers the process's peak only by the store's bounce buffers (the allocator keeps
     # what evicted tensors free); evicting nothing, the store fills none: the same peak either way
-    store = ActivationPlan.STORE_BOUNCES * ActivationPlan.STORE_CHUNK_BYTES
+    store = ActivationPlan.STORE_BYTES
     assert plan.predicted.dram_saved["evicted activations"] == plan.predicted.dram["activation store buffers"] == store
     assert by["peak dram"].predicted == plan.predicted.peak_bytes["dram"]
 
