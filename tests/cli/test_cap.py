@@ -30,12 +30,14 @@ _spec.loader.exec_module(cgroup)
 REASON = cgroup.unavailable()
 needs_cgroups = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
-# The language-model shape (5.1M parameters, ~490 MiB of saved activations per step): plain needs ~1.4 GiB
-# and is killed in its second step; hetero returns freed memory (the plan's allocator section) and peaks near 1 GiB
-# (docs/benchmarks.md, "Training under a DRAM budget").
-LIMIT = 1200 * 2**20
-SCRIPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "6", "--n-embd", "256", "--batch-size",
-          "16", "--seq-len", "256", "--steps", "3", "--log-every", "1", "--weight-sum"]
+# Activation-heavy and cheap to step (0.88M parameters, 12 blocks whose 16 x 256 x 256 attention scores dominate):
+# plain peaks near 850 MiB and is killed in its second step; the profile, under pressure, recomputes some blocks with
+# freed memory returned, and the plan recomputes a third of them to peak at 605 MiB, as predicted. (Leaner plans
+# measured alone, the path where plain's estimate leaves room under the limit, are tests/profile/test_fresh.py's: the
+# 5.85M-parameter shape that took that path here cost 165-240 s.)
+LIMIT = 640 * 2**20
+SCRIPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "12", "--n-embd", "64", "--n-head", "1",
+          "--batch-size", "16", "--seq-len", "256", "--steps", "3", "--log-every", "1", "--weight-sum"]
 HETERO = [sys.executable, "-m", "hetero"]
 WEIGHTS = re.compile(r"^weight sum (\S+)  abs sum (\S+)$", re.MULTILINE)
 
@@ -53,7 +55,7 @@ def weights(text: str) -> tuple[float, float]:
 
 
 @needs_cgroups
-@pytest.mark.timeout(1200)  # ten steps of a 5.85M-parameter model: a minute here when quiet, 40 s a step under load
+@pytest.mark.timeout(600)  # 45 s here when quiet
 def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
     plain = subprocess.run([sys.executable, *SCRIPT], cwd=tmp_path, capture_output=True, text=True, check=True)
     reference = weights(plain.stdout)
