@@ -74,6 +74,8 @@ def offload(items: list[GradItem], reserve: float) -> Offload:
 def knapsack(weights: list[int], values: list[float], sizes: list[int], capacity: int) -> list[int]:
     """Indices maximizing (total value, total size) with total weight <= capacity: the paper's table, kept as one
     row updated in place from high capacities down, with a bit per item and capacity to walk back."""
+    if sum(weights) <= capacity and min(values, default=0.0) >= 0:  # every item, as the table would (--reserve 1)
+        return list(range(len(weights)))
     best = [0.0] * (capacity + 1)
     size = [0] * (capacity + 1)
     taken = []

@@ -36,6 +36,16 @@ def evaluate(costs: Costs, template: Choices, modes: list[str]) -> Evaluated:
     return Evaluated(modes=modes, result=simulate(costs, replace(template, modes=modes), detail=False))
 
 
+Memo = dict[tuple[str, ...], Evaluated]  # one `solve`'s simulations by modes: its searches meet the same plans often
+
+
+def _evaluated(costs: Costs, template: Choices, modes: list[str], memo: Memo) -> Evaluated:
+    key = tuple(modes)
+    if key not in memo:
+        memo[key] = evaluate(costs, template, modes)
+    return memo[key]
+
+
 def bound_s(costs: Costs, template: Choices, modes: list[str]) -> float:
     """A lower bound on the simulated iteration: the compute lane's own work, as if nothing ever waited."""
     own = sum(_own_s(layer, modes[i], template.grads[i], costs.has_gpu and not template.params_on_gpu)
@@ -52,16 +62,18 @@ def _own_s(layer: LayerCosts, mode: str, grad: str, modes_apply: bool) -> float:
 
 
 def local_search(costs: Costs, template: Choices, start: Evaluated, fixed: dict[int, str], budget_bytes: int,
-                 allowed: tuple[str, ...] = MODES, max_evals: int | None = None, pairs: bool = True) -> Evaluated:
+                 allowed: tuple[str, ...] = MODES, max_evals: int | None = None, pairs: bool = True,
+                 memo: Memo | None = None) -> Evaluated:
     """First-improvement hill climbing by simulated iteration time within the GPU budget: one layer's mode at a time,
     then (on small models) two layers' at once. Large layers are tried first; a change whose compute alone cannot
-    beat the best is not simulated; big models get a bounded number of simulations."""
+    beat the best is not simulated; big models get a bounded number of simulations (a plan found in `memo`, simulated
+    before, counts too: the bound keeps the search's length the same with or without one)."""
     layers = costs.layers
     order = sorted((i for i, layer in enumerate(layers) if i not in fixed and len(allowed_modes(layer, allowed)) > 1),
                    key=lambda i: (-layers[i].params_bytes, i))
     search = _Search(costs=costs, template=template, allowed=allowed, budget_bytes=budget_bytes,
                      evals=max_evals if max_evals is not None else max(16, 6000 // max(1, len(layers))),
-                     best=start, bound=bound_s(costs, template, start.modes))
+                     best=start, bound=bound_s(costs, template, start.modes), memo={} if memo is None else memo)
     two = [(i, j) for k, i in enumerate(order) for j in order[k + 1:]] if pairs and len(order) <= _PAIRS_UP_TO else []
     while search.evals > 0 and (any(search.improve((i,)) for i in order) or any(search.improve(p) for p in two)):
         pass
@@ -77,6 +89,7 @@ class _Search:
     evals: int
     best: Evaluated
     bound: float
+    memo: Memo
 
     def improve(self, where: tuple[int, ...]) -> bool:
         """Try every other combination of modes on the layers `where`; take the first that is faster, or as fast
@@ -94,7 +107,7 @@ class _Search:
             trial = list(modes)
             for i, m in zip(where, combo):
                 trial[i] = m
-            e = evaluate(self.costs, self.template, trial)
+            e = _evaluated(self.costs, self.template, trial, self.memo)
             if e.gpu_bytes <= self.budget_bytes and (e.time_s < self.best.time_s - tol or (
                     e.time_s <= self.best.time_s + tol and e.gpu_bytes < self.best.gpu_bytes)):
                 self.best, self.bound = e, bound
@@ -103,25 +116,26 @@ class _Search:
 
 
 def fit_budget(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, str], budget_bytes: int,
-               allowed: tuple[str, ...] = MODES) -> Evaluated | None:
+               allowed: tuple[str, ...] = MODES, memo: Memo | None = None) -> Evaluated | None:
     """The fastest plan within `budget_bytes` among a family of plans that does not depend on the budget: a chain
     that demotes GPU-resident layers to DHA one at a time, cheapest slowdown per byte first, and (on small models)
     a local search within each of _LEVELS memory levels spread over the chain, from the chain's plan below it.
     A larger budget only admits more of the family, so the predicted time can never get worse as the budget grows.
     A plan whose compute alone is slower than the fastest fitting one so far is not simulated: it cannot change
     the minimum. None when no plan of the family fits."""
-    chosen = None
-    for e in _family(costs, template, best, fixed, allowed):
+    chosen, memo = None, {} if memo is None else memo
+    for e in _family(costs, template, best, fixed, allowed, memo):
         if isinstance(e, tuple):  # (modes, lower bound) of a big model's chain plan
             if chosen is not None and e[1] >= chosen.time_s:
                 continue
-            e = evaluate(costs, template, e[0])
+            e = _evaluated(costs, template, e[0], memo)
         if e.gpu_bytes <= budget_bytes and (chosen is None or e.time_s < chosen.time_s):
             chosen = e
     return chosen
 
 
-def _family(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, str], allowed: tuple[str, ...]):
+def _family(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, str], allowed: tuple[str, ...],
+            memo: Memo):
     """The family's plans, lazily: evaluated, or (modes, lower bound) for a big model's chain, which is sampled at
     most _CHAIN_POINTS times."""
     layers = costs.layers
@@ -139,13 +153,13 @@ def _family(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, s
         step = max(1, -(-len(chain) // _CHAIN_POINTS))
         yield from ((chain[k], bounds[k]) for k in sorted(set(range(step, len(chain), step)) | {len(chain) - 1}) if k)
         return
-    plans = [best] + [evaluate(costs, template, m) for m in chain[1:]]
+    plans = [best] + [_evaluated(costs, template, m, memo) for m in chain[1:]]
     yield from plans[1:]
     low, high = plans[-1].gpu_bytes, best.gpu_bytes
     for level in sorted({low + (high - low) * j // _LEVELS for j in range(1, _LEVELS)}):
         start = next((e for e in plans if e.gpu_bytes <= level), None)
         if start is not None:
-            yield local_search(costs, template, start, fixed, level, allowed)
+            yield local_search(costs, template, start, fixed, level, allowed, memo=memo)
 
 
 def _demotion_cost_s(layer: LayerCosts, mode: str) -> float:
@@ -172,16 +186,18 @@ def solve(costs: Costs, template: Choices, fixed: dict[int, str], device_bytes: 
     whole device, then the budget chain. Returns the chosen plan (None when nothing fits `budget_bytes`) and a
     `why` per layer."""
     alg1 = forward_modes(costs.layers, fixed, allowed)
-    first = evaluate(costs, template, alg1.modes)
+    memo: Memo = {}
+    first = _evaluated(costs, template, alg1.modes, memo)
     dfgb = choose_dfgb(costs, alg1.modes, first.result, device_bytes - first.gpu_bytes, fixed, allowed)
-    paper = evaluate(costs, template, dfgb.modes)
-    starts = [paper] + [evaluate(costs, template, [fixed.get(i, mode if mode in allowed_modes(x, allowed) else "gfgb")
-                                                   for i, x in enumerate(costs.layers)]) for mode in ("gfgb", "dfgb")]
+    paper = _evaluated(costs, template, dfgb.modes, memo)
+    uniform = ([fixed.get(i, mode if mode in allowed_modes(x, allowed) else "gfgb") for i, x in enumerate(costs.layers)]
+               for mode in ("gfgb", "dfgb"))
+    starts = [paper] + [_evaluated(costs, template, modes, memo) for modes in uniform]
     if len(costs.layers) > _PAIRS_UP_TO:  # big models: one search, from the best start
         starts = [min(starts, key=lambda e: (e.gpu_bytes > device_bytes, e.time_s))]
-    searched = min((local_search(costs, template, m, fixed, device_bytes, allowed) for m in starts),
+    searched = min((local_search(costs, template, m, fixed, device_bytes, allowed, memo=memo) for m in starts),
                    key=lambda e: (e.gpu_bytes > device_bytes, e.time_s))
-    chosen = fit_budget(costs, template, searched, fixed, budget_bytes, allowed)
+    chosen = fit_budget(costs, template, searched, fixed, budget_bytes, allowed, memo)
     why = [d or a for a, d in zip(alg1.why, dfgb.why)]
     if chosen is None:
         return None, why
