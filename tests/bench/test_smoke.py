@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.machines import this_machine
 
 NUMBER = r"[-+0-9.e]+"
 # tests/bench/tiny-gpt.plan.yaml: `hetero plan --emulate axdimm` of tests/bench/tiny-gpt.profile.yaml, the profile
@@ -91,8 +92,8 @@ SMOKES = [
                         TINY_PROFILE),
           (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"plan \(default\) +peak",
            r"measured/predicted [0-9.]+")),
-    # This one profiles its script first, with the machine section of the session's profile of this machine
-    # (`hetero profile --machine`; tests/conftest.py's `profiled`) rather than measure the machine; it finds each
+    # This one profiles its script first, with the bundled machine section as this machine's (`hetero profile
+    # --machine`; tests/machines.py) rather than measure the machine; it finds each
     # configuration's largest size but times none (`--repeats 0`: three more runs).
     Smoke("cap.py", ("--limits", "512MiB", "--n-embd", "32", "--vocab", "64", "--seq-len", "16", "--steps", "3",
                      "--repeats", "0", "--max-layers", "1", "--machine", "{machine}"),
@@ -133,13 +134,13 @@ def runs() -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
 
 
 def smoke_run(smoke: Smoke, runs: dict, request) -> tuple[subprocess.CompletedProcess, Path]:
-    """`{tmp}` in its arguments: its own folder; `{recorded}`: bench/recorder.py's; `{machine}`: a profile of this
-    machine (tests/conftest.py's `profiled`)."""
+    """`{tmp}` in its arguments: its own folder; `{recorded}`: bench/recorder.py's; `{machine}`: a profile whose
+    machine section is this machine's (tests/machines.py)."""
     if smoke.script not in runs:
         tmp = request.getfixturevalue("tmp_path_factory").mktemp(smoke.script.removesuffix(".py"))
         given = " ".join(smoke.args)
         recorded = str(smoke_run(SMOKES_BY["recorder.py"], runs, request)[1]) if "{recorded}" in given else ""
-        machine = str(request.getfixturevalue("profiled")[1] / "profile.yaml") if "{machine}" in given else ""
+        machine = str(this_machine(tmp)) if "{machine}" in given else ""
         args = (a.replace("{tmp}", str(tmp)).replace("{recorded}", recorded).replace("{machine}", machine)
                 for a in smoke.args)
         temp = tmp / "TMPDIR"  # the bench's temp directory: it must leave nothing there
