@@ -16,9 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 824 s of tests from a fresh clone on the
-# 2-core VM at 9a4b6ad, over the 10 minutes CI allows (CI: 681 s at 6a1045c). The 15 slowest tests are listed at
-# the end, so that CI's log shows where the time goes.
+# Two workers, a test file each (module fixtures stay with their tests): 642 s of tests and 730 s with the venv from
+# a fresh clone on the quiet 2-core VM at 7155097, still over the 10 minutes CI allows (CI: 919 s in all at 81a8275).
+# The 15 slowest tests are listed at the end, so that CI's log shows where the time goes.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
