@@ -3,7 +3,8 @@
 The reserve factor bounds the gradient bytes kept on the GPU. Keeping layer i's gradients there saves
 T_GBP(i) - T_CBP(i) of backward time, so the choice is a 0/1 knapsack, solved by the paper's dynamic program
 D[i][j] = max(D[i-1][j], D[i-1][j - s_i] + T_GBP(i) - T_CBP(i)) over a byte grid. Sizes are rounded up to the grid
-and the capacity down, so the kept bytes never exceed the reserve. Among plans of equal gain the one keeping more
+and the capacity down, so the kept bytes never exceed the reserve; where every gradient fits the reserve in bytes, all
+are kept without the table (whose rounding could drop some). Among plans of equal gain the one keeping more
 bytes wins: with that tie-break a larger capacity can only keep more grid cells on the GPU, never fewer.
 """
 
@@ -53,13 +54,18 @@ def offload(items: list[GradItem], reserve: float) -> Offload:
     cells = [-(-it.size_bytes // grid) for it in items]
     forced = [k for k, it in enumerate(items) if it.size_bytes and (it.pinned == "gpu" or
                                                                      (it.pinned is None and it.gain_s is None))]
-    free_cells = capacity // grid - sum(cells[k] for k in forced)
-    if free_cells < 0:
-        _too_small(items, forced, capacity, reserve, total)
     candidates = [k for k, it in enumerate(items) if it.size_bytes and it.pinned is None and it.gain_s is not None
                   and it.gain_s >= 0]
-    chosen = knapsack([cells[k] for k in candidates], [items[k].gain_s for k in candidates],
-                      [items[k].size_bytes for k in candidates], free_cells)
+    if sum(items[k].size_bytes for k in forced + candidates) <= capacity:
+        # all of them, as the table would without its rounding: each size rounded up to whole cells can need more
+        # cells than the reserve has (1000 gradients on a 1024-cell grid: 1752), dropping gradients that fit
+        chosen = list(range(len(candidates)))
+    else:
+        free_cells = capacity // grid - sum(cells[k] for k in forced)
+        if free_cells < 0:
+            _too_small(items, forced, capacity, reserve, total)
+        chosen = knapsack([cells[k] for k in candidates], [items[k].gain_s for k in candidates],
+                          [items[k].size_bytes for k in candidates], free_cells)
     keep = [False] * len(items)
     for k in forced + [candidates[c] for c in chosen]:
         keep[k] = True
@@ -74,8 +80,6 @@ def offload(items: list[GradItem], reserve: float) -> Offload:
 def knapsack(weights: list[int], values: list[float], sizes: list[int], capacity: int) -> list[int]:
     """Indices maximizing (total value, total size) with total weight <= capacity: the paper's table, kept as one
     row updated in place from high capacities down, with a bit per item and capacity to walk back."""
-    if sum(weights) <= capacity and min(values, default=0.0) >= 0:  # every item, as the table would (--reserve 1)
-        return list(range(len(weights)))
     best = [0.0] * (capacity + 1)
     size = [0] * (capacity + 1)
     taken = []
