@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 642 s of tests and 730 s with the venv from
-# a fresh clone on the quiet 2-core VM at 7155097, still over the 10 minutes CI allows (CI: 919 s in all at 81a8275).
+# Two workers, a test file each (module fixtures stay with their tests): 588 s of tests and 669 s with the venv from
+# a fresh clone on the quiet 2-core VM at b542af7, still over the 10 minutes CI allows (CI: 919 s in all at 81a8275).
 # The 15 slowest tests are listed at the end, so that CI's log shows where the time goes.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
