@@ -37,6 +37,7 @@ from hetero.harness.script import ScriptResult, check_script, run_script, script
 from hetero.launch.plain import Expected, exec_plain
 from hetero.launch.preflight import Checked, check_plan
 from hetero.launch.torchrun import EXIT_DIR_ENV, PARENT_ENV, failures, report_failures, traceback_of
+from hetero.run import huge_pages
 from hetero.run.devices import workdir
 from hetero.run.devices.places import PlanPathError
 from hetero.schema import files
@@ -150,7 +151,9 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
         replace_process: bool = False) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
     exit code. With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the
-    script in this process's place (hetero.launch.plain) and this call does not return."""
+    script in this process's place (hetero.launch.plain), and one that returns freed memory first starts this
+    command again in this process's place with malloc's huge pages asked for (hetero.run.huge_pages): neither call
+    returns then."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:
@@ -158,6 +161,9 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
     if torchrun is not None:
         torchrun.check()
     checked = check_plan(plan_path, allow_stale, skip_profile_check)  # what `hetero check` checks, all of it
+    wanted = huge_pages.env(os.environ) if checked.plan.allocator is not None else {}
+    if torchrun is None and replace_process and wanted:
+        _again_with(wanted)
     sweep_earlier(plan_bases(checked.plan))
     if torchrun is None:
         if replace_process and trace is None and checked.plan.runs_plain():
@@ -168,7 +174,17 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
         from hetero.run.routing import check_routing  # imports torch
 
         check_routing(checked.plan.routing, torchrun.nproc_per_node * torchrun.max_nodes())
-    return run_workers(build(script, args, plan_path, allow_stale, torchrun, trace, skip_profile_check))
+    launch = build(script, args, plan_path, allow_stale, torchrun, trace, skip_profile_check)
+    return run_workers(dataclasses.replace(launch, env=launch.env | wanted))
+
+
+def _again_with(env: dict[str, str]) -> None:
+    """This command started again in this process's place (the same process id) with `env` added: what glibc
+    reads only when a process starts. Returns only where exec fails: the run goes on here, without it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.execve(sys.executable, [sys.executable, "-m", "hetero", *sys.argv[1:]], os.environ | env)
 
 
 def plan_bases(plan: Plan) -> list[str | None]:

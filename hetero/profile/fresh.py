@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hetero.run import huge_pages
 from hetero.run.devices import workdir
 
 if TYPE_CHECKING:  # the schema is imported once the processes alone are done: this process stays small meanwhile
@@ -47,7 +48,8 @@ class Run:
 def run(script: str, args: list[str], steps: int, malloc: str, steps_from: str, stop_at: int | None = None,
         plan: str | None = None) -> Run | None:
     """Train `script` in a fresh process for at least `steps` optimizer steps (or backward calls: `steps_from`),
-    malloc's defaults or freed memory returned (`malloc`: default | returned), until its peak settles: plainly, or
+    malloc's defaults or freed memory returned (`malloc`: default | returned, with huge pages as `hetero run` asks
+    for them: hetero.run.huge_pages), until its peak settles: plainly, or
     under the plan file `plan` (as `hetero run` would); None where it could not (it failed, ended first, or reached
     `stop_at` resident bytes)."""
     work = workdir.create(None, "returned", "TMPDIR")
@@ -55,7 +57,8 @@ def run(script: str, args: list[str], steps: int, malloc: str, steps_from: str, 
         out = os.path.join(work.path, "returned.json")
         done = subprocess.run([sys.executable, "-c", CHILD, str(os.getpid()), out, str(steps), malloc, steps_from,
                                str(stop_at or 0), plan or "-", script, *args], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                              env=os.environ | huge_pages.env(os.environ) if malloc == "returned" else None)
         if done.returncode != 0 or not os.path.exists(out):
             return None
         with open(out) as f:

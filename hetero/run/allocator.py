@@ -4,8 +4,8 @@ By default glibc keeps what freed tensors leave inside its heaps for the next al
 memory then stays at its high-water mark, and a memory limit counts it (docs/benchmarks.md, "Why the default plan
 runs plain on a CPU": evicting saved activations lowered nothing). With a low M_MMAP_THRESHOLD each large block is
 mapped on its own and unmapped when freed, and a low M_TRIM_THRESHOLD returns the top of a heap; that costs page
-faults each time a block is mapped again, which `hetero profile` measures and the plan counts. Setting either
-threshold also stops glibc from raising the mmap threshold by itself.
+faults each time a block is mapped again, which `hetero profile` measures and the plan counts (fewer with huge
+pages: hetero.run.huge_pages). Setting either threshold also stops glibc from raising the mmap threshold by itself.
 
 The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
 first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 import threading
 
 from hetero.harness import watch
-from hetero.run import process_memory
+from hetero.run import huge_pages, process_memory
 from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import AllocatorPlan
 from hetero.units import SIZE
@@ -78,7 +79,8 @@ class ReturnFreedMemory(Mechanism):
     def __init__(self, plan: AllocatorPlan, interval_s: float = WATCH_INTERVAL_S):
         self.plan = plan
         self.interval_s = interval_s
-        self.applied = False
+        self.applied = False  # the thresholds are set now
+        self.ever_applied = False  # for the summary, read after `close`
         self.returned_at: int | None = None  # the resident bytes that made it return memory (with `from_bytes`)
         self.trims = 0  # malloc_trim calls below the switch and while its holes are returned
         self._trimming = False  # since the switch, until a backward call has ended
@@ -100,6 +102,7 @@ class ReturnFreedMemory(Mechanism):
 
     def _apply(self) -> bool:
         self.applied = set_thresholds(self.plan.mmap_threshold_bytes, self.plan.trim_threshold_bytes)
+        self.ever_applied |= self.applied
         if self.applied:
             trim()  # what is free now goes back before the next allocation
         return self.applied
@@ -146,9 +149,10 @@ class ReturnFreedMemory(Mechanism):
 
     def summary(self) -> list[str]:
         settings = (f"mmap threshold {self.plan.mmap_threshold_bytes} B, trim threshold "
-                    f"{self.plan.trim_threshold_bytes} B")
+                    f"{self.plan.trim_threshold_bytes} B, "
+                    f"{'huge pages' if huge_pages.in_use(os.environ) else 'without huge pages'}")
         if self.plan.from_bytes is None:
-            return [f"malloc returned freed memory ({settings})"] if self.applied else []
+            return [f"malloc returned freed memory ({settings})"] if self.ever_applied else []
         if self.returned_at is None:
             return [f"malloc kept its defaults: the process stayed under {SIZE.format_short(self.plan.from_bytes)} "
                     f"(the heaps' free memory returned after {self.trims} backward calls that grew them)"]

@@ -205,7 +205,9 @@ class RoutingPlan:
 class AllocatorPlan:
     """How the process's C allocator (glibc malloc) hands memory back: the runtime sets these with `mallopt` before
     the script runs, so that the memory freed tensors leave is returned to the kernel instead of kept in the heap
-    (glibc's default keeps it, and a memory limit counts it)."""
+    (glibc's default keeps it, and a memory limit counts it); `hetero run` starts the process asking glibc for
+    transparent huge pages, which makes mapping the blocks again cheaper (unless GLIBC_TUNABLES sets
+    glibc.malloc.hugetlb already)."""
 
     RETURNING: ClassVar[int] = 128 << 10  # both thresholds when `hetero plan` returns memory; the profile measures so
 

@@ -3,13 +3,16 @@
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from hetero.cli.main import main
 from hetero.launch.launcher import PLAN_ENV, build
+from hetero.plan import fit
 from hetero.profile import returned
+from hetero.run import huge_pages
 from hetero.schema import files
 from tests.conftest import REPO
 from tests.profile import scripts
@@ -122,6 +125,21 @@ def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_p
     assert "done torch.optim" in out  # the script's own optimizer
     line = next(x for x in err.splitlines() if x.startswith("hetero: dram peak "))
     assert "x plain's" in line and "(profiled in a fresh process); predicted" in line
+
+
+@pytest.mark.parametrize("theirs", [None, "glibc.malloc.hugetlb=0"])
+def test_a_plan_returning_freed_memory_runs_with_malloc_asked_for_huge_pages_unless_the_user_said_otherwise(
+        workdir, theirs):
+    files.save(replace(files.load("plan.yaml"), allocator=fit.allocator_plan("test")), "plan.yaml")
+    script = scripts.write(workdir, "import os\nprint('TUNABLES', os.environ.get('GLIBC_TUNABLES'))\n" + TRAIN)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | {"PYTHONPATH": str(REPO)} | \
+        ({"GLIBC_TUNABLES": theirs} if theirs else {})
+    result = subprocess.run([sys.executable, "-m", "hetero", "run", "--skip-profile-check", script, "3"], cwd=workdir,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"TUNABLES {theirs or 'glibc.malloc.hugetlb=1'}" in result.stdout  # started again with it, or theirs
+    used = theirs is None and huge_pages.mode() in ("always", "madvise")
+    assert ("huge pages)" if used else "without huge pages)") in result.stderr
 
 
 def test_a_separator_after_the_script_reaches_it_as_python_would_pass_it(workdir, capfd):
