@@ -4,14 +4,17 @@ the links between ranks. Each spawning test starts torchrun with 2 gloo workers 
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hetero.cli.main import main
 from hetero.errors import HeteroError
+from hetero.launch import launcher
 from hetero.launch.launcher import ALLOW_STALE_ENV, PLAN_ENV, Torchrun, build
 from hetero.launch.torchrun import first_failure
+from hetero.plan import fit
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from tests.cli.test_run import net
@@ -68,6 +71,16 @@ def test_the_first_worker_to_fail_gives_the_exit_code(tmp_path):
     (tmp_path / "rank0").write_text("300 1\n")  # then its peer lost the connection
     (tmp_path / "rank2").write_text("100 0\n")  # ended well before both
     assert first_failure(tmp_path) == 3
+
+
+def test_workers_of_a_plan_returning_freed_memory_start_with_mallocs_huge_pages_asked_for(workdir, monkeypatch):
+    files.save(replace(files.load("plan.yaml"), allocator=fit.allocator_plan("test")), "plan.yaml")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    started = []
+    monkeypatch.setattr(launcher, "run_workers", lambda launch, *a: started.append(launch) or 0)
+    assert main(["run", "--skip-profile-check", "--nproc-per-node", "2", scripts.write(workdir, DDP_TRAIN)]) == 0
+    assert started[0].env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert started[0].env[PLAN_ENV] == str((workdir / "plan.yaml").resolve())
 
 
 @pytest.mark.timeout(90)
