@@ -184,7 +184,7 @@ def _again_with(env: dict[str, str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError):
-        os.execve(sys.executable, [sys.executable, "-m", "hetero", *sys.argv[1:]], os.environ | env)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | env)  # its flags kept
 
 
 def plan_bases(plan: Plan) -> list[str | None]:
