@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 588 s of tests and 669 s with the venv from
-# a fresh clone on the quiet 2-core VM at b542af7, still over the 10 minutes CI allows (CI: 919 s in all at 81a8275).
+# Two workers, a test file each (module fixtures stay with their tests): 629 s of tests and 717 s with the venv from
+# a fresh clone on the 2-core VM at 7ee1e2d, still over the 10 minutes CI allows (CI: 722 s in all at df50746). The
+# suite is CPU-bound (1382 CPU-seconds): three workers took 726 s against two's 620.
 # The 15 slowest tests are listed at the end, so that CI's log shows where the time goes.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
