@@ -49,6 +49,7 @@ ALLOW_STALE_ENV = "HETERO_ALLOW_STALE"
 SKIP_PROFILE_CHECK_ENV = "HETERO_SKIP_PROFILE_CHECK"
 PROFILE_ENV = "HETERO_PROFILE"
 TRACE_ENV = "HETERO_TRACE"
+RESTARTED_ENV = "HETERO_RESTARTED"  # `hetero run` started itself again with malloc's huge pages asked for
 WORKER = "hetero.launch.worker"
 TORCHRUN = "hetero.launch.torchrun"  # torch.distributed.run, quiet about the failures hetero reports (torchrun.py)
 
@@ -162,8 +163,9 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
         torchrun.check()
     checked = check_plan(plan_path, allow_stale, skip_profile_check)  # what `hetero check` checks, all of it
     wanted = huge_pages.env(os.environ) if checked.plan.allocator is not None else {}
-    if torchrun is None and replace_process and wanted:
-        _again_with(wanted)
+    restarted = os.environ.pop(RESTARTED_ENV, None) is not None  # once: a loader that drops the tunable ends there
+    if torchrun is None and replace_process and wanted and not restarted:
+        _again_with(wanted | {RESTARTED_ENV: "1"})
     sweep_earlier(plan_bases(checked.plan))
     if torchrun is None:
         if replace_process and trace is None and checked.plan.runs_plain():

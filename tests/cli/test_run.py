@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hetero.cli.main import main
+from hetero.launch import launcher
 from hetero.launch.launcher import PLAN_ENV, build
 from hetero.plan import fit
 from hetero.profile import returned
@@ -140,6 +141,29 @@ def test_a_plan_returning_freed_memory_runs_with_malloc_asked_for_huge_pages_unl
     assert f"TUNABLES {theirs or 'glibc.malloc.hugetlb=1'}" in result.stdout  # started again with it, or theirs
     used = theirs is None and huge_pages.mode() in ("always", "madvise")
     assert ("huge pages)" if used else "without huge pages)") in result.stderr
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_hetero_run_starts_itself_again_once_and_goes_on_where_it_cannot(workdir, capfd, monkeypatch, restarted):
+    files.save(replace(files.load("plan.yaml"), allocator=fit.allocator_plan("test")), "plan.yaml")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    if restarted:  # the started process itself, whose tunable a loader dropped: it must not start again
+        monkeypatch.setenv(launcher.RESTARTED_ENV, "1")
+    execs = []
+
+    def execve(path, argv, env):
+        execs.append(env)
+        raise OSError("exec refused")
+
+    monkeypatch.setattr(os, "execve", execve)
+    script = scripts.write(workdir, TRAIN)
+    assert launcher.run(script, ["3"], replace_process=True, skip_profile_check=True) == 0  # ran here all the same
+    assert "done hetero.run.offloaded_adam" in capfd.readouterr().out
+    if restarted:
+        assert execs == [] and launcher.RESTARTED_ENV not in os.environ
+    else:
+        [env] = execs
+        assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env[launcher.RESTARTED_ENV] == "1"
 
 
 def test_a_separator_after_the_script_reaches_it_as_python_would_pass_it(workdir, capfd):
