@@ -44,4 +44,4 @@ def mode() -> str | None:
 def in_use(environ: Mapping[str, str]) -> bool:
     """Whether a process started with `environ` gets huge pages from malloc (as far as can be told from outside
     glibc: the tunable set, and a kernel mode that honours it)."""
-    return not env(environ) and WANTED in environ.get(TUNABLES, "").split(":") and mode() in ("always", "madvise")
+    return WANTED in environ.get(TUNABLES, "").split(":") and mode() in ("always", "madvise")
