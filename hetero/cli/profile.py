@@ -77,23 +77,23 @@ def profile(
             with _progress(phases) as report:
                 result = profile_script(script, list(args or []), options, report)
             save(result, output, script)
-    # Under a memory limit, plain training's own peak is measured alone once the profile is written: this process
-    # becomes a bare interpreter that runs it (its torch alone holds 150 MiB), and says the outcome last.
+    # Under a memory limit, plain training's own peak (or the leaner plans') is measured alone once the profile is
+    # written: this process becomes a bare interpreter that runs it (its torch alone holds 150 MiB), and says the
+    # outcome last.
     alone = _alone(result, options, output, as_json, script, list(args or [])) if phases is not None else None
     if as_json and alone is None:
         print(json.dumps(files.to_data(result), indent=2))
     elif not as_json:
         _summary(result, output)
     if alone is not None:
-        print("measuring plain training's own peak alone, in a fresh process with malloc's defaults ...",
-              file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(alone[0], alone)
 
 
 def _alone(result, options, output: Path, as_json: bool, script: str, args: list[str]) -> list[str] | None:
-    """The command that measures plain training's own peak alone (hetero.profile.returned.alone_argv), or None."""
+    """The command that measures plain training's own peak, or the leaner plans, alone
+    (hetero.profile.returned.alone_argv), or None."""
     import torch
 
     from hetero.profile import returned

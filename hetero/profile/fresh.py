@@ -34,6 +34,7 @@ RUNS = 3
 POLL_S = 0.002  # filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM (hetero.run.allocator): ~10 in this
 # How far past `stop_at` the process may get before the thread sees it: what one poll can add, with room to spare.
 OVERSHOOT_BYTES = 16 << 20
+UPDATES = frozenset({"in_backward"})  # the leaner plan that costs no time (hetero.plan.alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +111,22 @@ class Tried:
 @dataclass(frozen=True, slots=True)
 class Leaner:
     """The leaner plans run alone, in order, and one process of plain training with freed memory returned, the plan
-    they compete with, whose step they are compared with."""
+    they compete with, whose step they are compared with (where plain training with it did not settle below the
+    stop: the script's updates in backward with it, which cost no time: `reference`)."""
 
     tried: list[Tried]
     returned: Run
     stop: int
+    reference: str = "plain training"  # what `returned` trained, with freed memory returned
 
 
 def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, room: int,
                  limit: int) -> Leaner | None:
     """Where plain training cannot be planned (no peak settled below the room, or too near it for malloc's spread:
     `fits`): the leaner plans the profile (`output`) allows (hetero.plan.alone.to_measure), each alone as plain
-    training ran, until one fits, after one process of plain training with freed memory returned; None where the
-    script allows none or that process gave no step."""
+    training ran, until one fits, after one process of plain training with freed memory returned (or, where that
+    passed the stop, of the script's updates in backward with it); None where the script allows none or no such
+    process gave a step."""
     from hetero.plan import alone
     from hetero.plan.solve import measured_alone
     from hetero.schema import files
@@ -135,7 +139,11 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
     stop = stop_at(room, limit)  # this process has grown by the planner's modules
     work = workdir.create(None, "returned", "TMPDIR")  # swept as the fresh processes' are
     try:
-        returned = run(script, args, steps, "returned", steps_from, stop)
+        reference, returned = "plain training", run(script, args, steps, "returned", steps_from, stop)
+        if returned is None and UPDATES in wanted:  # plain training with memory returned did not fit either
+            path = os.path.join(work.path, "reference.yaml")
+            files.save(measured_alone(profile, output, UPDATES), path)
+            reference, returned = alone.named(UPDATES), run(script, args, steps, "returned", steps_from, stop, path)
         if returned is None:
             return None
         tried: list[Tried] = []
@@ -147,7 +155,7 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
             tried.append(Tried(levers, runs_alone(script, args, steps, steps_from, stop, path)))
             if fits(median(tried[-1].runs), room):
                 break
-        return Leaner(tried=tried, returned=returned, stop=stop)
+        return Leaner(tried=tried, returned=returned, stop=stop, reference=reference)
     finally:
         work.remove()
 
@@ -178,13 +186,17 @@ def fits(run: Run | None, room: int) -> bool:
 
 def alone(memory: Memory, runs: list[Run | None], stop: int, leaner: Leaner | None = None) -> Memory:
     """The profile's `memory` once plain training ran alone: its own peak, the median of `runs`, where that settled
-    below `stop`, else the estimate as it was, and what the `leaner` plans measured; each said in `profiled_under`."""
+    below `stop`, else (or where it was not run: no `runs`) the estimate as it was, and what the `leaner` plans
+    measured; each said in `profiled_under`."""
     from dataclasses import replace
 
     from hetero.units import SIZE, measured
 
     middle = median(runs)
-    if middle is None:
+    if not runs:
+        memory = replace(memory, profiled_under=f"{memory.profiled_under}; plain training not run alone: its estimate "
+                                                "with malloc's defaults' spread fills the room under the budget")
+    elif middle is None:
         memory = replace(memory, profiled_under=f"{memory.profiled_under}; plain training with malloc's defaults, "
                                                 f"run alone after the profile, gave no peak settled below "
                                                 f"{SIZE.format_short(stop)} in {sum(r is None for r in runs)} of "
@@ -216,18 +228,22 @@ def _said(tried: Tried, found: Run | None, leaner: Leaner) -> str:
     if found is None:
         return f"{what}: no peak settled below {SIZE.format_short(leaner.stop)}"
     return (f"{what}: {SIZE.format_short(found.peak_bytes)} (the median of {len(tried.runs)} processes), "
-            f"{found.step_s / leaner.returned.step_s:.2f}x the step of plain training with freed memory returned")
+            f"{found.step_s / leaner.returned.step_s:.2f}x the step of {leaner.reference} with freed memory returned")
 
 
 def main(argv: list[str]) -> int:
-    """`python -m hetero.profile.fresh PROFILE ROOM LIMIT STEPS STEPS_FROM text|json SCRIPT [ARGS]`: what `hetero
-    profile` under a memory limit becomes once its profile is written (hetero.cli.profile): plain training alone,
-    then PROFILE updated and one line said (or, with `json`, the profile printed)."""
-    output, room, limit, steps, steps_from, form, script, args = \
-        argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4], argv[5], argv[6], argv[7:]
+    """`python -m hetero.profile.fresh PROFILE ROOM LIMIT STEPS STEPS_FROM text|json plain|leaner SCRIPT [ARGS]`:
+    what `hetero profile` under a memory limit becomes once its profile is written (hetero.cli.profile): plain
+    training alone (`plain`; `leaner`: its estimate fills the room already), then the leaner plans where it does not
+    fit, then PROFILE updated and one line said for each (or, with `json`, the profile printed)."""
+    output, room, limit, steps, steps_from, form, first, script, args = \
+        argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4], argv[5], argv[6], argv[7], argv[8:]
     stop = stop_at(room, limit)
     try:
-        runs = runs_alone(script, args, steps, steps_from, stop)
+        if first == "plain":
+            print("measuring plain training's own peak alone, in a fresh process with malloc's defaults ...",
+                  file=sys.stderr, flush=True)
+        runs = runs_alone(script, args, steps, steps_from, stop) if first == "plain" else []
         leaner = leaner_alone(output, script, args, steps, steps_from, room, limit) \
             if not fits(median(runs), room) else None
     except KeyboardInterrupt:
@@ -245,7 +261,10 @@ def main(argv: list[str]) -> int:
     if form == "json":
         print(json.dumps(files.to_data(profile), indent=2))
         return 0
-    if middle is None:
+    if not runs:
+        print(f"plain peak: not run alone, its estimate fills the room under the budget already "
+              f"({SIZE.format_short(room)}): it stays estimated in {output}")
+    elif middle is None:
         print(f"plain peak: plain training with malloc's defaults, run alone, gave no peak settled below "
               f"{SIZE.format_short(stop)} (it passed it, or ended first): it stays estimated in {output}")
     else:

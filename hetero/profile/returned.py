@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hetero.plan import alone
 from hetero.plan.fit import room_of, with_spread
 from hetero.profile import fresh
 from hetero.run import allocator, process_memory
@@ -207,17 +208,21 @@ def alone_argv(profile: Profile, budget_bytes: int, warmup: int, output: str, as
                args: list[str]) -> list[str] | None:
     """Under a memory limit, once the profile (`profile`, written to `output`) is done: the command its process
     becomes (hetero.profile.fresh `main`, exec'd, so that nothing of this process stays beside it) to measure plain
-    training's own peak alone, as `measure` does without a budget; None where there is nothing to measure: a GPU, a
-    peak measured already, no memory limit, or an estimate (a lower bound) that leaves no room under the budget for
-    malloc's defaults' spread above it already (hetero.plan.fit.DEFAULTS_SPREAD: plain would not be planned)."""
+    training's own peak alone, as `measure` does without a budget, then the leaner plans where plain does not fit;
+    only the leaner plans where the estimate leaves no room under the budget for malloc's defaults' spread above it
+    already (hetero.plan.fit.DEFAULTS_SPREAD: plain would not be planned). The estimate is no bound for them: one of
+    train_gpt 1 x 768 under 512 MiB at 516 MiB, where the script's updates in backward measured alone peaked at 449.
+    None where there is nothing to measure: a GPU, a peak measured already, no memory limit, or plain not fitting
+    and no leaner plan the script allows (hetero.plan.alone.to_measure)."""
     memory, limit = profile.memory, process_memory.memory_limit_bytes()
     if memory is None or not memory.dram_peak_estimated or profile.machine.gpu is not None or limit is None:
         return None
     room = room_of(budget_bytes)
-    if with_spread(memory.dram_peak_bytes) >= room:
+    plain = with_spread(memory.dram_peak_bytes) < room
+    if not plain and not alone.to_measure(profile):
         return None
     return [sys.executable, "-m", "hetero.profile.fresh", output, str(room), str(limit), str(warmup + TIMED_STEPS),
-            profile.training.steps_from, "json" if as_json else "text", script, *args]
+            profile.training.steps_from, "json" if as_json else "text", "plain" if plain else "leaner", script, *args]
 
 
 class Budgeted:

@@ -365,8 +365,10 @@ class Memory:
                                                "fresh process with glibc returning freed memory to the kernel (the "
                                                "plan's `allocator`), until it settles; null: not measured.",
                                                unit=SIZE, ge=0, default=None)
-    returned_step_s: float | None = doc("Mean step time over those steps; null: not measured.", unit=TIME,
-                                        default=None)
+    returned_step_s: float | None = doc("Mean step time over those steps (with `measured_alone`: where plain "
+                                        "training that way passed the budget's room, of the script's updates in "
+                                        "backward that way, which cost no time; `profiled_under` says which); null: "
+                                        "not measured.", unit=TIME, default=None)
     default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
                                        "`returned_step` less this is what returning memory costs a step (page "
                                        "faults); null: not measured.", unit=TIME, default=None)

@@ -61,7 +61,7 @@ def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_pat
     monkeypatch.setattr(fresh, "RUNS", 1)  # one fresh process each way: the median is tested above
     script = scripts.write(tmp_path, scripts.LOOP)
     path = estimated(tmp_path)
-    argv = [path, str(2 << 30), str(3 << 30), "3", "optimizer", "text", script, "--steps", "6"]
+    argv = [path, str(2 << 30), str(3 << 30), "3", "optimizer", "text", "plain", script, "--steps", "6"]
     assert fresh.main(argv) == 0
     memory = files.load(path, expect=Profile).memory
     assert not memory.dram_peak_estimated and memory.dram_peak_runs_bytes == [memory.dram_peak_bytes]
@@ -76,15 +76,45 @@ def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_pat
     assert "gave no peak settled below 40MiB" in capsys.readouterr().out
 
 
+def test_where_plain_fills_the_room_only_the_leaner_plans_run_alone(tmp_path, capsys, monkeypatch):
+    plain, leaner = [], []
+    monkeypatch.setattr(fresh, "runs_alone", lambda *args: plain.append(args) or [])
+    monkeypatch.setattr(fresh, "leaner_alone", lambda *args: leaner.append(args) or None)
+    path = estimated(tmp_path)
+    assert fresh.main([path, str(2 << 30), str(3 << 30), "3", "optimizer", "text", "leaner", "train.py"]) == 0
+    assert plain == [] and len(leaner) == 1
+    memory = files.load(path, expect=Profile).memory
+    assert memory.dram_peak_estimated and "plain training not run alone" in memory.profiled_under
+    assert "not run alone" in capsys.readouterr().out
+
+
+def test_where_plain_with_memory_returned_passes_the_stop_updates_in_backward_with_it_are_the_reference(
+        tmp_path, monkeypatch):
+    ran = []
+    reference, lean = fresh.Run(peak_bytes=90 * MiB, step_s=1.0, steps=3), fresh.Run(80 * MiB, 0.8, 3)
+
+    def run(script, args, steps, malloc, steps_from, stop_at=None, plan=None):
+        ran.append((malloc, plan is not None))
+        return None if plan is None else reference if malloc == "returned" else lean
+    monkeypatch.setattr(fresh, "run", run)
+    monkeypatch.setattr(fresh, "stop_at", lambda room, limit: room)
+    found = fresh.leaner_alone(estimated(tmp_path), "train.py", [], 3, "optimizer", 200 * MiB, 3 << 30)
+    assert ran == [("returned", False), ("returned", True), ("default", True), ("default", True)]
+    assert found.returned == reference and found.reference == "updates in backward"
+    assert "the step of updates in backward with freed memory returned" in fresh.alone(
+        files.load(estimated(tmp_path), expect=Profile).memory, [], 200 * MiB, found).profiled_under
+
+
 def test_json_prints_the_profile_as_written(tmp_path, capsys):
     script = scripts.write(tmp_path, scripts.LOOP)
     path = estimated(tmp_path)
-    assert fresh.main([path, str(40 * MiB), str(3 << 30), "3", "optimizer", "json", script, "--steps", "6"]) == 0
+    assert fresh.main([path, str(40 * MiB), str(3 << 30), "3", "optimizer", "json", "plain", script, "--steps",
+                       "6"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["memory"]["dram_peak_estimated"] is True and "stays estimated" in printed["memory"]["profiled_under"]
 
 
-def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(tmp_path, monkeypatch):
+def test_alone_is_asked_for_under_a_limit_plain_where_its_estimate_leaves_room(tmp_path, monkeypatch):
     profile = files.load(estimated(tmp_path, peak=500 * MiB), expect=Profile)
     argv = lambda p: returned.alone_argv(p, 1 << 30, 2, "out.yaml", False, "train.py", ["--x"])  # noqa: E731
     monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: None)
@@ -92,9 +122,11 @@ def test_alone_is_asked_for_only_under_a_limit_with_an_estimate_below_the_room(t
     monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: 1 << 30)
     room = returned.room_of(1 << 30)
     assert argv(profile) == [sys.executable, "-m", "hetero.profile.fresh", "out.yaml", str(room), str(1 << 30),
-                             str(2 + returned.TIMED_STEPS), "optimizer", "text", "train.py", "--x"]
+                             str(2 + returned.TIMED_STEPS), "optimizer", "text", "plain", "train.py", "--x"]
     profile.memory = replace(profile.memory, dram_peak_bytes=int(room / (1 + fit.DEFAULTS_SPREAD)) + 1)
-    assert argv(profile) is None  # the lower bound and malloc's spread above it fill the room: plain cannot fit
+    assert argv(profile)[-3:] == ["leaner", "train.py", "--x"]  # the estimate and malloc's spread fill the room
+    monkeypatch.setattr(returned.alone, "to_measure", lambda p: [])
+    assert argv(profile) is None  # and no leaner plan to measure
     profile.memory = replace(profile.memory, dram_peak_bytes=500 * MiB, dram_peak_estimated=False)
     assert argv(profile) is None  # measured already
 
