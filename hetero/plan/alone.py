@@ -59,6 +59,13 @@ def measured(profile: Profile, plan: Plan) -> MeasuredAlone | None:
 
 def cost_s(profile: Profile, plan: Plan) -> float:
     """What a measured leaner plan adds to the profile's iteration: its step less plain training's with freed memory
-    returned, measured beside it (the profile's own steps returned freed memory: the difference may be a saving)."""
+    returned, measured beside it (the profile's own steps returned freed memory: the difference may be a saving).
+    Updates in backward alone add no work, and malloc's defaults fault less than memory returned: for them only a
+    saving is taken, a step measured above is the machine's noise (train_gpt 1 x 768 under 512 MiB: measured alone
+    at 1.09x the step with memory returned, one process each; 0.80x in 4 interleaved rounds, docs/benchmarks.md
+    round thirteen)."""
     found = measured(profile, plan)
-    return found.step_s - profile.memory.returned_step_s if found is not None else 0.0
+    if found is None:
+        return 0.0
+    added = found.step_s - profile.memory.returned_step_s
+    return added if "recompute" in found.levers else min(0.0, added)

@@ -158,11 +158,13 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
             hint=f"raise --dram-budget to {SIZE.format_short(budget_for(least.held_bytes), 5)} or "
                  "more, or train a smaller model or batch", exit_code=USAGE)
     # Equally fast: one that evicts activations last (the disk's workers take their share of the cores, which the
-    # simulator hides behind compute, and evictions left host memory later than simulated: TIERING_LEFT_OUT); then,
-    # where plain training's own peak is not known (`forced`), the lower peak first; then the fewer levers.
+    # simulator hides behind compute, and evictions left host memory later than simulated: TIERING_LEFT_OUT); then
+    # one that keeps malloc's defaults (a leaner plan measured alone: with plain training's own peak not known,
+    # `forced`, returning memory is predicted at no cost, but costs page faults); then, where `forced`, the lower peak
+    # first; then the fewer levers.
     best = base if base.held_bytes <= room and not forced else min(
-        fitting, key=lambda c: (c.iteration_s, "tiering" in c.levers, c.peak_bytes if forced else 0, len(c.levers),
-                                c.peak_bytes))
+        fitting, key=lambda c: (c.iteration_s, "tiering" in c.levers, c.plan.allocator is not None,
+                                c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
     best = _fewest_blocks(ctx, solve, best, host, room)
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))
@@ -247,8 +249,9 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
                 f"malloc's defaults, measured alone after the profile: peak {SIZE.format_short(lean.peak_bytes)} "
                 f"({SIZE.format_short(best.held_bytes)} with their {DEFAULTS_SPREAD:.0%} spread), "
                 f"{short_time(lean.step_s)} per step against "
-                f"{short_time(ctx.profile.memory.returned_step_s)} for plain training with freed memory returned; the "
-                f"fastest of {fitting} combinations that fit (of {len(seen)} simulated)")
+                f"{short_time(ctx.profile.memory.returned_step_s)} with freed memory returned instead"
+                f"{_noise(ctx.profile, lean)}; the fastest of {fitting} combinations that fit (of {len(seen)} "
+                "simulated)")
     parts = []
     for lever in (x for x in LEVERS if x in best.levers):
         # a lever's saving is counted without the levers that need it (they have their own line)
@@ -267,6 +270,12 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
     return (f"{source}: {plain}{'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
             f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "
             f"(of {len(seen)} simulated)")
+
+
+def _noise(profile, lean) -> str:
+    if "recompute" in lean.levers or lean.step_s <= profile.memory.returned_step_s:
+        return ""
+    return " (taken as no slower: it adds no work and faults less, so that is the machine's noise)"
 
 
 _NAMES = {"allocator": "returning freed memory",

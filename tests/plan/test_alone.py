@@ -46,3 +46,13 @@ def test_a_leaner_plan_is_known_by_its_sections_and_costs_its_measured_step(cpu)
               replace(p, update_in_backward=None)]  # recomputation alone was not measured
     assert [alone.measured(cpu, e) for e in edited] == [None, None, None]
     assert alone.cost_s(cpu, edited[0]) == 0.0
+
+
+def test_updates_in_backward_measured_slower_than_memory_returned_cost_nothing(cpu):
+    """They add no work and fault less than memory returned: a slower measurement is the machine's noise, while
+    recomputation's measured cost stands."""
+    for lean in cpu.memory.measured_alone:
+        lean.step_s = 1.2
+    costs = [alone.cost_s(cpu, measured_alone(cpu, "profile.yaml", frozenset(levers)))
+             for levers in (["in_backward"], ["in_backward", "recompute"])]
+    assert costs == [0.0, pytest.approx(0.2)]

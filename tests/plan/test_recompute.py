@@ -162,6 +162,16 @@ def test_updates_in_backward_measured_alone_are_planned_before_recomputation(cpu
     assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED - 40 * MiB}
     assert p.predicted.iteration_s == pytest.approx(predict(cpu, p).iteration_s - 0.3 * step, rel=1e-6)
     assert "updating each parameter in backward" in p.budget.why and "measured alone" in p.budget.why
+    # measured slower than plain with freed memory returned, one process each: still the plan, at no cost, before
+    # returning memory (as fast by the prediction, which cannot count its page faults here); no NVMe to move to
+    lean = replace(cpu, machine=replace(cpu.machine, tiers=[t for t in cpu.machine.tiers if t.kind != "nvme"]))
+    first = lean.memory.measured_alone[0]
+    first.step_s, first.peak_bytes, lean.memory.measured_alone[1].step_s = 1.1 * step, RETURNED + 10 * MiB, 1.2 * step
+    p = plan(lean, budget(fit.with_spread(first.peak_bytes)))  # its peak above the one predicted with memory returned
+    assert p.allocator is None and p.recompute is None and p.update_in_backward is not None
+    assert p.predicted.iteration_s == pytest.approx(predict(lean, p).iteration_s, rel=1e-6)
+    assert "taken as no slower" in p.budget.why
+    first.step_s, first.peak_bytes, cpu.memory.measured_alone[1].step_s = 0.7 * step, RETURNED - 40 * MiB, 0.8 * step
     # where only the leaner of the two fits, it is the plan
     p = plan(cpu, PlanOptions(dram_budget_bytes=fit.budget_for(fit.with_spread(RETURNED // 2))))
     assert p.allocator is None and p.recompute is not None and p.update_in_backward is not None
