@@ -8,17 +8,21 @@ BIN := $(VENV)/bin
 
 .PHONY: test demo docs clean gpu-check
 
-# Where the system Python already imports torch (GPU machines), the venv sees it and keeps it.
+# Where the system Python already imports torch (GPU machines), the venv sees it and keeps it. pip compiles what it
+# installs on one core; compileall on every core makes the same 7600 .pyc files, the venv in 64 s instead of 91 on
+# the 2-core VM. It fails only on files written for a later Python (torch's py312_intrinsics.py), as pip skips them.
 $(VENV)/.installed: pyproject.toml
 	if $(PYTHON) -c 'import torch' 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else $(PYTHON) -m venv $(VENV); fi
-	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-compile -e '.[test]'
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 629 s of tests and 717 s with the venv from
-# a fresh clone on the 2-core VM at 7ee1e2d, still over the 10 minutes CI allows (CI: 722 s in all at df50746). The
-# suite is CPU-bound (1382 CPU-seconds): three workers took 726 s against two's 620.
+# Two workers, a test file each (module fixtures stay with their tests): 591 s of tests and 674 s with the venv
+# (pip's own compiling) from a fresh clone on the 2-core VM at 268a845; CI allows 10 minutes. The suite is CPU-bound
+# (1205 CPU-seconds, most of them in the ~2.5 s each of its processes spends importing torch): three workers took
+# 726 s against two's 620 at 7ee1e2d.
 # The 15 slowest tests are listed at the end, so that CI's log shows where the time goes.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
