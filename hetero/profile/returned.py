@@ -18,14 +18,14 @@ Two ways, one per case:
 - Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
   profile must not die of it: `Budgeted` returns freed memory from before the script's first allocation, the
   most memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not
-  measured: the profile writes the measured one as an estimate (a lower bound) and says so. Under a memory limit,
-  where that estimate leaves room under the budget, `hetero profile` then becomes a bare interpreter that runs the
-  script alone with malloc's defaults (`alone_argv`, hetero.profile.fresh), and takes its peak where it settled
-  below the room: plain training that fits by a few percent (train_gpt 3 x 768 under 768 MiB, 680-727 MiB) is
-  then planned as plain training, not with the page faults of memory returned from the start. Where it did not,
-  the same is done for leaner plans (hetero.plan.alone: the script's updates in backward, then every block
-  recomputed; run by `hetero run`'s runtime in the fresh processes), after one process with freed memory returned,
-  whose step they are compared with: each, measured so, is a plan of its own.
+  measured: the profile writes the measured one as an estimate and says so. Under a memory limit, where that
+  estimate leaves room under the budget, `hetero profile` then becomes a bare interpreter that runs the script
+  alone with malloc's defaults (`alone_argv`, hetero.profile.fresh), and takes its peak where it settled below the
+  room: plain training that fits by a few percent (train_gpt 3 x 768 under 768 MiB, 680-727 MiB) is then planned as
+  plain training, not with the page faults of memory returned from the start. Where it did not, or where the
+  estimate left no room, the same is done for leaner plans (hetero.plan.alone: the script's updates in backward,
+  then every block recomputed; run by `hetero run`'s runtime in the fresh processes), after one process with freed
+  memory returned, whose step they are compared with: each, measured so, is a plan of its own.
 
 `python -m hetero.profile.returned OUT STEPS returned|default optimizer|backward STOP_AT PLAN|- SCRIPT [ARGS]` is the
 fresh process (started by hetero.profile.fresh with `hetero run`'s modules loaded first); it writes `OUT` (JSON) in a

@@ -32,9 +32,9 @@ needs_cgroups = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
 # Activation-heavy and cheap to step (0.88M parameters, 12 blocks whose 16 x 256 x 256 attention scores dominate):
 # plain peaks near 850 MiB and is killed in its second step; the profile, under pressure, recomputes some blocks with
-# freed memory returned, and the plan recomputes a third of them to peak at 605 MiB, as predicted. (Leaner plans
-# measured alone, the path where plain's estimate leaves room under the limit, are tests/profile/test_fresh.py's: the
-# 5.85M-parameter shape that took that path here cost 165-240 s.)
+# freed memory returned, and the plan recomputes a third of them to peak at 605 MiB, as predicted. (Its leaner plans
+# measured alone end at their reference, which passes the stop; leaner plans that fit are tests/profile/
+# test_fresh.py's: the 5.85M-parameter shape that took that path here cost 165-240 s.)
 LIMIT = 640 * 2**20
 SCRIPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "12", "--n-embd", "64", "--n-head", "1",
           "--batch-size", "16", "--seq-len", "256", "--steps", "3", "--log-every", "1", "--weight-sum"]
