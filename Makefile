@@ -19,10 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 591 s of tests and 674 s with the venv
-# (pip's own compiling) from a fresh clone on the 2-core VM at 268a845; CI allows 10 minutes. The suite is CPU-bound
-# (1205 CPU-seconds, most of them in the ~2.5 s each of its processes spends importing torch): three workers took
-# 726 s against two's 620 at 7ee1e2d.
+# Two workers, a test file each (module fixtures stay with their tests): 558 s of tests and 619 s with the venv
+# from a fresh clone on the 2-core VM at 4e32306 (at 268a845, pip compiling: 591 s and 674 s); CI allows 10 minutes.
+# The suite is CPU-bound (1144 CPU-seconds, most of them in the ~2.5 s each of its processes spends importing torch):
+# three workers took 726 s against two's 620 at 7ee1e2d.
 # The 15 slowest tests are listed at the end, so that CI's log shows where the time goes.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
