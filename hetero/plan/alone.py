@@ -17,13 +17,14 @@ from hetero.schema.plan import Plan
 from hetero.schema.profile import MeasuredAlone, Profile
 
 NAMES = {"in_backward": "updates in backward", "recompute": "every block recomputed"}  # what the profile says
+UPDATES = frozenset({"in_backward"})  # the leaner plan that adds no work
 
 
 def to_measure(profile: Profile) -> list[frozenset[str]]:
     """The leaner plans' levers (hetero.plan.fit.LEVERS), in the order the profile runs them."""
     updates = not in_backward.refused(profile, routing.links(profile)[1])
     blocks = bool(recompute.units(profile)[0])
-    out = [frozenset({"in_backward"})] if updates else []
+    out = [UPDATES] if updates else []
     if blocks:
         out.append(frozenset({"recompute", "in_backward"} if updates else {"recompute"}))
     return out
@@ -65,7 +66,11 @@ def cost_s(profile: Profile, plan: Plan) -> float:
     at 1.09x the step with memory returned, one process each; 0.80x in 4 interleaved rounds, docs/benchmarks.md
     round thirteen)."""
     found = measured(profile, plan)
-    if found is None:
+    if found is None or taken_as_free(profile, found):
         return 0.0
-    added = found.step_s - profile.memory.returned_step_s
-    return added if "recompute" in found.levers else min(0.0, added)
+    return found.step_s - profile.memory.returned_step_s
+
+
+def taken_as_free(profile: Profile, found: MeasuredAlone) -> bool:
+    """Whether `found`, measured slower than the step with freed memory returned, is taken at no cost (`cost_s`)."""
+    return "recompute" not in found.levers and found.step_s > profile.memory.returned_step_s

@@ -273,7 +273,7 @@ def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced
 
 
 def _noise(profile, lean) -> str:
-    if "recompute" in lean.levers or lean.step_s <= profile.memory.returned_step_s:
+    if not alone.taken_as_free(profile, lean):
         return ""
     return " (taken as no slower: it adds no work and faults less, so that is the machine's noise)"
 

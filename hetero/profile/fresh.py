@@ -34,7 +34,6 @@ RUNS = 3
 POLL_S = 0.002  # filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM (hetero.run.allocator): ~10 in this
 # How far past `stop_at` the process may get before the thread sees it: what one poll can add, with room to spare.
 OVERSHOOT_BYTES = 16 << 20
-UPDATES = frozenset({"in_backward"})  # the leaner plan that costs no time (hetero.plan.alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +139,11 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
     work = workdir.create(None, "returned", "TMPDIR")  # swept as the fresh processes' are
     try:
         reference, returned = "plain training", run(script, args, steps, "returned", steps_from, stop)
-        if returned is None and UPDATES in wanted:  # plain training with memory returned did not fit either
+        if returned is None and alone.UPDATES in wanted:  # plain training with memory returned did not fit either
             path = os.path.join(work.path, "reference.yaml")
-            files.save(measured_alone(profile, output, UPDATES), path)
-            reference, returned = alone.named(UPDATES), run(script, args, steps, "returned", steps_from, stop, path)
+            files.save(measured_alone(profile, output, alone.UPDATES), path)
+            reference = alone.named(alone.UPDATES)
+            returned = run(script, args, steps, "returned", steps_from, stop, path)
         if returned is None:
             return None
         tried: list[Tried] = []
@@ -240,10 +240,11 @@ def main(argv: list[str]) -> int:
         argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4], argv[5], argv[6], argv[7], argv[8:]
     stop = stop_at(room, limit)
     try:
+        runs: list[Run | None] = []
         if first == "plain":
             print("measuring plain training's own peak alone, in a fresh process with malloc's defaults ...",
                   file=sys.stderr, flush=True)
-        runs = runs_alone(script, args, steps, steps_from, stop) if first == "plain" else []
+            runs = runs_alone(script, args, steps, steps_from, stop)
         leaner = leaner_alone(output, script, args, steps, steps_from, room, limit) \
             if not fits(median(runs), room) else None
     except KeyboardInterrupt:
