@@ -14,10 +14,11 @@ A layer's gradients appear during its backward, while its saved tensors are stil
 ends. A recomputed block holds only its inputs from forward on; when backward reaches its last layer, its forward
 runs again and all its layers' saved tensors are back at once (its inputs among them, held already), on top of
 what is still held. Gradients leave as soon as they are made where they go to another tier (`gone_grads`) or
-where each parameter is updated in backward (`in_backward`: a gradient, and the two parameter-sized temporaries of
-torch's Adam update, for one parameter at a time, here counted for the largest). Otherwise they all coexist when the
-optimizer steps, with those two temporaries (`step`). Differences of `peak_bytes` are what a plan changes at the
-process's peak: a gradient moved or freed saves only where it coexists with what makes the peak. Pure.
+where each parameter is updated in backward (`in_backward`: a gradient, and the two temporaries of torch's Adam
+update, the size of one piece of the parameter at a time: `UPDATE_PIECE_BYTES`). Otherwise they all coexist when the
+optimizer steps, with two temporaries the size of the largest parameter (`step`). Differences of `peak_bytes` are
+what a plan changes at the process's peak: a gradient moved or freed saves only where it coexists with what makes the
+peak. Pure.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from dataclasses import dataclass, field, replace
 
 from hetero.schema.profile import Layer
 
-ADAM_TEMPORARIES = 2  # parameter-sized tensors torch's Adam(W) makes while it updates a parameter
+ADAM_TEMPORARIES = 2  # tensors the size of what it updates that torch's Adam(W) makes while it updates a parameter
+# Updates in backward run torch's step on pieces of a parameter this large at most (hetero.run.update_in_backward),
+# so that their temporaries are this size, not the largest parameter's: train_gpt 1 x 768 (a 12 MiB embedding) peaked
+# 30-50 MiB lower with them under malloc's defaults, its step no slower (docs/benchmarks.md, round fifteen). Under
+# freed memory returned the pieces stay below the mmap threshold (`update_piece_bytes`): one mapped, faulted and
+# unmapped per piece costs more than the whole parameter's huge pages.
+UPDATE_PIECE_BYTES = 1 << 20
 LOSS_OUTPUTS = 3  # output-sized tensors a cross-entropy's backward holds: its saved log-probabilities, two gradients
 
 
@@ -39,6 +46,15 @@ class Held:
     gone_grads: frozenset[str] = frozenset()  # layers whose gradients leave for another tier as they are made
     in_backward: bool = False  # each parameter updated, and its gradient freed, as soon as it is final
     step: bool = False  # count the optimizer's step, all gradients held
+
+
+def update_piece_bytes(mmap_threshold_bytes: int | None) -> int:
+    """The most bytes of a parameter updates in backward step at once: `UPDATE_PIECE_BYTES`, or where the plan
+    returns freed memory (its `mmap_threshold`), a 16th below that threshold, so that each piece's temporaries come
+    from the heap and go back to it."""
+    if mmap_threshold_bytes is None:
+        return UPDATE_PIECE_BYTES
+    return min(UPDATE_PIECE_BYTES, mmap_threshold_bytes - mmap_threshold_bytes // 16)
 
 
 def in_block(layer: str, block: str) -> bool:
@@ -63,7 +79,8 @@ def peak_bytes(layers: Sequence[Layer], held: Held = Held(), output_bytes: int =
             saved += rebuilt[block] - held.recomputed[block]
         if x.name not in held.gone_grads:
             grads += x.params_bytes
-        made = min(grads, (1 + ADAM_TEMPORARIES) * largest) if held.in_backward else grads
+        made = min(grads, largest + ADAM_TEMPORARIES * min(largest, UPDATE_PIECE_BYTES)) if held.in_backward \
+            else grads
         peak = max(peak, saved + made)
         saved -= x.saved_bytes
     if held.step and not held.in_backward:

@@ -27,7 +27,7 @@ from hetero.run.recorder import Outputs, Recorder
 from hetero.run.routing import GradientRouting
 from hetero.run.shadow import ShadowConfig, shadow_model
 from hetero.run.tiering import ActivationTiering
-from hetero.run.update_in_backward import UpdatesInBackward
+from hetero.run.update_in_backward import InBackwardPlan, UpdatesInBackward
 from hetero.schema.plan import Plan
 
 
@@ -56,7 +56,7 @@ MECHANISMS: tuple[Entry, ...] = (  # within a phase, in this order
     Entry(Phase.MEMORY, lambda plan: plan.allocator, ReturnFreedMemory),
     Entry(Phase.PLACEMENT, ShadowConfig.of, shadow_model),
     Entry(Phase.OPTIMIZER, _offloaded, OptimizerOffload, needs=("ddp",)),
-    Entry(Phase.OPTIMIZER, lambda plan: plan.update_in_backward, UpdatesInBackward),
+    Entry(Phase.OPTIMIZER, InBackwardPlan.of, UpdatesInBackward),
     Entry(Phase.ACTIVATIONS, lambda plan: plan.activations, ActivationTiering),
     Entry(Phase.ACTIVATIONS, lambda plan: plan.recompute, Recompute),
     Entry(Phase.COMMUNICATION, lambda plan: plan.routing, GradientRouting, needs=("ddp", "fingerprint", "predicted")),

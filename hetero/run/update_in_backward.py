@@ -22,6 +22,7 @@ import torch
 
 from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.script import StopScript
+from hetero.plan.backward import update_piece_bytes
 from hetero.run.mechanism import Mechanism
 from hetero.run.torch_optim import (
     ids,
@@ -33,12 +34,32 @@ from hetero.run.torch_optim import (
     torch_step,
     updates_the_model,
 )
-from hetero.schema.plan import UpdateInBackward
+from hetero.schema.plan import Plan, UpdateInBackward
+from hetero.units import SIZE
+
+LANES = 64  # elements: a multiple of any vector loop's width (AVX-512: 16 fp32 per register, unrolled twice)
 
 
 @dataclass(frozen=True, slots=True)
 class InBackwardConfig:
     on_first_use: Callable[[object], None]  # (optimizer): the runtime binds the model's parameters before an update
+    piece_bytes: int  # the most of a parameter one update steps at once (hetero.plan.backward.update_piece_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class InBackwardPlan:
+    """What the runtime reads of the plan for updates in backward: the section, and the pieces' size its allocator
+    section implies."""
+
+    section: UpdateInBackward
+    piece_bytes: int
+
+    @classmethod
+    def of(cls, plan: Plan) -> InBackwardPlan | None:
+        if plan.update_in_backward is None:
+            return None
+        threshold = plan.allocator.mmap_threshold_bytes if plan.allocator is not None else None
+        return cls(plan.update_in_backward, update_piece_bytes(threshold))
 
 
 class InBackward:
@@ -75,25 +96,79 @@ class InBackward:
             raise StopScript(_second_backward())  # inside the script: its `except Exception` must not hide it
         if several_ranks():
             raise StopScript(_several_ranks())
+        self._update(p, self._group_of[p])
+        self._updated.add(p)
+        p.grad = None
+
+    def _update(self, p: torch.nn.Parameter, group: dict) -> None:
+        """torch's step of `p` alone: whole, or as views of its pieces (`pieces`) sharing its state, the step count
+        each piece advances (to the same value) written back once."""
+        bounds = pieces(p, group, self.config.piece_bytes)
+        if bounds is not None and not self.state.get(p):
+            self._initial_state(p, group)
+        state = self.state.get(p)
+        if bounds is None or not all(t.is_contiguous() for t in state.values() if t.shape == p.shape):
+            return self._step([p], group)
+        views = []
+        try:
+            for a, b in bounds:
+                view = p.detach().view(-1)[a:b]
+                view.grad = p.grad.view(-1)[a:b]
+                self.state[view] = {k: t.view(-1)[a:b] if t.shape == p.shape else t.clone() for k, t in state.items()}
+                views.append(view)
+            self._step(views, group)
+            for k, t in state.items():
+                if t.shape != p.shape:
+                    t.copy_(self.state[views[0]][k])
+        finally:
+            for view in views:
+                del self.state[view]
+
+    def _initial_state(self, p: torch.nn.Parameter, group: dict) -> None:
+        """torch's own first state for `p`, made before its first step so that that step runs in pieces too: what
+        torch makes for a one-element stand-in of p's dtype, each tensor of the stand-in's shape at p's (Adam's
+        state starts at zero: its step count and moments; the stand-in's step, of a zero gradient, moves none but
+        the count)."""
+        probe = torch.zeros(1, dtype=p.dtype, device=p.device, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        self._step([probe], group)
+        made = self.state.pop(probe)
+        self.state[p] = {k: torch.zeros_like(p, memory_format=torch.preserve_format) if t.shape == probe.shape
+                         else torch.zeros_like(t) for k, t in made.items()}
+
+    def _step(self, params: list[torch.Tensor], group: dict) -> None:
         groups = self.param_groups
-        self.param_groups = [{**self._group_of[p], "params": [p]}]
+        self.param_groups = [{**group, "params": params}]
         try:
             torch_step(self.replaces, self)
         finally:
             self.param_groups = groups
-        self._updated.add(p)
-        p.grad = None
 
     def step(self, closure=None):
         self._updated.clear()  # before the closure: its backward belongs to this step
         return torch_step(self.replaces, self, closure)
 
 
+def pieces(p: torch.Tensor, group: dict, piece_bytes: int) -> list[tuple[int, int]] | None:
+    """The flat element ranges `p` is stepped in, each at most `piece_bytes` and, but the last, a multiple of `LANES`
+    elements; None where it is stepped whole: it fits one piece, or torch would not loop over it element by element
+    alone (a foreach or fused group, whose temporaries span the group anyway; not on the CPU; complex; sparse or
+    strided gradient or weight)."""
+    size = max(LANES, piece_bytes // p.element_size() // LANES * LANES)
+    grad = p.grad
+    if p.numel() <= size or p.device.type != "cpu" or p.is_complex() or grad is None or grad.is_sparse or \
+            grad.dtype != p.dtype or not (p.is_contiguous() and grad.is_contiguous() and grad.shape == p.shape) or \
+            group.get("foreach") or group.get("fused") or group.get("differentiable"):
+        return None
+    return [(a, min(a + size, p.numel())) for a in range(0, p.numel(), size)]
+
+
 class UpdatesInBackward(Mechanism):
     """Carries out the plan's `update_in_backward` (a runtime Mechanism)."""
 
-    def __init__(self, section: UpdateInBackward):
-        self.section = section
+    def __init__(self, plan: InBackwardPlan):
+        self.section = plan.section
+        self.piece_bytes = plan.piece_bytes
         self.optimizers: list[InBackward] = []
         self.model_params: set[int] | None = None  # ids (hetero.run.torch_optim.ids)
 
@@ -102,7 +177,7 @@ class UpdatesInBackward(Mechanism):
             need_model(opt)  # binds every optimizer through bind() below
             opt.bind(self.model_params)
 
-        replace_adam(patches, InBackward, InBackwardConfig(first_use), self.optimizers,
+        replace_adam(patches, InBackward, InBackwardConfig(first_use, self.piece_bytes), self.optimizers,
                      lambda opt: opt.bind(self.model_params) if self.model_params is not None else None)
         refuse = refusing_clipping("the plan updates each parameter during backward (update_in_backward)",
                                    "hetero plan updates in backward only for scripts that do not clip")
@@ -119,7 +194,8 @@ class UpdatesInBackward(Mechanism):
             return []
         params = sum(p.numel() for opt in mine for p in parameters(opt))
         return [(f"the script's {self.section.kind} updated {params / 1e6:.2f}M parameters during backward, each "
-                 "gradient freed once used (torch's own arithmetic)")]
+                 f"gradient freed once used, in pieces of {SIZE.format_short(self.piece_bytes)} at most (torch's own "
+                 "arithmetic)")]
 
 
 def _second_backward() -> HeteroError:

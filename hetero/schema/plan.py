@@ -226,8 +226,10 @@ class UpdateInBackward:
     """The script's own Adam(W) updates each parameter from its post-accumulate-grad hook, as soon as backward makes
     its gradient final, and the gradient is freed there: host memory never holds every gradient at once (MemFerry's
     "a gradient leaves when it is final", with nowhere to go but the update). torch's own arithmetic on each
-    parameter alone, so the weights are plain training's bit for bit; for a script that runs one backward per step,
-    does not clip, and reads no `.grad` between backward and step (`.grad` is None then)."""
+    parameter alone, a large one in pieces of at most 1 MiB (below the `allocator`'s mmap threshold where there is
+    one) so that Adam's temporaries are a piece's size, so the weights are plain training's bit for bit; for a
+    script that runs one backward per step, does not clip, and reads no `.grad` between backward and step (`.grad`
+    is None then)."""
 
     kind: Literal["adam", "adamw"] = doc("The optimizer the script builds.")
     why: str = doc("The numbers behind the decision.", default="", comment=True)

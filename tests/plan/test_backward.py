@@ -1,7 +1,7 @@
 """One rule counts what a plan changes at the process's peak: saved activations and gradients through the step, the
 loss's backward first, recomputed blocks rebuilt one at a time, gradients only where they coexist."""
 
-from hetero.plan.backward import Held, drop_bytes, peak_bytes
+from hetero.plan.backward import UPDATE_PIECE_BYTES, Held, drop_bytes, peak_bytes, update_piece_bytes
 from hetero.schema.profile import Layer
 
 
@@ -38,3 +38,12 @@ def test_gradients_save_only_where_they_coexist_with_the_peak():
     assert peak_bytes(heavy, Held(gone_grads=frozenset({"a", "b"}))) == 20
     assert peak_bytes(heavy, Held(in_backward=True, step=True)) == 10 + 200  # the largest's grad and temporaries
     assert peak_bytes(LAYERS, Held(gone_grads=frozenset({"head"}))) == 230  # backward's start: nothing to save
+
+
+def test_updates_in_backward_hold_temporaries_of_one_piece_not_of_the_largest_parameter():
+    big = 4 * UPDATE_PIECE_BYTES
+    heavy = [layer("a", 10, big), layer("b", 10, big)]
+    assert peak_bytes(heavy, Held(step=True)) == 2 * big + 2 * big  # every gradient, the largest's temporaries
+    assert peak_bytes(heavy, Held(in_backward=True)) == 10 + big + 2 * UPDATE_PIECE_BYTES
+    assert update_piece_bytes(None) == UPDATE_PIECE_BYTES
+    assert update_piece_bytes(128 << 10) == 120 << 10  # where memory is returned: from the heap, below mmap's

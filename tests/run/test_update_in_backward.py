@@ -14,7 +14,9 @@ from torch import nn
 
 from hetero.errors import STALE_PLAN
 from hetero.harness.script import StopScript
+from hetero.run import update_in_backward
 from hetero.run.runtime import Runtime
+from hetero.run.update_in_backward import LANES, pieces
 from hetero.schema.plan import UpdateInBackward
 from tests.run.plans import optimizer_plan
 from tests.run.test_nvme_states import model
@@ -67,6 +69,50 @@ def test_updating_in_backward_trains_bit_for_bit_as_plain(cls, options):
         for field in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(state["state"][k][field], s[field])
     assert state["param_groups"] == expected_state["param_groups"]  # the schedule's LR, as torch keeps it
+
+
+def uneven() -> nn.Module:  # weights of 888 and 296 elements: pieces of 64 and a remainder each
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 37), nn.ReLU(), nn.Linear(37, 8))
+
+
+@pytest.mark.parametrize("cls,options", [("AdamW", {"weight_decay": 0.1}), ("Adam", {"weight_decay": 0.1}),
+                                         ("Adam", {"amsgrad": True, "maximize": True})],
+                         ids=["adamw", "adam-l2", "amsgrad-maximize"])
+def test_a_parameter_larger_than_a_piece_is_stepped_in_pieces_bit_for_bit(cls, options, monkeypatch):
+    stepped = []
+
+    def spy(base, optimizer, closure=None):
+        stepped.append(max((p.numel() for g in optimizer.param_groups for p in g["params"] if p.grad is not None),
+                           default=0))
+        return step(base, optimizer, closure)
+
+    step = update_in_backward.torch_step
+    monkeypatch.setattr(update_in_backward, "torch_step", spy)
+    monkeypatch.setattr(update_in_backward, "update_piece_bytes", lambda threshold: LANES * 4)  # 64 fp32
+    reference = uneven()
+    expected, expected_state = train(reference, cls, **options)
+    net = uneven()
+    with Runtime(in_backward(net, cls.lower()), script=__file__):
+        losses, state = train(net, cls, **options)
+    assert losses == expected and max(stepped) == LANES  # the first step's too
+    for p, q in zip(net.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    for k, s in expected_state["state"].items():
+        assert state["state"][k].keys() == s.keys()
+        for field, value in s.items():
+            assert torch.equal(state["state"][k][field], value) and state["state"][k][field].dtype == value.dtype
+
+
+def test_pieces_are_whole_lanes_but_the_last_and_only_where_torch_loops_element_by_element():
+    p = torch.zeros(300, requires_grad=True)
+    p.grad = torch.zeros(300)
+    assert pieces(p, {}, 4 * 100) == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
+    assert pieces(p, {}, 4 * 320) is None  # one piece: stepped whole
+    assert pieces(p, {"foreach": True}, 256) is None and pieces(p, {"fused": True}, 256) is None
+    strided = torch.zeros(20, 30, requires_grad=True)
+    strided.grad = torch.zeros(30, 20).t()
+    assert pieces(strided, {}, 256) is None
 
 
 def test_a_second_backward_before_step_stops_the_run():
