@@ -31,7 +31,7 @@ def refused(profile: Profile, ranks: int, optimizer_device: str | None = None) -
 
 def grads_freed_in_backward(profile: Profile) -> int:
     """What updating in backward takes off the peak: the gradients that would coexist with the saved activations at
-    their highest, or with each other in the optimizer's step, less the largest parameter's gradient and update
+    their highest, or with each other in the optimizer's step, less the largest parameter's gradient and the update's
     temporaries, which now fall inside backward (hetero.plan.backward; with blocks recomputed, the recompute
     section's entry counts what they save with the gradients freed)."""
     out = profile.training.output_bytes
