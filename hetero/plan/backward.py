@@ -35,6 +35,7 @@ ADAM_TEMPORARIES = 2  # tensors the size of what it updates that torch's Adam(W)
 # freed memory returned the pieces stay below the mmap threshold (`update_piece_bytes`): one mapped, faulted and
 # unmapped per piece costs more than the whole parameter's huge pages.
 UPDATE_PIECE_BYTES = 1 << 20
+LEAST_MMAP_THRESHOLD = 128 << 10  # glibc's default mmap threshold, from which its dynamic threshold grows
 LOSS_OUTPUTS = 3  # output-sized tensors a cross-entropy's backward holds: its saved log-probabilities, two gradients
 
 
@@ -51,8 +52,9 @@ class Held:
 def update_piece_bytes(mmap_threshold_bytes: int | None) -> int:
     """The most bytes of a parameter updates in backward step at once: `UPDATE_PIECE_BYTES`, or where the plan
     returns freed memory (its `mmap_threshold`), a 16th below that threshold, so that each piece's temporaries come
-    from the heap and go back to it."""
-    if mmap_threshold_bytes is None:
+    from the heap and go back to it; not below glibc's own least threshold (128 KiB), where a step would loop over
+    thousands of pieces and each is mapped anyway."""
+    if mmap_threshold_bytes is None or mmap_threshold_bytes < LEAST_MMAP_THRESHOLD:
         return UPDATE_PIECE_BYTES
     return min(UPDATE_PIECE_BYTES, mmap_threshold_bytes - mmap_threshold_bytes // 16)
 

@@ -47,3 +47,4 @@ def test_updates_in_backward_hold_temporaries_of_one_piece_not_of_the_largest_pa
     assert peak_bytes(heavy, Held(in_backward=True)) == 10 + big + 2 * UPDATE_PIECE_BYTES
     assert update_piece_bytes(None) == UPDATE_PIECE_BYTES
     assert update_piece_bytes(128 << 10) == 120 << 10  # where memory is returned: from the heap, below mmap's
+    assert update_piece_bytes(0) == UPDATE_PIECE_BYTES  # every block mapped: no piece small enough, the fewest
