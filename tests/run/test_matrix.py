@@ -29,6 +29,7 @@ from torch.testing import assert_close
 from hetero.errors import STALE_PLAN
 from hetero.harness.script import StopScript
 from hetero.plan import fit
+from hetero.run import update_in_backward
 from hetero.run.runtime import Runtime
 from hetero.schema.plan import Plan, UpdateInBackward
 from tests.run.plans import optimizer_plan
@@ -159,10 +160,12 @@ def test_one_process(cell, tmp_path):
 
 
 @pytest.mark.parametrize("tiering", [False, True], ids=["kept", "tiered"])
-def test_one_process_updating_in_backward(tiering, tmp_path):
+def test_one_process_updating_in_backward(tiering, tmp_path, monkeypatch):
     """What the planner writes for one process, one backward per step, no clipping: the script's own AdamW steps in
-    backward, with tiering, and malloc returning freed memory from partway on (`from_bytes`, as under a budget
-    whose plain peak the profile could not measure; 1 B: at the watch's first look)."""
+    backward, each parameter in pieces (of 64 elements here, so that every weight is cut), with tiering, and malloc
+    returning freed memory from partway on (`from_bytes`, as under a budget whose plain peak the profile could not
+    measure; 1 B: at the watch's first look)."""
+    monkeypatch.setattr(update_in_backward, "update_piece_bytes", lambda threshold: 256)
     model, workdir = make_model(), str(tmp_path / "work")
     planned = plan_for(Cell("host", False, tiering, "plain"), model, workdir, routed=False)
     planned = replace(planned, optimizer=None, update_in_backward=UpdateInBackward(kind="adamw"),
