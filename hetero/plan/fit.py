@@ -55,11 +55,14 @@ HEADROOM = 0.03
 # do without, its libraries' pages in use, which the limit's reclaim leaves it. A planned run killed with 14 MiB left
 # under a 1 GiB limit; plain training with 27-33 MiB left under 768 MiB never was (docs/benchmarks.md, round six).
 MAPPED_BYTES = 16 << 20
-# What a plan that keeps malloc's defaults must leave above its predicted peak as well: that peak moves from process
-# to process (train_gpt 3 x 768: 680-735 MiB; heldout_lm 3 x 256: 715 and 725 MiB in the profile's two processes
-# alone, 729-746 MiB in four planned runs, and one killed at 768; docs/benchmarks.md, round seven), where freed memory
-# returned peaks within 1% run to run.
-DEFAULTS_SPREAD = 0.05
+# What a plan that keeps malloc's defaults must leave above its predicted peak as well (the median of processes
+# measured alone): that peak moves from process to process with where the heap's pieces land (address and hash
+# randomization together; docs/benchmarks.md, round fifteen), where freed memory returned peaks within 1% run to run.
+# The widest seen above such a median: 11% (train_gpt 1 x 768's updates in backward, 419-481 MiB over 28 processes
+# against 433; heldout_lm 6 x 256 x 2 x 1024's plain training, 1020 MiB against the profile's 918, one of four planned
+# runs killed under 1 GiB where 5% was allowed; round sixteen). With the room's `HEADROOM` below the budget, this
+# allowance covers 13% above the median.
+DEFAULTS_SPREAD = 0.10
 
 
 @dataclass(frozen=True, slots=True)

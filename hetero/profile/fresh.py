@@ -163,7 +163,7 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
 def median(runs: list[Run | None]) -> Run | None:
     """The median run, one that gave no peak counting above every other (None where it is such a run); of an even
     number, the mean of the middle two (None where either is such a run): malloc's defaults put the same script's
-    peak anywhere in a spread of ~8% from process to process (train_gpt 6 x 256 after 12 steps: 1307-1410 MiB),
+    peak anywhere in a spread of 8-15% from process to process (train_gpt 6 x 256 after 12 steps: 1307-1410 MiB),
     and the prediction is that spread's middle; the fit adds the spread above it (hetero.plan.fit.DEFAULTS_SPREAD)."""
     ordered = sorted(runs, key=lambda r: r.peak_bytes if r is not None else float("inf"))
     middle = len(ordered) // 2

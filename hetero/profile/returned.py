@@ -67,10 +67,10 @@ DEFAULTS_STEPS = 16
 # theirs (hetero.profile.fresh.runs_alone), for one start of the script less in every profile than three; the
 # higher of two, taken before, predicted train_gpt 6 x 256 at 1.366 GiB where six runs measured 1.23-1.32 GiB.
 DEFAULT_RUNS = 2
-# ... and a third where those two disagree by more than malloc's spread (hetero.plan.fit.DEFAULTS_SPREAD): heldout_lm
-# 8 x 256's two peaked at 1.06 and 1.18 GiB where six plain processes (`python`, and the plan that runs plain) peaked
-# at 1.06-1.12 GiB.
+# ... and a third where those two are more than `AGREE` apart: heldout_lm 8 x 256's two peaked at 1.06 and 1.18 GiB
+# where six plain processes (`python`, and the plan that runs plain) peaked at 1.06-1.12 GiB.
 MOST_RUNS = 3
+AGREE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +130,11 @@ def measure(script: str, args: list[str], warmup: int, steps_from: str = "optimi
 
 def more_needed(defaults: list[fresh.Run]) -> bool:
     """Whether `measure` starts another process with malloc's defaults: fewer than `DEFAULT_RUNS` ran, or the
-    lowest and highest peaks so far are further apart than malloc's spread and fewer than `MOST_RUNS` ran."""
+    lowest and highest peaks so far are more than `AGREE` apart and fewer than `MOST_RUNS` ran."""
     if len(defaults) < DEFAULT_RUNS:
         return True
     peaks = sorted(r.peak_bytes for r in defaults)
-    return len(defaults) < MOST_RUNS and with_spread(peaks[0]) < peaks[-1]
+    return len(defaults) < MOST_RUNS and peaks[0] * (1 + AGREE) < peaks[-1]
 
 
 def _child(out: str, steps: int, malloc: str, steps_from: str, stop_at: int, plan: str, script: str,

@@ -24,7 +24,7 @@ def test_a_third_process_decides_where_two_disagree_by_more_than_mallocs_spread(
         return [Run(peak_bytes=m << 20, step_s=1.0, steps=4) for m in mib]
 
     assert returned.more_needed(runs()) and returned.more_needed(runs(1000))
-    assert not returned.more_needed(runs(1000, 1050))  # within the 5% spread: their mean
+    assert not returned.more_needed(runs(1000, 1050))  # within `AGREE`: their mean
     assert returned.more_needed(runs(1060, 1180))  # heldout_lm 8 x 256's two, 11% apart
     assert not returned.more_needed(runs(1060, 1180, 1100))  # at most three
 
