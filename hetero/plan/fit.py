@@ -20,7 +20,9 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
 
 Where the profile measured leaner plans with malloc's defaults alone (under a memory limit that plain training's own
 peak did not settle under with room for their spread; hetero.plan.alone: updates in backward, then every block
-recomputed), each is one more candidate, at its measured peak and step.
+recomputed), each is one more candidate, at its measured peak and step. A peak measured alone (plain's, or such
+a plan's) keeps malloc's spread above it under the budget, less the mapped files; a simulated one keeps the room
+(`room_of`: the simulation's headroom too).
 
 A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
 I/O; `solve` builds and simulates each candidate.
@@ -55,14 +57,13 @@ HEADROOM = 0.03
 # do without, its libraries' pages in use, which the limit's reclaim leaves it. A planned run killed with 14 MiB left
 # under a 1 GiB limit; plain training with 27-33 MiB left under 768 MiB never was (docs/benchmarks.md, round six).
 MAPPED_BYTES = 16 << 20
-# What a plan that keeps malloc's defaults must leave above its predicted peak as well (the median of processes
-# measured alone): that peak moves from process to process with where the heap's pieces land (address and hash
-# randomization together; docs/benchmarks.md, round fifteen), where freed memory returned peaks within 1% run to run.
-# The widest seen above such a median: 11% (train_gpt 1 x 768's updates in backward, 419-481 MiB over 28 processes
-# against 433; heldout_lm 6 x 256 x 2 x 1024's plain training, 1020 MiB against the profile's 918, one of four planned
-# runs killed under 1 GiB where 5% was allowed; round sixteen). With the room's `HEADROOM` below the budget, this
-# allowance covers 13% above the median.
-DEFAULTS_SPREAD = 0.10
+# What a plan that keeps malloc's defaults must leave above its predicted peak as well: that peak moves from process
+# to process with where the heap's pieces land (address and hash randomization together; docs/benchmarks.md, round
+# fifteen), where freed memory returned peaks within 1% run to run. The widest seen above the median of processes
+# measured alone: 11% (train_gpt 1 x 768's updates in backward, 419-481 MiB over 28 processes against 433;
+# heldout_lm 6 x 256 x 2 x 1024's plain training, 1020 MiB against the profile's 918, one of four planned runs killed
+# under 1 GiB where 5% was allowed; round sixteen).
+DEFAULTS_SPREAD = 0.12
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +72,19 @@ class Candidate:
     plan: Plan
     peak_bytes: int
     iteration_s: float
+    measured: bool = False  # its peak is the median of processes measured alone, not a simulation's
 
     @property
     def held_bytes(self) -> int:
         """The most its process may hold: the prediction, and with malloc's defaults their spread above it."""
         return self.peak_bytes if self.plan.allocator is not None else with_spread(self.peak_bytes)
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether it keeps `budget_bytes`: a measured peak with malloc's spread above it (`measured_fits`), any
+        other within the room the predictions' error leaves (`room_of`)."""
+        if self.measured and self.plan.allocator is None:
+            return measured_fits(self.peak_bytes, budget_bytes)
+        return self.held_bytes <= room_of(budget_bytes)
 
 
 def applies(profile, gpu, budget_source: str | None) -> bool:
@@ -140,16 +149,17 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
                 continue
             if chosen not in seen:
                 p = solve(chosen)
-                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
+                measured = not chosen and not ctx.profile.memory.dram_peak_estimated  # plain, its own peak
+                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s, measured)
     for lean in ctx.profile.memory.measured_alone:  # as the profile measured them alone: malloc's defaults
         chosen = frozenset(lean.levers)
         if chosen <= set(levers) and forced <= chosen | {"allocator"} and chosen not in seen:
             p = solve(chosen)
             if alone.measured(ctx.profile, p):
-                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
+                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s, True)
     budget, room = ctx.dram_budget_bytes, room_bytes(ctx)
     base = seen[forced]
-    fitting = [c for c in seen.values() if c.held_bytes <= room]
+    fitting = [c for c in seen.values() if c.fits(budget)]
     if not fitting:
         least = min(seen.values(), key=lambda c: c.held_bytes)
         raise HeteroError(
@@ -165,7 +175,7 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     # one that keeps malloc's defaults (a leaner plan measured alone: with plain training's own peak not known,
     # `forced`, returning memory is predicted at no cost, but costs page faults); then, where `forced`, the lower peak
     # first; then the fewer levers.
-    best = base if base.held_bytes <= room and not forced else min(
+    best = base if base.fits(budget) and not forced else min(
         fitting, key=lambda c: (c.iteration_s, "tiering" in c.levers, c.plan.allocator is not None,
                                 c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
     best = _fewest_blocks(ctx, solve, best, host, room)
@@ -213,6 +223,13 @@ def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
 def with_spread(peak_bytes: int) -> int:
     """What a process that keeps malloc's defaults and is predicted at `peak_bytes` may hold (`DEFAULTS_SPREAD`)."""
     return int(peak_bytes * (1 + DEFAULTS_SPREAD))
+
+
+def measured_fits(peak_bytes: int, budget_bytes: int) -> bool:
+    """Whether a peak measured alone (the median of fresh processes with malloc's defaults) keeps `budget_bytes`
+    with malloc's spread above it (`with_spread`) and the mapped files beside it (`MAPPED_BYTES`): without the
+    `HEADROOM` that is kept for a simulation's error, which a measured peak has not."""
+    return with_spread(peak_bytes) <= budget_bytes - MAPPED_BYTES
 
 
 def room_bytes(ctx) -> int:

@@ -119,7 +119,7 @@ class Leaner:
     reference: str = "plain training"  # what `returned` trained, with freed memory returned
 
 
-def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, room: int,
+def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_from: str, budget: int,
                  limit: int) -> Leaner | None:
     """Where plain training cannot be planned (no peak settled below the room, or too near it for malloc's spread:
     `fits`): the leaner plans the profile (`output`) allows (hetero.plan.alone.to_measure), each alone as plain
@@ -127,6 +127,7 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
     passed the stop, of the script's updates in backward with it); None where the script allows none or no such
     process gave a step."""
     from hetero.plan import alone
+    from hetero.plan.fit import room_of
     from hetero.plan.solve import measured_alone
     from hetero.schema import files
     from hetero.schema.profile import Profile
@@ -135,7 +136,7 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
     wanted = alone.to_measure(profile)
     if not wanted:
         return None
-    stop = stop_at(room, limit)  # this process has grown by the planner's modules
+    stop = stop_at(room_of(budget), limit)  # this process has grown by the planner's modules
     work = workdir.create(None, "returned", "TMPDIR")  # swept as the fresh processes' are
     try:
         reference, returned = "plain training", run(script, args, steps, "returned", steps_from, stop)
@@ -153,7 +154,7 @@ def leaner_alone(output: str, script: str, args: list[str], steps: int, steps_fr
             path = os.path.join(work.path, f"plan-{len(tried)}.yaml")
             files.save(measured_alone(profile, output, levers), path)
             tried.append(Tried(levers, runs_alone(script, args, steps, steps_from, stop, path)))
-            if fits(median(tried[-1].runs), room):
+            if fits(median(tried[-1].runs), budget):
                 break
         return Leaner(tried=tried, returned=returned, stop=stop, reference=reference)
     finally:
@@ -176,12 +177,12 @@ def median(runs: list[Run | None]) -> Run | None:
                steps=max(low.steps, high.steps))
 
 
-def fits(run: Run | None, room: int) -> bool:
-    """Whether plain training that peaked as `run` did (None: past the room) can be planned as it is: with malloc's
-    defaults' spread above it (hetero.plan.fit.DEFAULTS_SPREAD)."""
-    from hetero.plan.fit import with_spread
+def fits(run: Run | None, budget: int) -> bool:
+    """Whether plain training that peaked as `run` did (None: past the room) can be planned as it is under `budget`:
+    with malloc's defaults' spread above it (hetero.plan.fit.measured_fits, the rule the planner keeps)."""
+    from hetero.plan.fit import measured_fits
 
-    return run is not None and with_spread(run.peak_bytes) <= room
+    return run is not None and measured_fits(run.peak_bytes, budget)
 
 
 def alone(memory: Memory, runs: list[Run | None], stop: int, leaner: Leaner | None = None) -> Memory:
@@ -232,12 +233,15 @@ def _said(tried: Tried, found: Run | None, leaner: Leaner) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m hetero.profile.fresh PROFILE ROOM LIMIT STEPS STEPS_FROM text|json plain|leaner SCRIPT [ARGS]`:
+    """`python -m hetero.profile.fresh PROFILE BUDGET LIMIT STEPS STEPS_FROM text|json plain|leaner SCRIPT [ARGS]`:
     what `hetero profile` under a memory limit becomes once its profile is written (hetero.cli.profile): plain
     training alone (`plain`; `leaner`: its estimate fills the room already), then the leaner plans where it does not
     fit, then PROFILE updated and one line said for each (or, with `json`, the profile printed)."""
-    output, room, limit, steps, steps_from, form, first, script, args = \
+    output, budget, limit, steps, steps_from, form, first, script, args = \
         argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4], argv[5], argv[6], argv[7], argv[8:]
+    from hetero.plan.fit import room_of
+
+    room = room_of(budget)
     stop = stop_at(room, limit)
     try:
         runs: list[Run | None] = []
@@ -245,8 +249,8 @@ def main(argv: list[str]) -> int:
             print("measuring plain training's own peak alone, in a fresh process with malloc's defaults ...",
                   file=sys.stderr, flush=True)
             runs = runs_alone(script, args, steps, steps_from, stop)
-        leaner = leaner_alone(output, script, args, steps, steps_from, room, limit) \
-            if not fits(median(runs), room) else None
+        leaner = leaner_alone(output, script, args, steps, steps_from, budget, limit) \
+            if not fits(median(runs), budget) else None
     except KeyboardInterrupt:
         print(f"hetero: interrupted while plain training ran alone; {output} is written, plain's peak estimated",
               file=sys.stderr)

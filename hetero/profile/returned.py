@@ -217,12 +217,12 @@ def alone_argv(profile: Profile, budget_bytes: int, warmup: int, output: str, as
     memory, limit = profile.memory, process_memory.memory_limit_bytes()
     if memory is None or not memory.dram_peak_estimated or profile.machine.gpu is not None or limit is None:
         return None
-    room = room_of(budget_bytes)
-    plain = with_spread(memory.dram_peak_bytes) < room
+    plain = with_spread(memory.dram_peak_bytes) < room_of(budget_bytes)  # an estimate: the room, as simulated
     if not plain and not alone.to_measure(profile):
         return None
-    return [sys.executable, "-m", "hetero.profile.fresh", output, str(room), str(limit), str(warmup + TIMED_STEPS),
-            profile.training.steps_from, "json" if as_json else "text", "plain" if plain else "leaner", script, *args]
+    return [sys.executable, "-m", "hetero.profile.fresh", output, str(budget_bytes), str(limit),
+            str(warmup + TIMED_STEPS), profile.training.steps_from, "json" if as_json else "text",
+            "plain" if plain else "leaner", script, *args]
 
 
 class Budgeted:

@@ -73,7 +73,7 @@ def test_the_profile_takes_the_peak_measured_alone_or_keeps_its_estimate(tmp_pat
     memory = files.load(path, expect=Profile).memory
     assert memory.dram_peak_estimated and memory.dram_peak_bytes == 100 * MiB and "stays estimated" in \
         memory.profiled_under
-    assert "gave no peak settled below 40MiB" in capsys.readouterr().out
+    assert "gave no peak settled below" in capsys.readouterr().out
 
 
 def test_where_plain_fills_the_room_only_the_leaner_plans_run_alone(tmp_path, capsys, monkeypatch):
@@ -121,7 +121,7 @@ def test_alone_is_asked_for_under_a_limit_plain_where_its_estimate_leaves_room(t
     assert argv(profile) is None  # --dram-budget alone: no limit to keep the fresh process under
     monkeypatch.setattr(returned.process_memory, "memory_limit_bytes", lambda: 1 << 30)
     room = returned.room_of(1 << 30)
-    assert argv(profile) == [sys.executable, "-m", "hetero.profile.fresh", "out.yaml", str(room), str(1 << 30),
+    assert argv(profile) == [sys.executable, "-m", "hetero.profile.fresh", "out.yaml", str(1 << 30), str(1 << 30),
                              str(2 + returned.TIMED_STEPS), "optimizer", "text", "plain", "train.py", "--x"]
     profile.memory = replace(profile.memory, dram_peak_bytes=int(room / (1 + fit.DEFAULTS_SPREAD)) + 1)
     assert argv(profile)[-3:] == ["leaner", "train.py", "--x"]  # the estimate and malloc's spread fill the room
@@ -145,7 +145,7 @@ def test_leaner_plans_alone_are_taken_where_plain_cannot_be_planned(tmp_path):
     assert "updates in backward: no peak settled" in taken.profiled_under
     # plain settled under the room, but too near it for malloc's spread: both are kept
     near = fresh.Run(peak_bytes=195 * MiB, step_s=0.9, steps=3)
-    assert not fresh.fits(near, 200 * MiB) and fresh.fits(fresh.Run(180 * MiB, 0.9, 3), 200 * MiB)
+    assert not fresh.fits(near, 200 * MiB) and fresh.fits(fresh.Run(160 * MiB, 0.9, 3), 200 * MiB)
     taken = fresh.alone(memory, [near, near], 200 * MiB, leaner)
     assert not taken.dram_peak_estimated and taken.dram_peak_bytes == 195 * MiB
     assert [r.peak_bytes for r in taken.measured_alone] == [75 * MiB]
