@@ -149,7 +149,9 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
                 continue
             if chosen not in seen:
                 p = solve(chosen)
-                measured = not chosen and not ctx.profile.memory.dram_peak_estimated  # plain, its own peak
+                # plain's own peak, or a leaner plan the profile measured alone (the footprint takes that peak)
+                measured = (not chosen and not ctx.profile.memory.dram_peak_estimated) or \
+                    alone.measured(ctx.profile, p) is not None
                 seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s, measured)
     for lean in ctx.profile.memory.measured_alone:  # as the profile measured them alone: malloc's defaults
         chosen = frozenset(lean.levers)

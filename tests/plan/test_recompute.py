@@ -176,3 +176,19 @@ def test_updates_in_backward_measured_alone_are_planned_before_recomputation(cpu
     p = plan(cpu, PlanOptions(dram_budget_bytes=fit.budget_for(fit.with_spread(RETURNED // 2))))
     assert p.allocator is None and p.recompute is not None and p.update_in_backward is not None
     assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED // 2}
+
+
+def test_a_leaner_plan_measured_alone_beside_plains_own_peak_is_held_as_measured(cpu):
+    """Plain training measured alone but too near the budget for malloc's spread: the profile measured updates in
+    backward alone too, and that candidate (a lever the planner also simulates) keeps the measured rule, spread and
+    mapped files under the budget without the simulation's headroom."""
+    step = cpu.training.iteration_s
+    lean = MeasuredAlone(levers=["in_backward"], peak_bytes=RETURNED, step_s=step)
+    cpu.memory = Memory(dram_peak_bytes=PLAIN, dram_peak_returned_bytes=RETURNED - 100 * MiB, returned_step_s=step,
+                        default_step_s=step, measured_alone=[lean])
+    budget = fit.with_spread(RETURNED) + fit.MAPPED_BYTES  # within the room only without the headroom
+    assert fit.with_spread(RETURNED) > fit.room_of(budget)
+    cpu.machine.tiers = [t for t in cpu.machine.tiers if t.kind != "nvme"]  # its Adam would be faster than torch's
+    p = plan(cpu, PlanOptions(dram_budget_bytes=budget))
+    assert p.update_in_backward is not None and p.allocator is None
+    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED} and "measured alone" in p.budget.why
