@@ -82,7 +82,7 @@ class Candidate:
     def fits(self, budget_bytes: int) -> bool:
         """Whether it keeps `budget_bytes`: a measured peak with malloc's spread above it (`measured_fits`), any
         other within the room the predictions' error leaves (`room_of`)."""
-        if self.measured and self.plan.allocator is None:
+        if self.measured:
             return measured_fits(self.peak_bytes, budget_bytes)
         return self.held_bytes <= room_of(budget_bytes)
 
@@ -148,17 +148,13 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
                     any(pair <= chosen for pair in EXCLUDES):
                 continue
             if chosen not in seen:
-                p = solve(chosen)
-                # plain's own peak, or a leaner plan the profile measured alone (the footprint takes that peak)
-                measured = (not chosen and not ctx.profile.memory.dram_peak_estimated) or \
-                    alone.measured(ctx.profile, p) is not None
-                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s, measured)
+                seen[chosen] = _candidate(ctx, chosen, solve(chosen), host)
     for lean in ctx.profile.memory.measured_alone:  # as the profile measured them alone: malloc's defaults
         chosen = frozenset(lean.levers)
         if chosen <= set(levers) and forced <= chosen | {"allocator"} and chosen not in seen:
-            p = solve(chosen)
-            if alone.measured(ctx.profile, p):
-                seen[chosen] = Candidate(chosen, p, p.predicted.peak_bytes[host], p.predicted.iteration_s, True)
+            found = _candidate(ctx, chosen, solve(chosen), host)
+            if found.measured:
+                seen[chosen] = found
     budget, room = ctx.dram_budget_bytes, room_bytes(ctx)
     base = seen[forced]
     fitting = [c for c in seen.values() if c.fits(budget)]
@@ -183,6 +179,14 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     best = _fewest_blocks(ctx, solve, best, host, room)
     why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
     return replace(best.plan, budget=replace(best.plan.budget, why=why))
+
+
+def _candidate(ctx, levers: frozenset[str], plan: Plan, host: str) -> Candidate:
+    """`plan` as a candidate; measured where its peak is plain training's own or a leaner plan's the profile measured
+    alone (the footprint takes that peak: hetero.plan.alone)."""
+    measured = (not levers and not ctx.profile.memory.dram_peak_estimated) or \
+        alone.measured(ctx.profile, plan) is not None
+    return Candidate(levers, plan, plan.predicted.peak_bytes[host], plan.predicted.iteration_s, measured)
 
 
 def recompute_levers(ctx) -> frozenset[str]:
