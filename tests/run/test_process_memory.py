@@ -65,3 +65,28 @@ def test_no_oom_count_where_the_kernel_keeps_none(tmp_path):
     write(tmp_path / "fs/memory/job/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\n")  # before 4.13
     assert process_memory.oom_kills(str(tmp_path / "cgroup"), str(tmp_path / "fs")) is None
     assert process_memory.oom_kills(str(tmp_path / "missing")) is None
+
+
+def test_reading_the_status_allocates_nothing_per_read_and_a_forked_child_reads_its_own():
+    import os
+    import tracemalloc
+
+    process_memory.resident_bytes()  # the buffer is made at the first read
+    tracemalloc.start()
+    try:
+        for _ in range(100):
+            process_memory.resident_bytes()
+            process_memory.dram_peak_bytes()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2048  # open() and a text buffer would take 8 KiB and more per read
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child's own status, not the parent's, though the parent read it first
+        held = bytearray(64 << 20)
+        held[::4096] = b"x" * len(held[::4096])
+        os.write(write, str(process_memory.resident_bytes()).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert int(os.read(read, 100)) > process_memory.resident_bytes() + (48 << 20)
