@@ -37,8 +37,8 @@ def resident_bytes() -> int:
 class _StatusFile:
     """/proc/self/status read into one buffer made once, with no allocation per read: `open()` and a text buffer
     between a step's large frees move where malloc puts the next tensors, and with them the peak being measured
-    (heldout_lm 8 x 256 x 2 x 1024, layout fixed: 1.16 GiB with such a read in an optimizer-step hook, 1.07 GiB with
-    this one or none; docs/benchmarks.md, round seventeen). Opened again in a forked child, whose "self" differs."""
+    (heldout_lm 8 x 256 x 2 x 1024, layout fixed: 1.16 GiB with such a read in an optimizer-step hook, 1.07-1.10 GiB
+    with this one or none; docs/benchmarks.md, round seventeen)."""
 
     SIZE = 1 << 14  # the fields read are in the file's first lines
 
@@ -48,15 +48,12 @@ class _StatusFile:
         self.into = [memoryview(self.buffer)[1:]]
         self.lock = threading.Lock()  # the watch threads and the main thread share the buffer
         self.fd: int | None = None
-        self.pid = 0
 
     def read(self, fields: tuple[str, ...]) -> dict[str, int]:
         with self.lock:
             try:
-                if self.pid != os.getpid():
-                    if self.fd is not None:
-                        os.close(self.fd)  # the parent's, inherited
-                    self.fd, self.pid = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()
+                if self.fd is None:
+                    self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
                 end = os.preadv(self.fd, self.into, 0) + 1
             except OSError:
                 return {}
@@ -72,29 +69,32 @@ class _StatusFile:
         stop = self.buffer.find(b"kB", start, line_end if line_end >= 0 else end)
         return int(self.buffer[start:stop]) * 1024 if stop > start else None  # a field in kB, as the ones read
 
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
 
 _files: dict[str, _StatusFile] = {}
 
 
+def _forked() -> None:
+    # A forked child's "self" is another process, and a lock a thread of the parent held at the fork stays held in
+    # the child: it makes its readers anew.
+    for reader in _files.values():
+        reader.close()
+    _files.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forked)
+
+
 def _status(*fields: str, path: str = "/proc/self/status") -> dict[str, int]:
-    """The named fields of /proc/self/status, in bytes (those it lacks are left out)."""
-    if not hasattr(os, "preadv"):
-        return _status_opened(fields, path)
+    """The named fields of /proc/self/status, in bytes (those it lacks are left out; none without /proc)."""
+    if not hasattr(os, "preadv"):  # no /proc either (Windows)
+        return {}
     reader = _files.get(path) or _files.setdefault(path, _StatusFile(path))
     return reader.read(fields)
-
-
-def _status_opened(fields: tuple[str, ...], path: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in fields:
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 class Peak:

@@ -1,5 +1,8 @@
 """The memory cgroup limit the process runs under, read as the kernel writes it (cgroup v1 and v2)."""
 
+import os
+import tracemalloc
+
 from hetero.run import process_memory
 
 
@@ -68,9 +71,6 @@ def test_no_oom_count_where_the_kernel_keeps_none(tmp_path):
 
 
 def test_reading_the_status_allocates_nothing_per_read_and_a_forked_child_reads_its_own():
-    import os
-    import tracemalloc
-
     process_memory.resident_bytes()  # the buffer is made at the first read
     tracemalloc.start()
     try:
