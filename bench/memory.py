@@ -5,17 +5,18 @@
                                      [--limit 0.5x|SIZE] [--env MALLOC_MMAP_THRESHOLD_=131072]
                                      [--machine PROFILE] [--profile FILE]
 
-For each size (layers x width x batch x context of examples/train_gpt.py, or of bench/heldout_lm.py with
-`--script heldout`) this profiles the script once, makes one plan per `--plans` entry (flags of `hetero plan`, or
-`default`; entries separated by ';') from that profile, then runs plain and `hetero run` under every plan in interleaved rounds,
-each a fresh process. The profile and the runs run the same command, `--steps` included: a plan predicts the peak of
-the training it was profiled on, and plain training's peak with malloc's defaults still rises after its sixth step
-(train_gpt 6 x 256: a median of 1289 MiB over 4 processes of 6 steps, 1342 MiB of 16; docs/benchmarks.md, round
-nine). Every process runs in a memory cgroup of its own (bench/cgroup.py; as root), and its peak is
-the cgroup's `memory.max_usage_in_bytes`: what a memory limit counts. Without root it falls back to wait4's
-`ru_maxrss` (VmHWM, which counts library file pages a cgroup does not) and says so. It prints per configuration the
-median peak and step time (steps after the second, from the script's own clock) with their ranges, the ratios to
-plain, the last loss, and each plan's predicted DRAM peak against the measured one (`measured/predicted`).
+For each size (layers x width x batch x context of examples/train_gpt.py, or of bench/heldout_lm.py with `--script
+heldout`) this profiles the script once, makes one plan per `--plans` entry (flags of `hetero plan`, or `default`;
+entries separated by ';') from that profile, then runs plain and `hetero run` under every plan in interleaved
+rounds, each a fresh process. The profile and the runs run the same command, `--steps` included: a plan predicts the
+peak of the training it was profiled on, and plain training's peak with malloc's defaults still rises after its
+sixth step (train_gpt 6 x 256: a median of 1289 MiB over 4 processes of 6 steps, 1342 MiB of 16; docs/benchmarks.md,
+round nine). Every process runs in a memory cgroup of its own (bench/cgroup.py; as root), and its peak is the
+cgroup's `memory.max_usage_in_bytes`: what a memory limit counts. Without root it falls back to wait4's `ru_maxrss`
+(VmHWM, which counts library file pages a cgroup does not) and says so. It prints per configuration the median peak
+and step time (steps after the second, from the script's own clock) with their ranges, the ratios to plain, the last
+loss, plain's peak as the profile recorded it (what plans with malloc's defaults are predicted from:
+`measured/profiled`), and each plan's predicted DRAM peak against the measured one (`measured/predicted`).
 
 `--limit` puts the profile, the plans and the hetero runs under a memory cgroup with that limit (`0.5x`: half of
 plain's median peak, measured first without a limit); plain runs without one (it would be killed), as the
@@ -48,6 +49,7 @@ import cgroup  # noqa: E402
 
 from hetero.schema import files  # noqa: E402
 from hetero.schema.plan import Plan  # noqa: E402
+from hetero.schema.profile import Profile  # noqa: E402
 from hetero.units import SIZE  # noqa: E402
 
 HETERO = [sys.executable, "-m", "hetero"]
@@ -151,6 +153,7 @@ def measure_size(script: str, size: str, args: argparse.Namespace, env: dict[str
     plain_peak = statistics.median(s.peak_bytes for s in runs["plain"])
     plain_step = statistics.median(s.step_s for s in runs["plain"])
     rows.append(_row("plain", runs["plain"], plain_peak, plain_step))
+    rows.extend(_profiled_plain(work / "profile.yaml", plain_peak))
     for flags, plan in plans.items():
         name = f"plan {flags or '(default)'}"
         if isinstance(plan, str):
@@ -168,6 +171,17 @@ def measure_size(script: str, size: str, args: argparse.Namespace, env: dict[str
             rows.append(f"    DRAM budget {SIZE.format_short(budget)}: highest peak {SIZE.format_short(worst)} "
                         f"({'under' if worst <= budget else 'OVER'}); {plan.budget.why}")
     return rows
+
+
+def _profiled_plain(path: Path, plain_peak: float) -> list[str]:
+    """The profile's plain peak (what malloc's-defaults plans are predicted from) against plain's measured one."""
+    memory = files.load(path, expect=Profile).memory if path.exists() else None
+    if memory is None:
+        return []
+    runs = ", ".join(SIZE.format_short(b) for b in memory.dram_peak_runs_bytes)
+    how = "estimated" if memory.dram_peak_estimated else f"fresh processes {runs}" if runs else "measured"
+    return [f"    profile: plain peak {SIZE.format_short(memory.dram_peak_bytes)} ({how}): measured/profiled "
+            f"{plain_peak / memory.dram_peak_bytes:.3f}"]
 
 
 def _row(name: str, samples: list[Sample], plain_peak: float, plain_step: float) -> str:

@@ -90,7 +90,8 @@ SMOKES = [
            r"check: default plan's weight sum .*: equal"), files=("e2e/outcomes.json", "e2e/plan.yaml")),
     Smoke("memory.py", ("--sizes", "2x32x2x16", "--vocab", "64", "--pairs", "1", "--steps", "4", "--profile",
                         TINY_PROFILE),
-          (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"plan \(default\) +peak",
+          (r"plain +peak [0-9.]+[KMG]iB .* = 1\.00x", r"profile: plain peak .*: measured/profiled [0-9.]+",
+           r"plan \(default\) +peak",
            r"measured/predicted [0-9.]+")),
     # This one profiles its script first, with the bundled machine section as this machine's (`hetero profile
     # --machine`; tests/machines.py) rather than measure the machine; it finds each
