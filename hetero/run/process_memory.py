@@ -12,6 +12,7 @@ GPU has given the process).
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import threading
@@ -44,7 +45,10 @@ class _StatusFile:
 
     def __init__(self, path: str):
         self.path = path
-        self.buffer = bytearray(b"\n" + bytes(self.SIZE))  # a newline first: every field then follows one
+        # A mapping of its own, not malloc's heap: a buffer made there at the first read (a training step's end, in
+        # the profile's fresh processes) stays among the step's freed tensors and splits the room they leave.
+        self.buffer = mmap.mmap(-1, self.SIZE + 1)
+        self.buffer[:1] = b"\n"  # a newline first: every field then follows one
         self.into = [memoryview(self.buffer)[1:]]
         self.lock = threading.Lock()  # the watch threads and the main thread share the buffer
         self.fd: int | None = None
