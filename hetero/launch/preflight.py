@@ -11,7 +11,8 @@ In order:
    optimizer section places nowhere, GPU sections on a machine without one (exit 3 at the entry's line); entries
    `run` would ignore are warnings that say so;
 4. the directories the plan names (`optimizer.nvme.path`, `activations.slow_path`), where they will be used: what
-   the run would refuse when it makes its work directories there (hetero.run.devices.workdir), exit 3 at the line.
+   the run would refuse when it makes its work directories there (hetero.run.devices.places: a place others
+   control, a link of another user's on the way, a kernel pseudo file system such as /proc), exit 3 at the line.
 
 torch is not imported here: `hetero check` stays fast.
 """

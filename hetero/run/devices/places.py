@@ -4,7 +4,10 @@ field. torch is not imported here."""
 
 from __future__ import annotations
 
+import functools
+import grp
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -34,20 +37,30 @@ def expand(base: str | None, field: str) -> Path:
 
 
 def check_place(root: Path, field: str) -> None:
-    """The base must be a directory that only we (or root, or our own group) control, or a sticky one like /tmp, and
-    so must every directory above it: one that others could rename lets them redirect everything below it."""
+    """The base must be a directory on a file system that holds files (not /proc or /sys), that only we or root
+    control (or a sticky one like /tmp), and so must every directory met on the way to it; every link on that way,
+    the base itself included, must be ours or root's. Others who could rename an entry of one of those directories,
+    or point one of those links elsewhere, could redirect everything below it (ssh's rule for a key's path, with
+    `lstat` of each component)."""
     _check_base(root, field)
-    # above the path as written (a link in it could be swapped) and above where it leads
-    above = dict.fromkeys([*Path(os.path.abspath(root)).parents, *Path(os.path.realpath(root)).parents])
-    for parent in above:
-        try:
-            st = parent.stat()
-        except OSError as e:
-            raise PlanPathError(field, f"cannot use {root}: {parent}: {e.strerror}", HINT) from None
+    kind = file_system(root)
+    if kind in PSEUDO:
+        raise PlanPathError(field, f"{root} is on a kernel pseudo file system ({kind}), not on a disk", HINT)
+    for entry, st in way(root, field):
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (os.getuid(), 0):
+                raise PlanPathError(field, f"{root} leads through {entry}, a link of another user (uid {st.st_uid}): "
+                                           "they could point it elsewhere", HINT)
+            continue
         unsafe = _unsafe(st)
         if unsafe:
-            raise PlanPathError(field, f"{root} is inside {parent}, which {unsafe}: others could rename what is "
+            raise PlanPathError(field, f"{root} is inside {entry}, which {unsafe}: others could rename what is "
                                        "below it away and put their own directories in its place", HINT)
+
+
+def existing(root: Path) -> Path:
+    """The deepest of `root` and the directories above it that exists (a link counts, even a dangling one)."""
+    return next((p for p in [root, *root.parents] if os.path.lexists(p)), Path("/"))
 
 
 def inspect(base: str | None, field: str) -> None:
@@ -55,11 +68,70 @@ def inspect(base: str | None, field: str) -> None:
     directory it would be made in) and every directory above it (`hetero check`, and `hetero run` before the
     script starts)."""
     root = expand(base, field)
-    existing = next((p for p in [root, *root.parents] if os.path.lexists(p)), Path("/"))
-    check_place(existing, field)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = f"create {root}" if existing != root else f"write in {root}"
-        raise PlanPathError(field, f"cannot {what}: {existing} is not writable", HINT)
+    found = existing(root)
+    check_place(found, field)
+    if not os.access(found, os.W_OK | os.X_OK):
+        what = f"create {root}" if found != root else f"write in {root}"
+        raise PlanPathError(field, f"cannot {what}: {found} is not writable", HINT)
+
+
+MAX_LINKS = 40  # links followed in resolving one path, as Linux allows
+
+
+def way(root: Path, field: str) -> list[tuple[Path, os.stat_result]]:
+    """What resolving the absolute `root` passes through, as the kernel resolves it, each with its `lstat`: every
+    directory a name is looked up in and every link followed (the path as written, and where each link leads);
+    not the directory it ends at."""
+    met: dict[Path, os.stat_result] = {}
+    here, todo, links = Path("/"), list(Path(os.path.abspath(root)).parts[1:]), 0
+    while todo:
+        part = todo.pop(0)
+        if part == "..":
+            here = here.parent
+            continue
+        entry = here / part
+        try:
+            if here not in met:
+                met[here] = os.lstat(here)
+            st = os.lstat(entry)
+            if not stat.S_ISLNK(st.st_mode):
+                here = entry
+                continue
+            links += 1
+            target = os.readlink(entry)
+        except OSError as e:
+            raise PlanPathError(field, f"cannot use {root}: {entry}: {e.strerror}", HINT) from None
+        if links > MAX_LINKS:
+            raise PlanPathError(field, f"cannot use {root}: more than {MAX_LINKS} links on the way", HINT)
+        met[entry] = st
+        if os.path.isabs(target):
+            here = Path("/")
+        todo[:0] = [p for p in Path(target).parts if p != "/"]
+    return list(met.items())
+
+
+# Kernel file systems that show the kernel's state rather than keep files (a tmpfs or a ramfs does keep them).
+PSEUDO = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+                    "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "binfmt_misc", "autofs",
+                    "efivarfs", "selinuxfs", "nsfs", "rpc_pipefs"})
+
+
+def file_system(path: Path) -> str | None:
+    """The type of the file system `path` is on (`ext4`, `proc`), from the mount of its device in
+    /proc/self/mountinfo; None where that cannot be told (no such file: not Linux; a device no mount names, as a
+    btrfs subvolume's)."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for fields in (line.split() for line in reversed(lines)):  # the last mount of a device is the one on top
+        # ID, parent, major:minor, root, mount point, options, optional fields, "-", type, source, super options
+        if len(fields) > 8 and fields[2] == wanted and "-" in fields[6:]:
+            return fields[fields.index("-", 6) + 1]
+    return None
 
 
 def _check_base(root: Path, field: str) -> None:
@@ -78,8 +150,37 @@ def _unsafe(st: os.stat_result) -> str | None:
     """Why others could rename entries of a directory with this stat (ssh's rule for a key's path); None: safe."""
     if st.st_uid not in (os.getuid(), 0):
         return f"belongs to another user (uid {st.st_uid})"
-    # Writable by a group other than the user's own (umask 002 makes the user's group-writable dirs) or by all.
-    others = st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != os.getgid())
-    if others and not st.st_mode & stat.S_ISVTX:
-        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) and not sticky"
+    if st.st_mode & stat.S_ISVTX:  # as /tmp: only an entry's owner may rename it
+        return None
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_mode & stat.S_IWOTH:
+        return f"is writable by others (mode {mode:04o}) and not sticky"
+    if st.st_mode & stat.S_IWGRP and not group_is_mine(st.st_gid):
+        return f"is writable by group {st.st_gid}, which is not yours alone (mode {mode:04o}), and not sticky"
     return None
+
+
+def group_is_mine(gid: int) -> bool:
+    """Whether group `gid` is this user's alone, as ssh allows a group-writable path: this process has it, and no
+    other user is in it, as a listed member or by having it as primary group."""
+    if gid != os.getegid() and gid not in os.getgroups():
+        return False
+    return group_users(gid) <= {os.getuid()}
+
+
+@functools.cache
+def group_users(gid: int) -> frozenset[int]:
+    """The uids of the users in group `gid`: those it lists (a name no user has counts as uid -1, someone else) and
+    those whose primary group it is. Looked up once per group, and only for a group-writable directory: the second
+    part reads the whole user database."""
+    try:
+        listed = grp.getgrgid(gid).gr_mem
+    except KeyError:  # a group with no entry: only its users' primary groups can bring anyone in
+        listed = []
+    uids = set()
+    for name in listed:
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            uids.add(-1)
+    return frozenset(uids | {p.pw_uid for p in pwd.getpwall() if p.pw_gid == gid})

@@ -15,10 +15,12 @@ Contracts:
   match is locked from the first moment, and stays locked for as long as its owner holds it open: the lock is the
   kernel's, released only when the last process holding it ends, whatever PID namespace (container, `unshare`)
   that process lives in.
-- The base and every directory above it up to `/` must be the user's or root's, and if others may write in
+- The base and every directory met on the way to it must be the user's or root's, and if others may write in
   them, sticky like /tmp (as ssh checks a key's path), so nobody else can rename our directory, or one above
-  it, away and put theirs in its place (writable by the user's own group is fine: umask 002 makes such
-  directories).
+  it, away and put theirs in its place (writable by a group is fine where that group is the user's alone, as
+  umask 002 makes a user-private group's directories); every link on that way, the base included, must be the
+  user's or root's, so nobody else can point it elsewhere; and the base must not be on a kernel pseudo file system
+  (/proc, /sys). All of it is checked (hetero.run.devices.places) before anything is made.
 - `~` is expanded; an empty base is refused. Parents of the base that did not exist are created (0700) and removed
   again, when empty, with the last work directory in them (this process remembers which ones it made, so two
   bases made under one new parent leave nothing behind).
@@ -51,7 +53,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero.run.devices.places import HINT, PlanPathError, check_place, expand
+from hetero.run.devices.places import HINT, PlanPathError, check_place, existing, expand
 from hetero.units import SIZE
 
 # evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes, and the
@@ -128,12 +130,13 @@ def create(base: str | None, kind: str, field: str) -> WorkDir:
     """A new private, locked directory for `kind` files under the plan's `base` (after sweeping dead runs' ones)."""
     assert kind in KINDS, kind
     root = expand(base, field)
+    check_place(existing(root), field)  # nothing is made through a place others control
     try:
         made = make_missing(root)
     except OSError as e:
         raise PlanPathError(field, f"cannot create {root}: {e.strerror}", HINT) from None
     try:
-        check_place(root, field)
+        check_place(root, field)  # again, as made: another process may have made it meanwhile
         sweep(root)
         return _new(root, kind, field, made)
     except BaseException:
