@@ -20,10 +20,13 @@ def written_profile_path(profile: Path, plan_path: Path) -> str:
 
 def find_profile(plan: Plan, plan_path: Path) -> Path | None:
     """The plan's profile: its path as written, relative to the plan (as `hetero plan` writes it), relative to the
-    current directory (older plans), or beside the plan (the hash decides whether it is the right one)."""
+    current directory (older plans), or beside the plan (the hash decides whether it is the right one); the first
+    regular file of those, else the first that exists at all (a FIFO, a directory: loading it says it is not a
+    regular file, exit 3), else None (not found). Only `stat`ed, never opened: a FIFO cannot block it."""
     source = Path(plan.source.profile)
     candidates = [source] if source.is_absolute() else [plan_path.parent / source, source]
-    return next((c for c in [*candidates, plan_path.parent / source.name] if c.is_file()), None)
+    candidates.append(plan_path.parent / source.name)
+    return next((c for c in candidates if c.is_file()), None) or next((c for c in candidates if c.exists()), None)
 
 
 def profile_of(plan: Plan, plan_path: Path, why: str) -> Profile:

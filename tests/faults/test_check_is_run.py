@@ -1,24 +1,29 @@
 """`hetero check` runs every check `hetero run` makes before the script starts (issue 33, items 5-8): the two agree,
 with the same exit code, on every file below; a plan whose profile cannot be read is refused unless the check is
 skipped by name; an entry or option hetero cannot carry out is an error or a warning naming it, never silence; a
-FIFO is refused at once."""
+FIFO is refused at once. Issue 54, item 6: a profile that is a FIFO is not a regular file (exit 3), not a missing one;
+a work directory on a kernel pseudo file system (/proc, /sys) is refused by both before the script starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from hetero.cli.main import main
+from hetero.errors import INVALID_FILE, FileProblems
 from hetero.harness.capture import fingerprint
 from hetero.schema import files
 from hetero.schema.plan import ActivationPlan, Plan, StatePlacement
 from hetero.schema.profile import Profile
+from hetero.schema.sources import profile_of
 from tests.cli.test_run import TRAIN, net
 from tests.profile import scripts
+from tests.run.plans import optimizer_plan
 
 REPO = Path(__file__).resolve().parents[2]
 ORDER = ["body.0", "body.2", "norm", "head"]  # Net's layers in forward order
@@ -148,3 +153,31 @@ def test_a_fifo_is_refused_at_once(planned, capfd):
     assert main(["run", "--plan", "fifo.yaml", "train.py"]) == 3
     err = capfd.readouterr().err
     assert err.count("error: fifo.yaml: not a regular file") == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_profile_that_is_a_fifo_is_not_a_regular_file_and_never_waited_on(planned, capfd):
+    os.unlink("profile.yaml")
+    os.mkfifo("profile.yaml")  # nobody ever writes to it: opening it for reading would wait forever
+    assert both() == (3, 3)
+    assert capfd.readouterr().err.count("profile.yaml: not a regular file") == 2
+    with pytest.raises(FileProblems) as e:  # `hetero show`, `hetero report`
+        profile_of(files.load("plan.yaml", expect=Plan), Path("plan.yaml"), "to show it")
+    assert e.value.exit_code == INVALID_FILE
+    assert both("--skip-profile-check") == (0, 0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux's pseudo file systems")
+@pytest.mark.parametrize("path", ["/proc", "/sys/kernel", "/proc/hetero-new"])
+def test_a_directory_on_a_pseudo_file_system_is_refused_by_both_before_the_script(tmp_path, monkeypatch, capfd, path):
+    if not os.path.isdir(path.removesuffix("/hetero-new")):
+        pytest.skip(f"no {path} here")
+    monkeypatch.chdir(tmp_path)
+    files.save(optimizer_plan(net(), nvme=("head.weight",), nvme_path=path), "plan.yaml")
+    line = files.line_of("plan.yaml", "optimizer.nvme.path")
+    scripts.write(tmp_path, "print('STARTED')\n" + TRAIN)
+    assert both("--skip-profile-check") == (3, 3)
+    out, err = capfd.readouterr()
+    said = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(said) == 2 and said[0] == said[1] and said[0].startswith(f"error: plan.yaml:{line}: ")
+    assert err.count("hint: ") == 2 and "STARTED" not in out
