@@ -35,7 +35,8 @@ demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py
 
 # Every GPU test and benchmark within 8 minutes on one H100, results into docs/gpu-results.md and $$OUT (or a temp
-# folder); refuses (exit 2) without CUDA. No install: the GPU machine's own python3 and torch, offline.
+# folder); refuses (exit 2) without CUDA or, with a hint, where $(PYTHON) has no torch. No install: the GPU machine's
+# own python3 and torch, offline.
 gpu-check:
 	PYTHONPATH=. $(PYTHON) bench/gpu_all.py
 

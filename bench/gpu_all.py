@@ -5,7 +5,8 @@ plan, which must be plain), a held-out LM end to end (bench/lm_heldout.py: plain
 half of plain's reserved GPU peak run under that budget), and training beyond a GPU budget beside ZeRO-Offload-style
 and FSDP2 CPU offload (bench/gpu_offload.py). Everything each piece made (logs, profiles, plans, JUnit files) is
 kept in one folder (--artifacts; default $OUT where set), with the results section and the names of failing tests.
-Without CUDA it runs nothing, writes nothing, and exits 2 with one line.
+Without CUDA, or with a Python that has no torch, it runs nothing, writes nothing, and exits 2 with one line (and,
+for the latter, its hint).
 
     python bench/gpu_all.py                       # everything, into docs/gpu-results.md and --artifacts
     python bench/gpu_all.py --only tests,fits     # some pieces
@@ -179,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         for x in chosen:
             print(f"{x.name} (up to {x.limit_s:.0f} s): " + " && ".join(shown(c) for c in x.commands))
         return 0
-    import torch
-
+    try:
+        import torch
+    except ImportError as e:  # `make gpu-check` runs the machine's python3, which may not be the one with torch
+        print(f"error: gpu-check: {sys.executable} cannot import torch ({e}); nothing was run or written\n"
+              "hint: run it with a Python that has torch and CUDA, e.g. make gpu-check PYTHON=.venv/bin/python",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2

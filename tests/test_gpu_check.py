@@ -1,10 +1,12 @@
-"""`make gpu-check` (bench/gpu_all.py) on a machine without a GPU: it refuses to run or write; its pieces' command
-lines are accepted by the benchmarks they call; the runner records success, failure and time-outs with their output;
-and the results file keeps what it had around the section it replaces."""
+"""`make gpu-check` (bench/gpu_all.py) on a machine without a GPU, or whose Python has no torch: it refuses to run
+or write, in one line (and its hint); its pieces' command lines are accepted by the benchmarks they call; the
+runner records success, failure and time-outs with their output; and the results file keeps what it had around the
+section it replaces."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +27,26 @@ def test_without_cuda_nothing_runs_and_nothing_is_written(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == gpu_all.NO_CUDA and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_without_torch_it_refuses_in_one_line_with_a_hint(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "gpu-results.md"
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError, as where none is installed
+    assert gpu_all.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [x.split(": ")[0] for x in err] == ["error", "hint"] and not out.exists()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_with_a_python_without_torch_refuses_without_a_traceback():
+    # -S: no site-packages, so this very Python has no torch (were it to have one, the check itself would run)
+    if subprocess.run([sys.executable, "-S", "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("torch is importable without site-packages")
+    done = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={sys.executable} -S"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    said = [x for x in done.stderr.splitlines() if not x.startswith("make")]
+    assert done.returncode == 2 and [x.split(": ")[0] for x in said] == ["error", "hint"], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
 
 
 def test_every_piece_fits_a_device_call_and_its_benchmarks_accept_their_arguments(tmp_path):
