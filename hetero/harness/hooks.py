@@ -6,15 +6,19 @@ locks and threads (`TypeError: cannot pickle '_thread.RLock' object`), and which
 copy made with `deepcopy` would report into the profiler, or evict its activations under the original's schedule).
 
 Contract: a hook registered through `forward_pre`/`forward` works as torch's own while its handle lives; while any
-such hook exists, `nn.Module.__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state,
-so the copy has exactly the hooks the script registered. `forward_override` likewise: a module's instance `forward`,
-left out of its copies (which run their class's forward on their own parameters). The patch of `__getstate__` is
-installed with the first live hook and removed with the last one (removed through its handle, or gone with its
-module), so torch is untouched outside hetero's hooks' lifetime.
+such hook exists, the module's `__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state,
+so the copy has exactly the hooks the script registered, and runs hetero's `state_dict_pre` hooks of the module first,
+as `state_dict()` does (weights a copy must not read in flight). `forward_override` likewise: a module's instance
+`forward`, left out of its copies (which run their class's forward on their own parameters). The `__getstate__`
+patched is the one each hooked module's class resolves to: nn.Module's, or that of a class defining its own
+(nn.LSTM's RNNBase and DDP copy `__dict__` without calling nn.Module's). The patches are installed with the first
+live hook and removed with the last one (removed through its handle, or gone with its module), so torch and the
+script's classes are untouched outside hetero's hooks' lifetime.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -28,7 +32,7 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 
 _lock = threading.RLock()  # reentrant: a module collected while the lock is held forgets its hooks in this thread
 _ids: dict[int, weakref.ref] = {}  # ids of hetero's live hooks -> their module
-_original_getstate = None  # torch's nn.Module.__getstate__ while the patch is installed
+_originals: dict[type, Callable] = {}  # class -> its own __getstate__, while patched
 _overridden: dict[int, int] = {}  # id(module) -> the id of its forward override
 _override_ids = itertools.count(-1, -1)  # negative: never one of torch's handle ids
 
@@ -47,14 +51,14 @@ class Handle:
 
 
 def _forget(hook_id: int) -> None:
-    global _original_getstate
     with _lock:
         _ids.pop(hook_id, None)
         for module_id in [m for m, i in _overridden.items() if i == hook_id]:
             del _overridden[module_id]
-        if not _ids and _original_getstate is not None:
-            nn.Module.__getstate__ = _original_getstate
-            _original_getstate = None
+        if not _ids:
+            for cls, original in _originals.items():
+                cls.__getstate__ = original
+            _originals.clear()
 
 
 def forward_pre(module: nn.Module, hook: Callable, **kwargs) -> Handle:
@@ -84,14 +88,11 @@ class Override:
 
 def forward_override(module: nn.Module, forward: Callable) -> Override:
     """`module.forward = forward` for this instance, left out of copies and pickles of the module."""
-    global _original_getstate
     override_id = next(_override_ids)
     with _lock:
         _ids[override_id] = weakref.ref(module, lambda _, i=override_id: _forget(i))
         _overridden[id(module)] = override_id
-        if _original_getstate is None:
-            _original_getstate = nn.Module.__getstate__
-            nn.Module.__getstate__ = _getstate
+        _patch(type(module))
     module.forward = forward
     return Override(module, override_id)
 
@@ -102,17 +103,28 @@ def state_dict_pre(module: nn.Module, hook: Callable) -> Handle:
 
 
 def _track(module: nn.Module, handle) -> Handle:
-    global _original_getstate
     with _lock:
         _ids[handle.id] = weakref.ref(module, lambda _, hook_id=handle.id: _forget(hook_id))
-        if _original_getstate is None:
-            _original_getstate = nn.Module.__getstate__
-            nn.Module.__getstate__ = _getstate
+        _patch(type(module))
     return Handle(handle)
 
 
-def _getstate(self: nn.Module) -> dict:
-    state = _original_getstate(self)
+def _patch(cls: type) -> None:
+    """Filter hetero's hooks out of the `__getstate__` that `cls` resolves to (under `_lock`). A class's own that
+    calls nn.Module's passes through both filters once both are patched, which is no harm."""
+    owner = next(c for c in cls.__mro__ if "__getstate__" in c.__dict__)  # nn.Module at the latest
+    if owner not in _originals:
+        _originals[owner] = owner.__dict__["__getstate__"]
+        owner.__getstate__ = functools.partialmethod(_getstate, _originals[owner])
+
+
+def _getstate(self: nn.Module, original: Callable):
+    for i, hook in list(self.__dict__.get("_state_dict_pre_hooks", {}).items()):
+        if i in _ids:  # what state_dict() would wait for first (weights in flight), a copy waits for too
+            hook(self, "", False)
+    state = original(self)
+    if not isinstance(state, dict):
+        return state  # a class's own state of another shape: nothing of hetero's is known to be in it
     ids = _ids
     if _overridden.get(id(self)) in ids:
         state.pop("forward", None)

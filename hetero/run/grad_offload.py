@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from hetero.harness import hooks
 from hetero.kernels.dha import Device, carve, offsets, same_memory
 from hetero.units import SIZE
 
@@ -60,8 +61,9 @@ class HostGrads:
                              p.register_post_accumulate_grad_hook(partial(self._landed, slot))]
         users = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
         self.patched = [m for m in model.modules() if self._direct(m, users)]
-        for m in self.patched:
-            m.forward = types.MethodType(partial(_linear_to_host, sink=self), m)
+        # instance forwards left out of the model's copies and pickles (torch.save(model), an EMA's deepcopy)
+        self.overrides = [hooks.forward_override(m, types.MethodType(partial(_linear_to_host, sink=self), m))
+                          for m in self.patched]
 
     def _direct(self, m: nn.Module, users: Counter) -> bool:
         """A Linear whose parameters all go to host memory and belong to it alone (a tied weight sums the gradients
@@ -103,9 +105,9 @@ class HostGrads:
         for h in self.handles:
             h.remove()
         self.handles = []
-        for m in self.patched:
-            del m.forward
-        self.patched = []
+        for override in self.overrides:
+            override.remove()
+        self.patched, self.overrides = [], []
 
     def summary(self) -> list[str]:
         size = sum(s.param.numel() * s.param.element_size() for s in self.slots.values())

@@ -56,24 +56,58 @@ def test_copies_and_pickles_leave_heteros_hooks_out_and_keep_the_scripts():
 @pytest.fixture
 def fresh(monkeypatch):
     """The hook registry as in a new process: earlier tests may keep modules that still carry hetero's hooks."""
-    monkeypatch.setattr(nn.Module, "__getstate__", hooks._original_getstate or nn.Module.__getstate__)
+    monkeypatch.setattr(nn.Module, "__getstate__", hooks._originals.get(nn.Module, nn.Module.__getstate__))
     monkeypatch.setattr(hooks, "_ids", {})
-    monkeypatch.setattr(hooks, "_original_getstate", None)
+    monkeypatch.setattr(hooks, "_originals", {})
 
 
 def test_torch_is_restored_when_the_last_hook_goes_with_its_handle_or_its_module(fresh):
+    torchs = nn.Module.__getstate__
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     handle = hooks.forward_pre(first, Watcher().pre)
     hooks.forward(second, lambda *a: None)
-    assert nn.Module.__getstate__ is hooks._getstate
+    assert nn.Module.__getstate__ is not torchs
     handle.remove()
-    assert nn.Module.__getstate__ is hooks._getstate  # `second` still has one
+    assert nn.Module.__getstate__ is not torchs  # `second` still has one
     del second
     gc.collect()
-    assert not hooks._ids and nn.Module.__getstate__ is not hooks._getstate
+    assert not hooks._ids and nn.Module.__getstate__ is torchs
 
 
 def _saved(model: nn.Module) -> bytes:
     buffer = io.BytesIO()
     torch.save(model, buffer)
     return buffer.getvalue()
+
+
+class OwnState(nn.Module):
+    """A module class with its own `__getstate__` that copies `__dict__` without calling nn.Module's, as
+    nn.LSTM's (RNNBase) and DDP's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def __getstate__(self):
+        return self.__dict__.copy()
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(4, 4), OwnState], ids=["lstm", "own-getstate"])
+def test_a_module_class_with_its_own_getstate_is_copied_and_pickled_without_heteros_hooks(make, fresh):
+    module = make()
+    own = type(module).__getstate__
+    watcher = Watcher()
+    handles = [hooks.forward_pre(module, watcher.pre), hooks.forward(module, lambda *a: None, always_call=True),
+               hooks.forward_override(module, module.forward)]
+    module.register_forward_hook(user_hook)
+    for other in (copy.deepcopy(module), torch.load(io.BytesIO(_saved(module)), weights_only=False)):
+        assert not other._forward_pre_hooks and not other._forward_hooks_always_called
+        assert list(other._forward_hooks.values()) == [user_hook] and "forward" not in other.__dict__
+        other(torch.randn(2, 4))
+    assert watcher.calls == 0
+    for h in handles:
+        h.remove()
+    assert type(module).__getstate__ is own and not module._forward_pre_hooks  # the class's own again
