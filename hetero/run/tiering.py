@@ -7,7 +7,8 @@ of them, whose backward needs it first.
 
 Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to
 the planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast
-memory and reassembles it on the way back); storages saved after their layer ended are queued at once. Storages of
+memory and reassembles it on the way back); storages saved after their layer ended are queued at once, whether or
+not the layer saved a movable storage itself. Storages of
 parameters never move, and tensors whose storage is under `min_tensor` are not even recorded (nor counted in the
 ledger): the pack hook leaves them to autograd after one size check. One writer thread writes evictions in the
 order they were queued (the earliest layers', which wait longest for their backward, first; a later layer's still
@@ -16,8 +17,9 @@ dropped, so the memory is really returned.
 
 Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
 tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
-without a trigger are due at their planned time from the forward start, and all of them at the latest when the
-backward starts, the latest layer first. Within a layer the last saved storage comes back first: what was evicted
+without a trigger are due at their planned time from the forward start, once what their layer saves has been queued
+(another layer has started since it ended), and all of them at the latest when the backward starts, the latest layer
+first. Within a layer the last saved storage comes back first: what was evicted
 last is prefetched first, in the order backward needs it. One reader thread serves requests in order (TierTrain's
 busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching
 them itself if nobody has started, and counts one late prefetch; a buffer is handed out only once its read is
@@ -197,10 +199,11 @@ class ActivationTiering(Mechanism):
             return
         name = self.stack.pop()
         self.last_ended = name
-        group = mb.groups.get(name)
-        if group is not None:
-            group.ended = True
-            self._evict(group, group.live())
+        # made here if the layer saved nothing movable itself: what it saves after its end (the output of a ReLU
+        # called in its parent's forward) then leaves at once
+        group = self._group(mb, name)
+        group.ended = True
+        self._evict(group, group.live())
         if name in self.after and output is not None:
             before_backward(output, lambda grads, mb=mb, name=name: self._started(mb, name))
         self._due(mb)
@@ -254,9 +257,7 @@ class ActivationTiering(Mechanism):
         if old is not None:
             del old.records[id(record)]
             old.committed -= record.evict_bytes if record.state != RESIDENT else 0
-        group = mb.groups.get(layer)
-        if group is None:
-            group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
+        group = self._group(mb, layer)
         group.records[id(record)] = weakref.ref(record)
         record.group = group
         if record.state == RESIDENT:
@@ -266,6 +267,12 @@ class ActivationTiering(Mechanism):
             group.committed += record.evict_bytes
         else:
             self.mover.recall(record)  # evicted for a layer that no longer owns it, and its new owner keeps it
+
+    def _group(self, mb: TieredPass, layer: str) -> Group:
+        group = mb.groups.get(layer)
+        if group is None:
+            group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
+        return group
 
     def _evict(self, group: Group, records: list[Record]) -> None:
         """Queue the planned bytes: whole storages, largest first, then part of the next one (the planner times
@@ -316,24 +323,27 @@ class ActivationTiering(Mechanism):
                 self._request(mb, target)
 
     def _due(self, mb: TieredPass) -> None:
-        """Time-keyed prefetches whose time has come, for layers whose forward has ended."""
+        """Time-keyed prefetches whose time has come, for layers whose saved storages are all known: the layer's
+        forward has ended and another layer has started since (what runs between them saves for it: a ReLU called
+        in its parent's forward), or the model's forward has. A step slower than the profiled one may reach that
+        time early; what the layer saved is queued first, as planned, and called off if still unwritten."""
         now = perf_counter() - mb.start
         if not mb.timed or mb.timed[0][0] > now:
             return
+        between = mb is self.current and not self.stack  # the last layer that ended may still save
         with self.lock:
             waiting = []
             for at, target in mb.timed:
                 group = mb.groups.get(target)
-                if at <= now and group is not None and group.ended and target not in self.stack:
+                if at <= now and group is not None and group.ended and target not in self.stack and \
+                        not (between and target == self.last_ended):
                     self._request(mb, target)
                 else:
                     waiting.append((at, target))
             mb.timed = waiting
 
     def _request(self, mb: TieredPass, layer: str) -> None:
-        group = mb.groups.get(layer)
-        if group is None:
-            group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
+        group = self._group(mb, layer)
         if not group.requested:
             group.requested = True
             if group.committed:

@@ -1,5 +1,5 @@
-"""`hetero run` with an `activations` schedule: the summary it prints, and an NVMe directory left empty after a normal
-end, an exception in the script and Ctrl-C."""
+"""`hetero run` with an `activations` schedule: the summary it prints, the schedule `hetero plan --tier-activations`
+wrote carried out, and an NVMe directory left empty after a normal end, an exception in the script and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from pathlib import Path
 import pytest
 
 from hetero.cli.main import main
+from hetero.harness.script import run_script
+from hetero.run.runtime import Runtime
+from hetero.run.tiering import ActivationTiering
 from hetero.schema import files
 from tests.cli.test_run import net
 from tests.profile import scripts
 from tests.run.test_tiering import tiering_plan
+from tests.scripts import harness
 
 TRAIN = """
 import os, signal, time
@@ -102,3 +106,39 @@ def test_an_empty_directory_in_a_plan_is_refused_by_check(tmp_path, capfd, path)
     plan.write_text(plan.read_text().replace("slow_path: x", f"slow_path: {path}"))
     assert main(["check", str(plan)]) == 3
     assert "activations.slow_path: empty path" in capfd.readouterr().err
+
+
+@pytest.mark.usefixtures("without_malloc_runs")
+@pytest.mark.parametrize("args", [(), ("fp32", "workers=0")], ids=["bf16-workers", "fp32"])
+def test_a_conv_script_evicts_every_byte_its_plan_schedules(tmp_path, monkeypatch, capfd, args):
+    """Two Conv2d, each followed by a functional ReLU and max-pool, a DataLoader, AdamW under OneCycleLR: the large
+    storages of conv1's step (its ReLU's output and the pool's indices) are saved after conv1's forward ended."""
+    monkeypatch.chdir(tmp_path)
+    profile = harness.profile("conv_onecycle", tmp_path, args=args)
+    plan = harness.plan(profile, "--tier-activations")
+    scheduled = {e.layer: e.evict_bytes for e in plan.activations.schedule if e.evict_bytes}
+    assert scheduled, plan.activations.schedule  # a machine much faster than this one may leave no idle time
+    reference = harness.plain("conv_onecycle", tmp_path / "plain.pt", args)
+    code, result = harness.run("conv_onecycle", tmp_path / "plan.yaml", tmp_path / "planned.pt", args=args)
+    assert code == 0, capfd.readouterr().err
+    harness.assert_trains_as_plain(result, reference)
+    assert " evictions to nvme0 (" in capfd.readouterr().err
+    with Runtime(plan, script=harness.script("conv_onecycle")) as runtime:  # what `hetero run` does, ledger in hand
+        assert run_script(harness.script("conv_onecycle"), [str(tmp_path / "again.pt"), harness.STEPS, *args]) \
+            .exit_code == 0
+    queued = runtime.find(ActivationTiering).ledger.report().queued
+    assert queued == {layer: nbytes * int(harness.STEPS) for layer, nbytes in scheduled.items()}
+
+
+@pytest.mark.usefixtures("without_malloc_runs")
+def test_an_lstm_saved_whole_at_each_epochs_end_trains_as_plain_under_tiering(tmp_path, monkeypatch, capfd):
+    """pytorch/examples' word language model: `torch.save(model)` of a model with an nn.LSTM (whose class pickles
+    its own way) while tiering's hooks are on it; the saved model and a deep copy carry none of them."""
+    monkeypatch.chdir(tmp_path)
+    profile = harness.profile("lstm_save", tmp_path)
+    reference = harness.plain("lstm_save", tmp_path / "plain.pt")
+    code, result = harness.run("lstm_save", harness.forced(profile, optimizer=None), tmp_path / "forced.pt")
+    err = capfd.readouterr().err
+    assert code == 0, err
+    harness.assert_trains_as_plain(result, reference)
+    assert result["hooks"] == 0 and " evictions to nvme0 (" in err

@@ -235,6 +235,47 @@ def _split(items: list) -> list[list]:
     return out
 
 
+class AfterItsLayer(nn.Module):
+    """A conv layer that saves only its small input itself; the ReLU and max-pool after it (functional, in the
+    model's forward) save its output (32 KiB) and the pool's indices (16 KiB) once it has ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.max_pool2d(F.relu(self.conv(x)), 2), 1))
+
+
+def test_what_a_layer_saves_after_it_ended_leaves_though_it_saved_nothing_movable_itself(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        return AfterItsLayer()
+
+    tiering = run_both("cnn", make, tmp_path / "nvme", {"conv": GiB}, min_tensor=16 * KiB, drain=True)
+    # the conv's 3 KiB input stays (under the threshold); the ReLU's output and the pool's int64 indices leave
+    assert tiering.ledger.report().evicted == {"conv": (32 + 16) * KiB * STEPS}
+
+
+def test_a_prefetch_due_by_time_waits_for_what_its_layer_saves_after_its_end(tmp_path):
+    """A step slower than profiled reaches a time-keyed prefetch (here: due at once) at the layer's end already; the
+    storages saved after it (the ReLU's and the pool's) are queued as planned before it is requested."""
+    def make():
+        torch.manual_seed(0)
+        return AfterItsLayer()
+
+    model, reference = make(), make()
+    expected = train(reference, "cnn")
+    plan = tiering_plan(model, str(tmp_path / "nvme"), {"conv": GiB}, trigger="time", min_tensor=16 * KiB)
+    for e in plan.activations.schedule:
+        e.prefetch_at_s = 0.0
+    with Runtime(plan, script=__file__) as runtime:
+        losses = train(model, "cnn")
+    assert_close(torch.tensor(losses), torch.tensor(expected))
+    assert runtime.find(ActivationTiering).ledger.report().queued == {"conv": (32 + 16) * KiB * STEPS}
+
+
 def test_tensors_under_the_threshold_stay(tmp_path):
     tiering = run_both("cnn", small_cnn, tmp_path / "nvme", GiB, min_tensor=1 << 20)
     assert tiering.ledger.report().evictions == 0
