@@ -137,7 +137,7 @@ def _summary(profile, output: Path) -> None:
     optimizers = ", ".join(f"{o.name} ({o.kind}, {o.model})" for o in t.optimizers) if len(t.optimizers) > 1 \
         else "no torch.optim optimizer (steps counted from backward calls)" if t.optimizer == "none" else t.optimizer
     table.add_row("training", f"{optimizers}, {t.grad_accumulation} backward pass(es) per step, "
-                              f"clips gradients: {'yes' if t.clips_grad else 'no'}")
+                              f"changes gradients before step: {'yes' if t.edits_grads else 'no'}")
     table.add_row("tiers", ", ".join(f"{tier.name} ({tier.kind}, {SIZE.format_short(tier.capacity_bytes)})"
                                      for tier in profile.machine.tiers))
     for tier in profile.machine.tiers:

@@ -1,7 +1,8 @@
 """Find the model(s) and their optimizers inside a script we did not write.
 
 The model is the root module (one called outside any other module's forward) whose parameters the first
-optimizer to step owns. Roots are seen through global module hooks until that first `optimizer.step()`; DDP,
+optimizer to step owns. Roots are seen through global module hooks until that first `optimizer.step()` (or, where
+the script calls its model inside the closure it passes to `step()`, until that closure returns); DDP,
 FSDP and `torch.compile` wrappers are unwrapped. Several candidates for one optimizer are an error that lists them
 by the names the script gives them, so `--model NAME` can choose. Several optimizers each owning one root (a GAN's
 generator and discriminator, each with its Adam) make several models, seen as one (hetero.harness.models). A script
@@ -19,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -27,8 +29,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hetero.errors import UNSUPPORTED_SCRIPT, USAGE, HeteroError
+from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, USAGE, HeteroError
 from hetero.harness import watch
+from hetero.harness.grads import after_closure, closure_of
 from hetero.harness.layers import sharded
 from hetero.harness.models import combine, names, roots, script_values
 from hetero.harness.script import StopScript
@@ -64,6 +67,19 @@ def fingerprint(model: nn.Module) -> str:
     for name, p in model.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
     return "sha256:" + h.hexdigest()
+
+
+def check_planned(model: nn.Module, planned: str, allow_stale: bool) -> None:
+    """The model found in `hetero run` (several models: their `Models` view) is the one the plan was made for (its
+    fingerprint `planned`): else a HeteroError (STALE_PLAN), or with `allow_stale` a warning on stderr."""
+    actual = fingerprint(model)
+    if actual == planned:
+        return
+    if not allow_stale:
+        raise HeteroError(f"the script's model ({actual[:19]}...) is not the one the plan was made for "
+                          f"({planned[:19]}...)", hint="profile and plan again, or pass --allow-stale",
+                          exit_code=STALE_PLAN)
+    print(f"hetero: warning: running a plan made for another model ({planned[:19]}...)", file=sys.stderr)
 
 
 class Capture:
@@ -133,8 +149,12 @@ class Capture:
     def _post(self, module: nn.Module, args, output) -> None:
         self.depth = max(0, self.depth - 1)
 
-    def _step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    def _step(self, optimizer: torch.optim.Optimizer, args, kwargs):
+        if closure_of(args, kwargs) is not None and not self.candidates(optimizer):
+            # the script calls its model inside the closure `step()` runs first (PyTorch Lightning, LBFGS-style)
+            return after_closure(args, kwargs, lambda: self.resolve(optimizer))
         self.resolve(optimizer)
+        return None
 
     def _built(self, optimizer: torch.optim.Optimizer) -> None:
         self.built.append(weakref.ref(optimizer))

@@ -1,10 +1,11 @@
-"""The two moments, besides `optimizer.step()`, at which a script we did not write reveals how it trains: an
-optimizer being built, and a backward call returning.
+"""The moments, besides `optimizer.step()`, at which a script we did not write reveals how it trains: an
+optimizer being built, a backward call returning, and a GradScaler unscaling an optimizer's gradients.
 
-torch has global hooks for module calls and optimizer steps, none for these two. Every torch.optim optimizer's
-constructor runs `torch.optim.Optimizer.__init__`, and `loss.backward()` runs `torch.autograd.backward` (both looked
-up at each call), so each is wrapped while someone listens: the wrapper is installed with the first listener and
-removed with the last, and torch is untouched otherwise.
+torch has global hooks for module calls and optimizer steps, none for these. Every torch.optim optimizer's
+constructor runs `torch.optim.Optimizer.__init__`, `loss.backward()` runs `torch.autograd.backward`, and
+`GradScaler.step` calls `unscale_` through its class (each looked up at each call), so each is wrapped while someone
+listens: the wrapper is installed with the first listener and removed with the last, and torch is untouched
+otherwise.
 """
 
 from __future__ import annotations
@@ -69,8 +70,18 @@ def _after_init(original: Callable, call: Callable[[torch.optim.Optimizer], None
     return __init__
 
 
+def _after_unscale(original: Callable, call: Callable[[torch.optim.Optimizer], None]) -> Callable:
+    @functools.wraps(original)
+    def unscale_(self, optimizer):
+        original(self, optimizer)
+        call(optimizer)
+    return unscale_
+
+
 _BACKWARD = _Listeners(torch.autograd, "backward", _after_backward)
 _BUILT = _Listeners(torch.optim.Optimizer, "__init__", _after_init)
+# the in-place unscale of torch's AMP op does not advance the gradients' version counters (hetero.harness.grads)
+_UNSCALED = _Listeners(torch.amp.GradScaler, "unscale_", _after_unscale)
 
 
 def backward_calls(listener: Callable[[], None]) -> Handle:
@@ -83,3 +94,9 @@ def optimizers_built(listener: Callable[[torch.optim.Optimizer], None]) -> Handl
     """Call `listener(optimizer)` each time a torch.optim optimizer's constructor has run, until the handle is
     removed."""
     return _BUILT.add(listener)
+
+
+def unscaled(listener: Callable[[torch.optim.Optimizer], None]) -> Handle:
+    """Call `listener(optimizer)` each time a GradScaler (`torch.amp`'s, or `torch.cuda.amp`'s, its subclass) has
+    unscaled `optimizer`'s gradients in place, until the handle is removed."""
+    return _UNSCALED.add(listener)

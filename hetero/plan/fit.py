@@ -114,6 +114,8 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
         why["grads"] = "the optimizer states cannot move to NVMe, and the gradients go with them"
     elif ctx.ranks > 1:
         why["grads"] = f"{ctx.ranks} ranks all-reduce their gradients in memory"
+    elif ctx.profile.training.edits_grads:
+        why["grads"] = "the script changes the gradients after backward: they must be in memory then"
     else:
         out.append("grads")
     refused = recompute.refused_text(ctx.profile)

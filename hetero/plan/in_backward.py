@@ -18,8 +18,8 @@ def refused(profile: Profile, ranks: int, optimizer_device: str | None = None) -
         return "the script's optimizer is not Adam(W)"
     if training.updates_wait:
         return training.updates_wait
-    if training.clips_grad:
-        return "the script clips gradients, which needs them all"
+    if training.edits_grads:
+        return "the script changes the gradients after backward (clipping, unscaling)"
     if training.grad_accumulation > 1:
         return f"the script accumulates {training.grad_accumulation} backward passes per step"
     if ranks > 1:

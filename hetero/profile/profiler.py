@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hetero.errors import FAILURE, USAGE, HeteroError
 from hetero.harness import capture, hooks, watch
 from hetero.harness.capture import Capture, fingerprint
+from hetero.harness.grads import GradEdits, after_closure, closure_of
 from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
 from hetero.harness.layers import select_layers, sharded, tensors, unique_storages
 from hetero.harness.models import names, part_name, part_of, roots
@@ -152,7 +154,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     session.budgeted = returned.Budgeted(budget) if budget is not None else None
     try:
         try:
-            with session.capture, _watch_clipping() as clips:
+            with _watch_grad_edits(session.capture) as edits, session.capture:  # its hook first: the capture's removes itself
                 if budget is not None:
                     session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir(),
                                                         session.progress)
@@ -166,13 +168,13 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
                         session.conservative.close()
         finally:
             disk_beside = session.close()
-        return _measured(script, args, options, session, result, clips, session.budget, disk_beside)
+        return _measured(script, args, options, session, result, edits, session.budget, disk_beside)
     finally:  # after the blocks' check, whose forward the overrides keep under the budget too
         if session.pressure is not None:
             session.pressure.close()
 
 
-def _measured(script: str, args: list[str], options: ProfileOptions, session: _Session, result, clips,
+def _measured(script: str, args: list[str], options: ProfileOptions, session: _Session, result, edits,
               budget: tuple[int, str] | None, disk_beside: tier_steps.DiskBeside | None) -> ScriptMeasurement:
     """What the stopped script's session measured; the fresh processes, where they run."""
     if not result.stopped and (result.exit_code != 0 or session.summary is None):
@@ -195,7 +197,7 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     model_info = _model_info(session.model, session.optimizers, script)
     _release_training(session.model, session.optimizers)  # the check needs the weights only
     blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
-    out = ScriptMeasurement(model=model_info, training=session.training(summary, clips_grad=clips["calls"] > 0),
+    out = ScriptMeasurement(model=model_info, training=session.training(summary, edits_grads=edits["edited"] > 0),
                             layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
@@ -327,11 +329,20 @@ class _Session:
                                  if t.requires_grad)
             self.output_bytes = max(self.output_bytes, returned_bytes)
 
-    def _step_start(self, optimizer, args, kwargs) -> None:
+    def _step_start(self, optimizer, args, kwargs):
+        if closure_of(args, kwargs) is not None:  # the step's own work starts once its forward and backward ran
+            self._start = None
+            return after_closure(args, kwargs, self._mark_start)
+        self._mark_start()
+        return None
+
+    def _mark_start(self) -> None:
         self._start = self.profiler.clock.mark()
 
     def _step_end(self, optimizer, args, kwargs) -> None:
-        self.spans.append((self._start, self.profiler.clock.mark()))
+        if self._start is not None:  # None: the model was found inside this step's closure
+            self.spans.append((self._start, self.profiler.clock.mark()))
+        self._start = None
         if optimizer is self.optimizers[0]:
             self._step_ended()
 
@@ -405,14 +416,14 @@ class _Session:
         clock = self.profiler.clock
         return sum(clock.seconds(prev, end) for end, prev, _ in self.step_marks) / len(self.step_marks)
 
-    def training(self, summary: Summary, clips_grad: bool) -> Training:
+    def training(self, summary: Summary, edits_grads: bool) -> Training:
         clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
         micro = summary.micro_batches / steps
         backwards = self.profiler.backward_calls / steps or micro  # several models: forwards outnumber them
         step_s = sum(clock.seconds(s, e) for _, _, spans in self.step_marks for s, e in spans) / steps
         return Training(
             optimizer=self._kind(), grad_accumulation=max(1, round(backwards)),
-            clips_grad=clips_grad, warmup_steps=self.warmup, steps_measured=steps,
+            edits_grads=edits_grads, warmup_steps=self.warmup, steps_measured=steps,
             granularity=self.options.granularity, iteration_s=measured(iteration),
             forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
             optimizer_step_s=measured(step_s), overhead=round(self.profiler.hook_s / (iteration * steps), 4),
@@ -497,28 +508,30 @@ def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 @contextlib.contextmanager
-def _watch_clipping() -> Iterator[Counter]:
-    """Count calls of torch's gradient clipping while the script runs (it decides whether updates may overlap
-    backward: a clipped update needs every gradient first)."""
-    calls: Counter = Counter()
-    utils, module = torch.nn.utils, torch.nn.utils.clip_grad
-    originals = {name: getattr(utils, name) for name in ("clip_grad_norm_", "clip_grad_value_")}
+def _watch_grad_edits(capture: Capture) -> Iterator[Counter]:
+    """Count the optimizer steps whose gradients the script changed after backward (clipping, unscaling, any
+    in-place op: hetero.harness.grads) while it runs: an update overlapped with backward, or run in it, would have
+    used the gradients before the change."""
+    steps: Counter = Counter()
+    edits = GradEdits(lambda: (p for opt in capture.optimizers() for group in opt.param_groups
+                               for p in group["params"]), by_value=True)
 
-    def watched(original):
-        def wrapper(*args, **kwargs):
-            calls["calls"] += 1
-            return original(*args, **kwargs)
-        return wrapper
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        if edits.edited(p for group in optimizer.param_groups for p in group["params"]):
+            steps["edited"] += 1
 
-    for name, original in originals.items():
-        setattr(utils, name, watched(original))
-        setattr(module, name, getattr(utils, name))
+    def step_pre(optimizer, args, kwargs):
+        if closure_of(args, kwargs) is not None:  # its backward runs inside step(): check once it returned
+            return after_closure(args, kwargs, lambda: check(optimizer))
+        check(optimizer)
+        return None
+
+    handle = register_optimizer_step_pre_hook(step_pre)
     try:
-        yield calls
+        yield steps
     finally:
-        for name, original in originals.items():
-            setattr(utils, name, original)
-            setattr(module, name, original)
+        handle.remove()
+        edits.close()
 
 
 def _ended_early(exit_code: int, steps: int, warmup: int, measured_steps: int) -> HeteroError:

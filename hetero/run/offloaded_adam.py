@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, HeteroError
+from hetero.harness.grads import GradEdits
 from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.homes import Homes, ParamState
@@ -56,6 +57,7 @@ class Offloaded:
         self._group_of: dict[torch.nn.Parameter, dict] = {}
         self._buckets: dict[torch.nn.Parameter, Bucket] = {}
         self._homes: Homes | None = None
+        self._edits: GradEdits | None = None  # overlapped updates: gradients the script changes after backward
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
         self._unplaceable: str | None = None  # why hetero's Adam cannot take its place (amsgrad, bad constants)
@@ -92,6 +94,8 @@ class Offloaded:
         self._params = self._homes.build([(names[p], p) for p in order])
         self._group_of = {p: group for group in self.param_groups for p in group["params"]}
         self._buckets = buckets({p: names[p] for p, slot in self._params.items() if slot.home is not None})
+        if self.config.overlap:
+            self._edits = GradEdits(self._params.keys, by_value=True)  # values: the first step's
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
 
@@ -99,6 +103,8 @@ class Offloaded:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._edits is not None:
+            self._edits.close()
         if self._homes is not None:
             self._homes.close()
 
@@ -176,19 +182,22 @@ class Offloaded:
             launch(complete)
 
     def step(self, closure=None):
+        loss = None
+        if closure is not None:  # first, as torch's Adam does: the script may call its model only in there
+            with torch.enable_grad():
+                loss = closure()
         if self._homes is None and not self._own:
             self.config.on_first_use(self)
         if self._own:
-            return torch_step(self.replaces, self, closure)
-        return self._offloaded_step(closure)
+            torch_step(self.replaces, self)
+        else:
+            self._offloaded_step()
+        return loss
 
     @torch.no_grad()
-    def _offloaded_step(self, closure):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _offloaded_step(self) -> None:
         self._check_micro_batches()
+        self._check_grads_unedited()
         spilled = []
         kept = self._kept()
         for p, slot in self._params.items():
@@ -211,7 +220,6 @@ class Offloaded:
             if slot.launched:
                 slot.home.copy_back(p)
             slot.launched, slot.grads_seen = False, 0
-        return loss
 
     def _check_micro_batches(self) -> None:
         if not self.config.overlap:
@@ -225,6 +233,19 @@ class Offloaded:
                 f"this step had {max(seen)} backward pass(es)",
                 hint="profile and plan again (the script's gradient accumulation changed), or pass --allow-stale "
                      "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN))
+
+    def _check_grads_unedited(self) -> None:
+        """The gradients the overlapped updates used are the ones `step()` sees: else the run stops here, before
+        the updated master weights reach the model (hetero.harness.grads)."""
+        if self._edits is None:
+            return
+        edited = self._edits.edited(p for p, slot in self._params.items() if slot.launched)
+        if edited:
+            raise StopScript(HeteroError(
+                f"the script changed {len(edited)} gradient(s) between backward and step() (clipping, unscaling or "
+                "an in-place op), after the plan's overlapped updates had used them", exit_code=STALE_PLAN,
+                hint="profile and plan again (hetero plan then updates after backward), or set overlap_backward: "
+                     "false under optimizer in the plan"))
 
     def _kept(self) -> set[str]:
         staging = self._homes.staging if self._homes is not None else None

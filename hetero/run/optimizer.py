@@ -8,9 +8,14 @@ from its post-accumulate-grad hook on the last micro-batch of the step, or, for 
 DDP's bucket holding it has been all-reduced (`DdpSync`), from the averaged gradient. Updates thus run while
 backward continues; the parameters themselves change only in `step()`, as with torch.
 
+A gradient the script changes after backward (clipping, unscaling, an in-place op) but after its overlapped update
+ran stops the run at `step()`, before the updated master weights reach the model (hetero.harness.grads); the profile
+finds such scripts, and their plans do not overlap.
+
 With the plan's `nvme.grads`, the same hook sends each NVMe-held parameter's gradient to the store once it is final
 and sets `.grad` to None (hetero.run.nvme_states); `step()` reads it back with the states. What could read
-`.grad` in between is made to find it: torch's gradient clipping brings the kept gradients back first, and
+`.grad` in between is made to find it: torch's gradient clipping and GradScaler's unscale_ bring the kept gradients
+back first, and
 `zero_grad` (the optimizer's or a module's) forgets them. A script that keeps gradients across steps without zeroing
 them, or reads `.grad` itself between backward and step, is not trained the same way: such a plan is for scripts
 that zero their gradients each step (the plan says so).
@@ -26,7 +31,7 @@ from hetero.run.ddp_sync import DdpSync
 from hetero.run.homes import Homes
 from hetero.run.mechanism import Mechanism
 from hetero.run.offloaded_adam import OffloadConfig, Offloaded, StateBytes
-from hetero.run.torch_optim import refusing_clipping, replace_adam, replace_clipping
+from hetero.run.torch_optim import replace_adam, replace_clipping
 from hetero.schema.plan import OptimizerPlan
 from hetero.units import SIZE
 
@@ -51,13 +56,8 @@ class OptimizerOffload(Mechanism):
             self.ddp.listen(self)
         replace_adam(patches, Offloaded, config, self.optimizers,
                      lambda opt: opt.bind(self.names) if self.names is not None else None)
-        if self.plan.overlap_backward:
-            refuse = refusing_clipping("the plan updates parameters during backward (overlap_backward)",
-                                       "hetero plan turns overlap off for scripts that clip")
-            replace_clipping(patches, lambda clip: refuse)
-        elif self._keeps_grads():
-            replace_clipping(patches, self._bringing_back)
         if self._keeps_grads():
+            replace_clipping(patches, self._bringing_back)
             zero_grad = torch.nn.Module.zero_grad
 
             def module_zero_grad(module, set_to_none: bool = True) -> None:
@@ -70,7 +70,7 @@ class OptimizerOffload(Mechanism):
         return self.plan.nvme is not None and self.plan.nvme.grads
 
     def _bringing_back(self, clip):
-        """torch's clip, after every kept gradient is back in `.grad` (clipping reads and scales them all)."""
+        """torch's clip (or unscale), after every kept gradient is back in `.grad` (it reads and scales them all)."""
         def clip_with_grads(*args, **kwargs):
             for opt in self.optimizers:
                 opt.bring_back_grads()
@@ -113,9 +113,10 @@ class OptimizerOffload(Mechanism):
         where = f"emulated AXDIMM ({self.plan.channels} channels)" if self.plan.device == "axdimm" else self.plan.device
         device, nvme = placed.device, placed.nvme
         grads = ", with the gradients from backward to step" if self._keeps_grads() else ""
+        when = ("overlapped with backward (every step's gradients checked unchanged at step())"
+                if self.plan.overlap_backward else "at step()")
         return [f"optimizer states: {SIZE.format_short(device)} on {where}, {SIZE.format_short(nvme)} on NVMe{grads}; "
-                f"updates {'overlapped with' if self.plan.overlap_backward else 'after'} backward, in torch's fused "
-                "AdamW arithmetic (bit-equal to fused=True; ~1 ULP per step from torch's default on CPU)"]
+                f"updates {when}, by torch's fused AdamW op (the arithmetic of AdamW(fused=True))"]
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         placed = self._state_bytes()

@@ -14,8 +14,11 @@ from hetero.harness.script import StopScript
 from hetero.run.mechanism import Patches
 
 TORCH_ADAM = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # before any run replaces them
-CLIPPING = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils, "clip_grad_value_"),
-            (torch.nn.utils.clip_grad, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_value_"))
+# torch's functions that read every gradient and scale them in place, under each name a script may call them by
+# (get_total_norm and clip_grads_with_norm_ since torch 2.6), and GradScaler's unscale_
+CLIPPING = tuple((owner, name) for owner in (torch.nn.utils, torch.nn.utils.clip_grad)
+                 for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
+                 if hasattr(owner, name)) + ((torch.amp.GradScaler, "unscale_"),)
 
 
 def replace_adam(patches: Patches, mixin: type, config: object, created: list, built: Callable[[object], None]) -> None:
@@ -46,7 +49,8 @@ def _standing_in(name: str, mixin: type, base: type, given: object, created: lis
 
 
 def replace_clipping(patches: Patches, wrap: Callable[[Callable], Callable]) -> None:
-    """Each of torch's gradient-clipping functions replaced by `wrap(the original)` for the run."""
+    """Each of torch's gradient-clipping functions (`CLIPPING`, GradScaler's unscale_ too) replaced by
+    `wrap(the original)` for the run."""
     for owner, name in CLIPPING:
         patches.set(owner, name, wrap(getattr(owner, name)))
 
@@ -55,7 +59,7 @@ def refusing_clipping(why: str, hint: str) -> Callable:
     """A stand-in for torch's gradient clipping where the plan's updates ran before a clip could scale their
     gradients: it refuses rather than train differently."""
     def refuse(*args, **kwargs):
-        raise StopScript(HeteroError(f"the script clips gradients, but {why}",
+        raise StopScript(HeteroError(f"the script clips or unscales gradients, but {why}",
                                      hint=f"plan again from a profile of this script: {hint}",
                                      exit_code=STALE_PLAN))
     return refuse

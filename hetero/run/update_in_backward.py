@@ -9,7 +9,7 @@ finds no gradient left and changes nothing; its step hooks and LR schedulers run
 
 What this cannot train the same way is refused rather than trained differently: a second backward into the same
 parameter before `step()` (gradient accumulation, a GAN's generator reached by the discriminator's loss), gradient
-clipping, several ranks. A script that reads `.grad` between backward and step finds None: the planner writes this
+clipping or unscaling (torch's functions refuse), a gradient set again before `step()`, several ranks. A script that reads `.grad` between backward and step finds None: the planner writes this
 section only for scripts whose profile saw one backward per step and no clipping, and says so.
 """
 
@@ -145,6 +145,8 @@ class InBackward:
             self.param_groups = groups
 
     def step(self, closure=None):
+        if any(p.grad is not None for p in self._updated):  # the script set a gradient its update had freed
+            raise StopScript(_gradient_set_again())
         self._updated.clear()  # before the closure: its backward belongs to this step
         return torch_step(self.replaces, self, closure)
 
@@ -204,6 +206,13 @@ def _second_backward() -> HeteroError:
         "(gradient accumulation, or one model's loss reaching another's parameters)",
         hint="profile and plan again: hetero plan updates in backward only for one backward per step",
         exit_code=STALE_PLAN)
+
+
+def _gradient_set_again() -> HeteroError:
+    return HeteroError("the plan updates each parameter during backward, but the script set a gradient again "
+                       "between backward and step()", exit_code=STALE_PLAN,
+                       hint="profile and plan again: hetero plan updates in backward only where the script leaves "
+                            "gradients as backward made them")
 
 
 def _several_ranks() -> HeteroError:

@@ -88,7 +88,8 @@ class Training:
                                    "the script updates its parameters without a torch.optim optimizer. Several "
                                    "optimizers: the class of those that can be offloaded, if they share one.")
     grad_accumulation: int = doc("Backward passes per optimizer step.", ge=1, le=MAX_MICRO_BATCHES)
-    clips_grad: bool = doc("Whether the script calls `clip_grad_norm_` between backward and step.")
+    edits_grads: bool = doc("Whether the script changes gradients between the end of backward and `step()`: "
+                            "clipping, unscaling, or any in-place op on or replacement of `.grad`.")
     warmup_steps: int = doc("Steps run before measuring.", ge=0, le=MAX_STEPS)
     steps_measured: int = doc("Steps measured; every time here is their mean.", ge=1, le=MAX_STEPS)
     granularity: Granularity = doc("`module`: a layer per module owning parameters; `block`: per repeated block.")

@@ -77,9 +77,9 @@ def test_every_time_is_positive_and_idle_time_shrinks_towards_the_last_layer(mea
 def test_gradient_accumulation_and_clipping_are_detected(tmp_path):
     path = scripts.write(tmp_path, scripts.LOOP)
     plain = measure_script(path, [], ProfileOptions(steps=2, warmup=1)).training
-    assert (plain.grad_accumulation, plain.clips_grad) == (1, False)
+    assert (plain.grad_accumulation, plain.edits_grads) == (1, False)
     accum = measure_script(path, ["--accum", "4", "--clip", "1.0"], ProfileOptions(steps=2, warmup=1)).training
-    assert (accum.grad_accumulation, accum.clips_grad) == (4, True)
+    assert (accum.grad_accumulation, accum.edits_grads) == (4, True)
     assert torch.nn.utils.clip_grad_norm_.__name__ == "clip_grad_norm_"  # the watch is undone afterwards
 
 

@@ -72,7 +72,7 @@ def gpu_profile(n: int, seed: int = 0, gpu_memory: int = 80 * GiB, peers: int = 
     backward_end = max(x.bp_start_s + x.bp_s for x in ls)
     forward_end = ls[-1].fp_end_s if ls else 0.0
     num = sum(x.num_params for x in ls)
-    training = Training(optimizer="adamw", grad_accumulation=1, clips_grad=False, warmup_steps=2, steps_measured=5,
+    training = Training(optimizer="adamw", grad_accumulation=1, edits_grads=False, warmup_steps=2, steps_measured=5,
                         granularity="module", iteration_s=backward_end + 2e-3, forward_s=forward_end,
                         backward_s=backward_end - forward_end, optimizer_step_s=1e-3, overhead=0.02)
     model = ModelInfo(fingerprint=f"sha256:{seed:064x}", script="synthetic.py", num_params=num, dtype="float32")

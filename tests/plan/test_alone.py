@@ -27,7 +27,7 @@ def cpu(repo) -> Profile:
 
 def test_the_profile_measures_updates_in_backward_first_then_every_block_recomputed_with_them(cpu):
     assert alone.to_measure(cpu) == [{"in_backward"}, {"in_backward", "recompute"}]
-    cpu.training.clips_grad = True  # updates must wait for every gradient: recomputation alone
+    cpu.training.edits_grads = True  # updates must wait for every gradient: recomputation alone
     assert alone.to_measure(cpu) == [{"recompute"}]
     cpu.blocks = []
     assert alone.to_measure(cpu) == []

@@ -203,12 +203,12 @@ def test_updating_in_backward_is_the_free_lever_where_freeing_the_gradients_is_e
 def test_a_script_that_needs_every_gradient_at_once_is_not_updated_in_backward(cpu, script):
     cpu = gradients_at_the_peak(cpu)
     if script == "clips":
-        cpu.training.clips_grad = True
+        cpu.training.edits_grads = True
     else:
         cpu.training.grad_accumulation = 2
     p = plan(cpu, PlanOptions(dram_budget_bytes=room_for(PLAIN - grads_freed_in_backward(cpu))))
     assert p.update_in_backward is None and "not updating each parameter in backward" in p.budget.why
-    assert ("clips gradients" if script == "clips" else "accumulates 2 backward passes") in p.budget.why
+    assert ("changes the gradients" if script == "clips" else "accumulates 2 backward passes") in p.budget.why
 
 
 def test_without_plains_own_peak_memory_is_returned_only_near_the_budget_and_the_lower_peak_wins(cpu):

@@ -63,10 +63,11 @@ def plan(profile_path: Path, *flags: str) -> Plan:
 
 
 def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool = True,
-           budget_bytes: int | None = None) -> Path:
+           budget_bytes: int | None = None, overlap: bool | None = None) -> Path:
     """A plan made by hand, the way a user edits one: every optimizer state on `optimizer` (host, or the emulated
-    AXDIMM), every layer's saved activations evicted to disk (the smallest tensors too), and with `budget_bytes` a
-    DRAM budget kept by returning freed memory from the start (and watched)."""
+    AXDIMM), its updates overlapped with backward where `hetero plan` would (or as `overlap` says), every layer's
+    saved activations evicted to disk (the smallest tensors too), and with `budget_bytes` a DRAM budget kept by
+    returning freed memory from the start (and watched)."""
     prof = files.load(profile_path, expect=Profile)
     t = prof.training
     names = [n for layer in prof.layers for n in layer.param_names()]
@@ -74,7 +75,7 @@ def forced(profile_path: Path, *, optimizer: str | None = "host", tiering: bool 
               for i, n in enumerate(names)]
     opt = OptimizerPlan(kind=t.optimizer, device=optimizer, backend="emulated" if optimizer == "axdimm" else None,
                         channels=2 if optimizer == "axdimm" else None,
-                        overlap_backward=not t.clips_grad and not t.updates_wait,  # as hetero plan decides
+                        overlap_backward=not t.edits_grads and not t.updates_wait if overlap is None else overlap,
                         micro_batches=t.grad_accumulation, states=states) if optimizer else None
     layers = [x for x in prof.layers if x.saved_bytes > 0]
     schedule = [Eviction(layer=x.name, evict_bytes=x.saved_bytes, prefetch_at_s=0.0,

@@ -3,6 +3,9 @@ or are refused by `hetero profile` with one line and exit code 5 (UNSUPPORTED_SC
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from hetero.errors import UNSUPPORTED_SCRIPT, HeteroError
 from hetero.profile.profiler import ProfileOptions, measure_script
 from hetero.schema import files
 from hetero.schema.profile import Profile
+from tests.conftest import REPO
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
@@ -28,7 +32,7 @@ def workdir(tmp_path, monkeypatch):
 def test_nanogpt_with_groups_accumulation_clipping_and_an_ema_deepcopy(workdir):
     profile = harness.profile("nanogpt", workdir)
     t = files.load(profile, expect=Profile).training
-    assert (t.optimizer, t.grad_accumulation, t.clips_grad) == ("adamw", 2, True)
+    assert (t.optimizer, t.grad_accumulation, t.edits_grads) == ("adamw", 2, True)
     reference = harness.plain("nanogpt", workdir / "plain.pt")
     harness.plan(profile, "--optimizer-device", "host")
     code, result = harness.run("nanogpt", workdir / "plan.yaml", workdir / "planned.pt")
@@ -127,6 +131,21 @@ def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed
     assert "optimizer states: 72KiB on host" in err  # both Adams: 4 fp32 buffers for each of the 4,608 parameters
     hosted = harness.plan(profile, "--optimizer-device", "host")  # what the planner writes for two optimizers
     assert not hosted.optimizer.overlap_backward and "steps 2 optimizers" in hosted.optimizer.why
+
+
+def test_a_gans_plain_plan_runs_as_python_would_with_both_models_checked_and_plains_iteration(workdir):
+    """The default plan of a two-model script runs plain, in a process of its own (hetero.launch.plain), which finds
+    both models and checks them against the plan's."""
+    profile = harness.profile("gan", workdir)
+    planned = harness.plan(profile)
+    prof = files.load(profile, expect=Profile)
+    assert planned.runs_plain() and planned.predicted.iteration_s == prof.training.iteration_s
+    reference = harness.plain("gan", workdir / "plain.pt")
+    done = subprocess.run([sys.executable, "-m", "hetero", "run", "--plan", str(workdir / "plan.yaml"),
+                           harness.script("gan"), str(workdir / "planned.pt"), harness.STEPS], cwd=workdir,
+                          capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert_trains_as_plain(torch.load(workdir / "planned.pt", weights_only=False), reference)
 
 
 def test_a_gans_adam_with_amsgrad_stays_the_scripts_while_the_other_adams_states_are_placed(workdir, capfd):

@@ -106,8 +106,8 @@ def _placeable(ctx: Context) -> tuple[Context, str]:
 
 def _placed(ctx: Context, omitted: dict[str, str], levers: frozenset[str]) -> OptimizerPlan | None:
     training = ctx.profile.training
-    overlap, micro = not training.clips_grad and not training.updates_wait, training.grad_accumulation
-    overlap_why = ("updates wait for the whole backward: clip_grad_norm_ needs every gradient" if training.clips_grad
+    overlap, micro = not training.edits_grads and not training.updates_wait, training.grad_accumulation
+    overlap_why = ("updates wait for step(): the script changes the gradients after backward" if training.edits_grads
                    else f"updates wait for the whole backward: {training.updates_wait}" if training.updates_wait else
                    "updates overlap backward" + (f" (of the last of {micro} micro-batches)" if micro > 1 else ""))
     device = ctx.device
