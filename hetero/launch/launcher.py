@@ -245,6 +245,7 @@ def _run_plain(script: str, args: list[str], checked: Checked, allow_stale: bool
     plan = checked.plan
     plain_peak, predicted = _host_peaks(plan, checked.profile)
     exec_plain(script, args, Expected(fingerprint=plan.source.model_fingerprint, allow_stale=allow_stale,
+                                      parts=[(m.name, m.fingerprint) for m in plan.source.models],
                                       plain_peak_bytes=plain_peak, predicted_peak_bytes=predicted,
                                       predicted_gpu_bytes=plan.predicted.peak_bytes.get(GPU)))
 

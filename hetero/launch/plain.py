@@ -18,8 +18,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from hetero import interrupts
-from hetero.errors import STALE_PLAN, HeteroError, Interrupted
-from hetero.harness.script import StopScript, run_script
+from hetero.errors import HeteroError, Interrupted
+from hetero.harness.script import run_script
 
 PLAIN_ENV = "HETERO_PLAIN"
 
@@ -27,6 +27,7 @@ PLAIN_ENV = "HETERO_PLAIN"
 @dataclass(frozen=True, slots=True)
 class Expected:
     fingerprint: str
+    parts: list[tuple[str, str]]  # several models: each one's (name, fingerprint), as the plan's source lists them
     allow_stale: bool
     plain_peak_bytes: int | None  # plain training's host-memory peak as the profile measured it
     predicted_peak_bytes: int | None
@@ -56,23 +57,14 @@ def main(argv: list[str]) -> int:
 
 
 def _run(script: str, args: list[str], expected: Expected) -> int:
-    from hetero.harness.capture import Capture, fingerprint  # imports torch, which the script imports anyway
+    from hetero.harness.capture import Capture, check_planned  # imports torch, which the script imports anyway
 
     def found(model, optimizer) -> None:
-        actual = fingerprint(model)
-        if actual == expected.fingerprint:
-            return
-        if not expected.allow_stale:
-            raise StopScript(HeteroError(
-                f"the script's model ({actual[:19]}...) is not the one the plan was made for "
-                f"({expected.fingerprint[:19]}...)", hint="profile and plan again, or pass --allow-stale",
-                exit_code=STALE_PLAN))
-        print(f"hetero: warning: running a plan made for another model ({expected.fingerprint[:19]}...)",
-              file=sys.stderr)
+        models.append(model)
+        check_planned(model, expected.fingerprint, expected.allow_stale)  # Capture stops the script on an error
 
     models = []
-    with Capture(lambda model, optimizer: (models.append(model), found(model, optimizer)), script,
-                 fingerprint=expected.fingerprint):
+    with Capture(found, script, fingerprint=expected.fingerprint, parts=[tuple(part) for part in expected.parts]):
         result = run_script(script, args)
     if result.exit_code == 0:
         for line in _peak_lines(expected, models[0] if models else None):

@@ -4,8 +4,8 @@ The simulator counts what a plan places (parameters, gradients, saved activation
 times (kernels, copies, updates); a process pays for more: the caching allocator's reserve, workspaces, temporaries
 of backward, the launch gaps of a real step. So on a GPU a plan's prediction starts from plain training's measured
 figures and adds what the plan changes: its GPU peak is torch's reserved peak of plain training (what the process
-holds from the GPU) plus the difference, item by item, between the plan's count and plain training's; its iteration
-is plain training's own step, timed without the profiler's hooks, plus the simulated difference. A plan that moves
+holds from the GPU) plus the difference, item by item, between the plan's count and plain training's. On every
+device a plan's iteration is plain training's measured step plus the simulated difference. A plan that moves
 nothing is predicted exactly as measured. Where the profile has no measurement (an older profile), the count itself
 is the prediction, the script's own Adam states included.
 """
@@ -76,10 +76,13 @@ def _transient_grad_bytes(profile: Profile, plan: Plan) -> int:
 
 
 def anchored_iteration_s(profile: Profile, simulated_s: float, plain_simulated_s: float) -> float:
-    """A GPU plan's iteration: plain training's measured step plus the simulated difference (the simulation as is
-    where the profile did not time plain's step)."""
-    measured = profile.training.plain_iteration_s
-    if profile.machine.gpu is None or measured is None:
+    """A plan's iteration: plain training's measured step (on a GPU timed without the profiler's hooks, whose launch
+    gaps a CPU's kernels hide) plus the simulated difference, so that a plan that moves nothing is predicted as
+    measured, however the simulator counts the script's steps (a GAN's three backward calls); the simulation as is
+    where a GPU's plain step was not timed."""
+    t = profile.training
+    measured = t.plain_iteration_s if profile.machine.gpu is not None else t.iteration_s
+    if measured is None:  # a GPU's plain step untimed (an older profile, a single warm-up step)
         return simulated_s
     return max(0.0, measured + simulated_s - plain_simulated_s)
 

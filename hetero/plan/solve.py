@@ -155,12 +155,12 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     for section in TABLE:  # what the simulator does not time: returning memory's page faults, recomputation
         iteration += section.cost_s(profile, plan)
     gpu: dict[str, int] = {}
+    bare = predict(profile, plain_of(plan))
     if profile.machine.gpu is not None:
-        bare = predict(profile, plain_of(plan))
         states = gpu_state_bytes(profile, plan.optimizer, host_tier(profile))
         gpu = plain.gpu_contributors(profile, plan, result, bare, states)
         peak[GPU] = sum(gpu.values())
-        iteration = plain.anchored_iteration_s(profile, iteration, bare.iteration_s)
+    iteration = plain.anchored_iteration_s(profile, iteration, bare.iteration_s)
     return Predicted(iteration_s=ns(iteration), sync_s=ns(sum(sync)) if sync else None, peak_bytes=peak,
                      activations=act, dram={k: b for k, b in dram.items() if b > 0},
                      dram_saved={k: -b for k, b in dram.items() if b < 0}, gpu={k: b for k, b in gpu.items() if b > 0},

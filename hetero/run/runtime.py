@@ -8,14 +8,13 @@ the run reaches it by type (`Runtime.find`), never by its position.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torch import nn
 
-from hetero.errors import STALE_PLAN, HeteroError
-from hetero.harness.capture import Capture, fingerprint
+from hetero.errors import HeteroError
+from hetero.harness.capture import Capture, check_planned
 from hetero.run.allocator import ReturnFreedMemory
 from hetero.run.budget_watch import BudgetWatch
 from hetero.run.ddp_sync import DdpSync
@@ -117,13 +116,7 @@ class Runtime:
 
     def _found(self, model: nn.Module, optimizer) -> None:
         """The model is known: check it is the planned one, then bind every mechanism to it."""
-        actual, wanted = fingerprint(model), self.plan.source.model_fingerprint
-        if actual != wanted:
-            if not self.allow_stale:
-                raise HeteroError(f"the script's model ({actual[:19]}...) is not the one the plan was made for "
-                                  f"({wanted[:19]}...)", hint="profile and plan again, or pass --allow-stale",
-                                  exit_code=STALE_PLAN)
-            print(f"hetero: warning: running a plan made for another model ({wanted[:19]}...)", file=sys.stderr)
+        check_planned(model, self.plan.source.model_fingerprint, self.allow_stale)
         self.model = model
         for m in self.mechanisms:
             m.bind(model)
