@@ -75,9 +75,11 @@ def plan(
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
                           stay_time_s=quantity(TIME, stay_time, "--stay-time"), previous=old)
     result = solve(prof, options)
-    unhonoured = _unhonoured(optimizer_device, emulate == "axdimm", result)
-    if unhonoured:
-        print(f"hetero: warning: {unhonoured}", file=sys.stderr)
+    for unhonoured in (_unhonoured(optimizer_device, emulate == "axdimm", result),
+                       _unapplied("--tier-activations", tier_activations, "activations", result),
+                       _unapplied("--recompute", recompute, "recompute", result)):
+        if unhonoured:
+            print(f"hetero: warning: {unhonoured}", file=sys.stderr)
     header = (f"hetero plan of {profile} ({prof.model.script}), hetero {__version__}.",
               "Edit freely: `hetero check` validates it; entries marked `pinned: true` survive `hetero plan --from`.")
     try:
@@ -101,6 +103,15 @@ def _unhonoured(optimizer_device: str | None, emulate: bool, out: Plan) -> str |
     if out.optimizer.device != wanted:
         return f"{asked} not applied: the plan's optimizer runs on {out.optimizer.device}: {out.optimizer.why}"
     return None
+
+
+def _unapplied(flag: str, given: bool, section: str, out: Plan) -> str | None:
+    """What the plan says instead of a mechanism forced by `flag` that ended up applying to nothing (one line, from
+    `omitted`); None: not given, or applied."""
+    if not given or getattr(out, section) is not None:
+        return None
+    budget = f" ({out.budget.why})" if out.budget.why else ""
+    return f"{flag} not applied: {out.omitted.get(section, f'the plan has no {section} section{budget}')}"
 
 
 def _summary(profile: Profile, out: Plan, path: Path) -> None:

@@ -125,3 +125,27 @@ def test_the_summary_fits_columns_when_piped_and_a_plan_says_why_next_to_each_ab
     for section in ("optimizer", "activations"):  # the default plan without a GPU runs plain
         assert getattr(plan, section) is None
         assert f"\n{section}: null  # why: {plan.omitted[section][:40]}" in text
+
+
+def test_a_forced_mechanism_that_applies_to_nothing_says_why_in_one_line(tmp_path, monkeypatch, capsys):
+    """--tier-activations where no saved storage is worth a transfer, --optimizer-device host where the script's
+    optimizer cannot be offloaded: the plan is written (exit 0) and stderr names each flag once, on one line."""
+    import dataclasses
+
+    from hetero.schema.profile import Profile
+
+    monkeypatch.chdir(tmp_path)
+    profile = files.load(REPO / PROFILE, expect=Profile)
+    small = [dataclasses.replace(x, saved_bytes=min(x.saved_bytes, 3 << 10), saved_storages_bytes=[])
+             for x in profile.layers]
+    training = dataclasses.replace(profile.training, optimizer="other")
+    files.save(dataclasses.replace(profile, layers=small, training=training), "profile.yaml")
+    assert main(["plan", "--tier-activations", "--optimizer-device", "host"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert sum("--tier-activations" in line for line in err) == 1 and sum("--optimizer-device" in line for line in err) == 1
+    assert main(["plan", "--tier-activations"]) == 0
+    assert len(capsys.readouterr().err.splitlines()) == 1
+    files.save(profile, "profile.yaml")  # as measured: tiering applies, nothing is said
+    assert main(["plan", "--tier-activations"]) == 0
+    assert capsys.readouterr().err == ""

@@ -1,9 +1,15 @@
 """TierTrain's queue (Eq. 2-10) on a case worked by hand, our packed rule and eviction queue, the trigger layer."""
 
+import dataclasses
+
 import pytest
 
 from hetero.plan import tiering
 from hetero.plan.model import Curve
+from hetero.plan.solve import PlanOptions, plan
+from hetero.schema import files
+from hetero.schema.profile import Profile
+from hetero.units import SIZE
 from tests.figures import figures
 from tests.plan.synthetic import GiB
 
@@ -117,3 +123,18 @@ def test_curves_through_a_gpu_add_the_copy_to_the_tier():
     nvme = Curve.of(profile.machine.tiers[1].write)
     assert evict.time_s(2**20) == pytest.approx(d2h.time_s(2**20) + nvme.time_s(2**20))
     assert tiering.curves(profile, "dram")[1].time_s(2**20) == Curve.of(profile.machine.gpu.h2d).time_s(2**20)
+
+
+def test_tiering_forced_where_no_saved_storage_is_worth_a_transfer_is_left_out_saying_why(repo):
+    """--tier-activations on a model whose every saved storage is under min_tensor (a small ViT's, an accelerate
+    script's): no section that would hook every layer for nothing, and the reason with its figures."""
+    profile = files.load(repo / "tests/plan/fixtures/handworked.profile.yaml", expect=Profile)
+    layers = [dataclasses.replace(x, saved_bytes=min(x.saved_bytes, 3 << 10), saved_storages_bytes=[])
+              for x in profile.layers]
+    small = dataclasses.replace(profile, layers=layers)
+    measured = plan(profile, PlanOptions(tier_activations=True)).activations  # the profile as measured
+    assert any(e.evict_bytes for e in measured.schedule)
+    p = plan(small, PlanOptions(tier_activations=True))
+    assert p.activations is None
+    # the threshold and the largest storage there is
+    assert {SIZE.format_short(measured.min_tensor_bytes), "3KiB"} <= set(figures(p.omitted["activations"]))

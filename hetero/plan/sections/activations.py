@@ -23,9 +23,15 @@ EVICTED = "evicted activations"
 
 
 def solve(step: Step) -> ActivationPlan | None:
+    """The faster schedule; None where none evicts a byte (`omitted` says why): a section would hook every layer
+    for nothing."""
     kept = step.pinned("activations") or {}
     candidates = _activations(step.ctx, kept, step.omitted, step.levers, step.draft.recompute)
-    return _pick_schedule(step.ctx, step.draft, candidates, step.predict)
+    chosen = _pick_schedule(step.ctx, step.draft, candidates, step.predict)
+    if chosen is not None and not any(e.evict_bytes for e in chosen.schedule):
+        step.omitted["activations"] = _evicts_nothing(step.ctx.profile, chosen)
+        return None
+    return chosen
 
 
 def pinned(profile: Profile, previous: Plan) -> dict[str, Eviction]:
@@ -139,6 +145,19 @@ def _tiering_saves_nothing(ctx: Context) -> str:
             "largest layer) live in host memory, whose allocator keeps the memory evicted tensors free for the next "
             "ones: the process's peak would barely fall while every step waits on the disk (--tier-activations "
             "schedules them anyway)")
+
+
+def _evicts_nothing(profile: Profile, chosen: ActivationPlan) -> str:
+    """Why a schedule moves nothing: no saved storage reaches the size worth a transfer, or every layer's request
+    was dropped (the first one's reason)."""
+    dropped = next((e for e in chosen.schedule if e.why), None)
+    if dropped is not None:
+        return f"no layer's saved activations can leave and come back in time ({dropped.layer}: {dropped.why})"
+    size, layer = max(((max(x.saved_storages_bytes or [x.saved_bytes]), x.name) for x in profile.layers),
+                      default=(0, "none"))
+    return (f"no saved storage reaches min_tensor {SIZE.format_short(chosen.min_tensor_bytes)}, the least size whose "
+            f"transfers to and from {chosen.slow} spend at most {tiering.LATENCY_SHARE:.0%} of their time on their "
+            f"fixed cost (the largest: {SIZE.format_short(size)}, in {layer})")
 
 
 def _tier_path(profile: Profile, name: str) -> str | None:
