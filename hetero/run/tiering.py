@@ -1,8 +1,9 @@
 """Activation tiering: the plan's `activations` schedule carried out with saved-tensor hooks (TierTrain §5-6).
 
-Attribution is the profiler's (hetero.harness.layers), so a planned byte means the same thing here: every tensor
-autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to the
-layer running, or between layers to the last one that ended; a storage saved by several layers belongs to the last
+Attribution is the profiler's (hetero.harness.layer_timing), so a planned byte means the same thing here: every
+tensor autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to
+the innermost layer running, or to the last layer that ended inside it since it started (a ReLU its forward calls
+after a child's), or between layers to the last one that ended; a storage saved by several layers belongs to the last
 of them, whose backward needs it first.
 
 Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to
@@ -18,7 +19,7 @@ dropped, so the memory is really returned.
 Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
 tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
 without a trigger are due at their planned time from the forward start, once what their layer saves has been queued
-(another layer has started since it ended), and all of them at the latest when the backward starts, the latest layer
+(a tensor saved now would be another layer's), and all of them at the latest when the backward starts, the latest layer
 first. Within a layer the last saved storage comes back first: what was evicted
 last is prefetched first, in the order backward needs it. One reader thread serves requests in order (TierTrain's
 busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching
@@ -80,7 +81,8 @@ class ActivationTiering(Mechanism):
         self.current: TieredPass | None = None  # the micro-batch whose forward is running
         self.root: nn.Module | None = None  # the module whose call it is (one of several models')
         self.last: TieredPass | None = None  # the last one whose forward ended
-        self.stack: list[str] = []
+        self.stack: list[str] = []  # the layers running, outermost first
+        self.inner: list[str | None] = []  # for each, the last layer that ended inside it since it started
         self.last_ended: str | None = None
         self.param_storages: set[int] = set()
         self.sharded = False  # FSDP2: the parameters' storages are read again at each layer's start
@@ -168,7 +170,7 @@ class ActivationTiering(Mechanism):
         self.param_storages = storages(self.model.parameters())
         self.current = TieredPass(start=perf_counter(), timed=list(self.timed))
         self.root = module
-        self.stack, self.last_ended = [], None
+        self.stack, self.inner, self.last_ended = [], [], None
         chain.open(self)
 
     def _forward_end(self, module, args, output) -> None:
@@ -186,6 +188,7 @@ class ActivationTiering(Mechanism):
             return
         name = self.names[id(module)]
         self.stack.append(name)
+        self.inner.append(None)
         if self.sharded:  # FSDP2 has just unsharded the layer's parameters into storages of their own
             self.param_storages |= storages(module.parameters(recurse=False))
         for record in mb.pending:
@@ -198,7 +201,10 @@ class ActivationTiering(Mechanism):
         if mb is None or not self.stack:
             return
         name = self.stack.pop()
+        self.inner.pop()
         self.last_ended = name
+        if self.inner:
+            self.inner[-1] = name
         # made here if the layer saved nothing movable itself: what it saves after its end (the output of a ReLU
         # called in its parent's forward) then leaves at once
         group = self._group(mb, name)
@@ -208,6 +214,14 @@ class ActivationTiering(Mechanism):
             before_backward(output, lambda grads, mb=mb, name=name: self._started(mb, name))
         self._due(mb)
         self._raise_failure()
+
+    def _saving(self) -> str | None:
+        """The layer a tensor saved now belongs to, by the profiler's rule (hetero.harness.layer_timing): the
+        innermost layer running, or the last layer that ended inside it since it started; between layers, the last
+        one that ended."""
+        if self.stack:
+            return self.inner[-1] or self.stack[-1]
+        return self.last_ended
 
     def _raise_failure(self) -> None:
         if self.mover.failure is not None:
@@ -229,7 +243,7 @@ class ActivationTiering(Mechanism):
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.param_storages:
             return None
-        layer = self.stack[-1] if self.stack else self.last_ended
+        layer = self._saving()
         record = self._record(mb, storage, ptr, layer)
         keep = None if record.movable else tensor.detach()  # not the tensor itself: an output would hold its grad_fn
         return Saved(record, keep, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
@@ -324,19 +338,18 @@ class ActivationTiering(Mechanism):
 
     def _due(self, mb: TieredPass) -> None:
         """Time-keyed prefetches whose time has come, for layers whose saved storages are all known: the layer's
-        forward has ended and another layer has started since (what runs between them saves for it: a ReLU called
-        in its parent's forward), or the model's forward has. A step slower than the profiled one may reach that
-        time early; what the layer saved is queued first, as planned, and called off if still unwritten."""
+        forward has ended and a tensor saved now would not be its (`_saving`: a ReLU its parent calls after it saves
+        for it). A step slower than the profiled one may reach that time early; what the layer saved is queued
+        first, as planned, and called off if still unwritten."""
         now = perf_counter() - mb.start
         if not mb.timed or mb.timed[0][0] > now:
             return
-        between = mb is self.current and not self.stack  # the last layer that ended may still save
+        saving = self._saving() if mb is self.current else None  # may still save: its storages are not all known
         with self.lock:
             waiting = []
             for at, target in mb.timed:
                 group = mb.groups.get(target)
-                if at <= now and group is not None and group.ended and target not in self.stack and \
-                        not (between and target == self.last_ended):
+                if at <= now and group is not None and group.ended and target not in self.stack and target != saving:
                     self._request(mb, target)
                 else:
                     waiting.append((at, target))

@@ -109,10 +109,12 @@ def test_an_empty_directory_in_a_plan_is_refused_by_check(tmp_path, capfd, path)
 
 
 @pytest.mark.usefixtures("without_malloc_runs")
-@pytest.mark.parametrize("args", [(), ("fp32", "workers=0")], ids=["bf16-workers", "fp32"])
+@pytest.mark.parametrize("args", [(), ("fp32", "workers=0"), ("scaled", "workers=0")],
+                         ids=["bf16-workers", "fp32", "model-is-a-layer"])
 def test_a_conv_script_evicts_every_byte_its_plan_schedules(tmp_path, monkeypatch, capfd, args):
     """Two Conv2d, each followed by a functional ReLU and max-pool, a DataLoader, AdamW under OneCycleLR: the large
-    storages of conv1's step (its ReLU's output and the pool's indices) are saved after conv1's forward ended."""
+    storages of conv1's step (its ReLU's output and the pool's indices) are saved after conv1's forward ended, by
+    the model's forward (a layer itself where it has a parameter of its own)."""
     monkeypatch.chdir(tmp_path)
     profile = harness.profile("conv_onecycle", tmp_path, args=args)
     plan = harness.plan(profile, "--tier-activations")

@@ -258,6 +258,28 @@ def test_what_a_layer_saves_after_it_ended_leaves_though_it_saved_nothing_movabl
     assert tiering.ledger.report().evicted == {"conv": (32 + 16) * KiB * STEPS}
 
 
+class ScaledAtTheRoot(AfterItsLayer):
+    """AfterItsLayer with a parameter of the model's own: the model is a layer too, and what its forward saves after
+    the conv ended belongs to the conv (the profiler's rule: the last layer to end inside the running one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_what_the_model_saves_after_a_layer_ended_inside_it_is_that_layers(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        return ScaledAtTheRoot()
+
+    assert layer_names(make()) == ["(model)", "conv", "fc"]
+    tiering = run_both("cnn", make, tmp_path / "nvme", {"conv": GiB}, min_tensor=16 * KiB, drain=True)
+    assert tiering.ledger.report().evicted == {"conv": (32 + 16) * KiB * STEPS}
+
+
 def test_a_prefetch_due_by_time_waits_for_what_its_layer_saves_after_its_end(tmp_path):
     """A step slower than profiled reaches a time-keyed prefetch (here: due at once) at the layer's end already; the
     storages saved after it (the ReLU's and the pool's) are queued as planned before it is requested."""

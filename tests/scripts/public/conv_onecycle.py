@@ -1,8 +1,9 @@
 """In the shape of a small image classifier as tutorials write one: two Conv2d + ReLU and a Linear head on 3x32x32
 images, a DataLoader (with worker processes unless `workers=0` is given), bf16 autocast on the CPU (unless
-`fp32` is given), AdamW under OneCycleLR, batch 32.
+`fp32` is given), AdamW under OneCycleLR, batch 32. With `scaled`, the logits are scaled by a learnable parameter of
+the model's own (as CLIP's logit scale or a ViT's position embedding are): the model is then a layer itself.
 
-    python conv_onecycle.py OUT [STEPS] [fp32] [workers=N]
+    python conv_onecycle.py OUT [STEPS] [fp32] [workers=N] [scaled]
 """
 
 import sys
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
 fp32 = "fp32" in sys.argv[3:]
 workers = next((int(a.split("=")[1]) for a in sys.argv[3:] if a.startswith("workers=")), 2)
+scaled = "scaled" in sys.argv[3:]
 
 
 class Net(nn.Module):
@@ -23,11 +25,13 @@ class Net(nn.Module):
         self.conv1 = nn.Conv2d(3, 64, 3, padding=1)
         self.conv2 = nn.Conv2d(64, 32, 3, padding=1)
         self.fc = nn.Linear(32 * 8 * 8, 10)
+        self.scale = nn.Parameter(torch.ones(())) if scaled else None
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc(torch.flatten(x, 1))
+        x = self.fc(torch.flatten(x, 1))
+        return x * self.scale if self.scale is not None else x
 
 
 if __name__ == "__main__":
