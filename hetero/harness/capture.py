@@ -263,9 +263,9 @@ class Capture:
         if not candidates:
             raise HeteroError(
                 "no model found: the parameters of the first optimizer to step belong to no module called "
-                "before that step",
-                hint="hetero needs the script to call the model (an nn.Module) before optimizer.step()",
-            )
+                "before that step (or inside the closure it was given)",
+                hint="hetero needs the script to call the model (an nn.Module) before or inside optimizer.step()",
+                exit_code=UNSUPPORTED_SCRIPT)
         raise _error("several models own parameters of the optimizer", candidates, self.script)
 
     def chosen(self, candidates: list[nn.Module]) -> nn.Module:

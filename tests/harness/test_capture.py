@@ -2,7 +2,7 @@
 
 import pytest
 
-from hetero.errors import HeteroError
+from hetero.errors import UNSUPPORTED_SCRIPT, HeteroError
 from hetero.profile.profiler import ProfileOptions, measure_script
 from tests.profile import scripts
 
@@ -24,6 +24,35 @@ def test_teacher_and_student_picks_the_one_being_trained(tmp_path):
     assert run.layers[0].params_bytes == (16 * 32 + 32) * 4  # the student's width, not the teacher's
     assert run.training.optimizer == "adam"
     assert run.training.output_bytes == 4 * 4 * 4  # what the student returns, the loss's backward starts from
+
+
+def test_a_model_called_only_inside_the_closure_step_runs_is_found_and_its_step_timed_after_it(tmp_path):
+    path = scripts.write(tmp_path, """
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters())
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 4))
+            loss.backward()
+            return loss
+        for _ in range(5):
+            opt.step(closure)
+    """)
+    run = measure_script(path, [], ONE_STEP)
+    assert run.training.optimizer == "adamw" and all(layer.fp_s > 0 for layer in run.layers)
+    assert run.training.optimizer_step_s < run.training.forward_s + run.training.backward_s
+
+
+def test_an_optimizer_of_no_module_called_by_its_step_is_refused_as_unsupported(tmp_path):
+    path = scripts.write(tmp_path, """
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(3):
+            opt.step()
+    """)
+    with pytest.raises(HeteroError) as e:
+        measure_script(path, [], ONE_STEP)
+    assert e.value.exit_code == UNSUPPORTED_SCRIPT
 
 
 TWO_MODELS = """

@@ -242,12 +242,3 @@ def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd, cuda_hidde
     code, _ = harness.run("mha_save", workdir / "a/plan.yaml", workdir / "out.pt")
     err = capfd.readouterr().err
     assert code == 4 and "is not the one the plan was made for" in err and "changed" not in err
-
-
-def test_hugging_face_trainer(workdir):
-    pytest.importorskip("transformers")
-    profile = harness.profile("hf_trainer", workdir)
-    reference = harness.plain("hf_trainer", workdir / "plain.pt")
-    code, result = harness.run("hf_trainer", harness.forced(profile, optimizer="host"), workdir / "forced.pt")
-    assert code == 0
-    assert_trains_as_plain(result, reference)
