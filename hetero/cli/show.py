@@ -135,11 +135,12 @@ def _timeline(path: Path, output: Path | None, timeline: bool) -> None:
     result = predict(profile, plan, record=True)
     target = output or Path("predicted.json")
     try:
-        target.write_text(json.dumps(chrome_trace(result)))
+        target.write_text(json.dumps(chrome_trace(result, plan.predicted.iteration_s)))
     except OSError as e:
         raise HeteroError(f"cannot write {target}: {e.strerror}", hint="pass -o with a writable path") from None
-    print(f"wrote {target}: {len(result.spans)} spans, predicted iteration {TIME.format_short(result.iteration_s)} "
-          f"(open it in https://ui.perfetto.dev or chrome://tracing)")
+    print(f"wrote {target}: {len(result.spans)} spans, simulated iteration {TIME.format_short(result.iteration_s)}, "
+          f"predicted {TIME.format_short(plan.predicted.iteration_s)} (open it in https://ui.perfetto.dev or "
+          "chrome://tracing)")
 
 
 def register(app: typer.Typer) -> None:

@@ -334,7 +334,9 @@ def _sweep(events: list[tuple[float, int]], horizon: float) -> tuple[int, int, l
     return max(0, swept.peak_bytes), swept.avg_bytes if horizon > 0 else 0, curve
 
 
-def chrome_trace(result: Result) -> dict:
-    """The timeline as Chrome/Perfetto trace JSON: one thread per lane, memory per tier as counters."""
+def chrome_trace(result: Result, predicted_iteration_s: float) -> dict:
+    """The timeline as Chrome/Perfetto trace JSON: one thread per lane, memory per tier as counters; its metadata
+    holds the simulated iteration and the plan's prediction (plain's measured step plus the simulated difference)."""
     counters = [Count(u.time_s, memory_track(u.tier), {"predicted": u.used_bytes}) for u in result.counters]
-    return trace.chrome(result.spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes})
+    return trace.chrome(result.spans, counters, {"iteration_s": result.iteration_s, "peak_bytes": result.peak_bytes,
+                                                 "predicted_iteration_s": predicted_iteration_s})

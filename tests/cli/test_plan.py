@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 from hetero.cli.main import main
+from hetero.plan.solve import predict
 from hetero.schema import files
 from hetero.schema.plan import Plan
 
@@ -73,8 +74,9 @@ def test_show_timeline_writes_a_trace(tmp_path, monkeypatch, capsys):
     trace = json.loads(out.read_text())
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {"compute", "evict", "prefetch", "axdimm ch0", "axdimm ch1"} <= lanes
-    predicted = files.load("plans/gpt-tiny-cpu.plan.yaml").predicted.iteration_s
-    assert abs(trace["otherData"]["iteration_s"] - predicted) < 1e-9  # the plan keeps nanoseconds
+    plan = files.load("plans/gpt-tiny-cpu.plan.yaml")
+    assert abs(trace["otherData"]["predicted_iteration_s"] - plan.predicted.iteration_s) < 1e-9
+    assert trace["otherData"]["iteration_s"] == predict(files.load(plan.source.profile), plan).iteration_s
 
 
 def test_show_timeline_needs_the_plans_profile(tmp_path, monkeypatch, capsys):

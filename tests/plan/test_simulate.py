@@ -125,7 +125,7 @@ def test_nvme_states_are_read_updated_and_written_in_the_step_through_two_slots(
 
 def test_chrome_trace_has_a_thread_per_lane_spans_and_memory_counters():
     c, ch = cpu_case([[Update(lane=0, update_s=1 * MS)], []], evict=(4000, 0), trigger=(1, None))
-    trace = json.loads(json.dumps(chrome_trace(simulate(c, ch, record=True))))
+    trace = json.loads(json.dumps(chrome_trace(simulate(c, ch, record=True), 1.0)))
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert lanes == {"compute", "evict", "prefetch", "ch0"}
     names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]

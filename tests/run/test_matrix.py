@@ -6,7 +6,9 @@ x {one process, 2-rank DDP over gloo, 2-rank DDP with routing} x script {plain, 
 DDP with `no_sync()` on the first micro-batch, and without: every micro-batch all-reduced), clip_grad_norm_}.
 Each cell: losses and final weights `assert_close` to plain torch AdamW (hetero's update is
 torch's fused AdamW, ~1 ULP per step from the single-tensor default), and under DDP every rank's weights bitwise
-equal to every other rank's. Overlapped updates with clipping cannot combine: the run refuses them (exit 4).
+equal to every other rank's. Overlapped updates with clipping cannot combine: the run refuses them at step() (exit
+4), before any reaches the weights; where every state is on NVMe, updated at step() from the clipped gradients, the
+cell trains as plain.
 
 The DDP cells all run in one spawn of two workers (a module fixture); each cell is then its own test.
 """
@@ -54,7 +56,8 @@ class Cell:
 
     @property
     def refused(self) -> bool:
-        return self.overlap and self.script == "clip"
+        """Clipping after updates that ran in backward: every state but those on NVMe (updated at step()) is."""
+        return self.overlap and self.script == "clip" and self.optimizer not in ("host+nvme", "host+nvme+grads")
 
     def __str__(self) -> str:
         return f"{self.optimizer}-{'overlap' if self.overlap else 'after'}-{'tiered' if self.tiering else 'kept'}-" \
@@ -142,7 +145,7 @@ def plain(script: str, wrap=lambda m: m, rank: int = 0) -> Outcome:
 
 def check(outcome: Outcome, reference: Outcome, cell: Cell) -> None:
     if cell.refused:
-        assert outcome.refused == STALE_PLAN, f"{cell}: overlapped updates with clipping must be refused"
+        assert outcome.refused == STALE_PLAN, f"{cell}: updates in backward with clipping must be refused"
         return
     assert outcome.refused is None
     assert_close(torch.tensor(outcome.losses), torch.tensor(reference.losses), msg=f"{cell}: losses")
