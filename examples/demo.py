@@ -98,7 +98,7 @@ def main() -> None:
     table = Table(title="hetero demo: examples/train_gpt.py", title_justify="left", show_header=False)
     table.add_row("steps", str(steps))
     table.add_row("default plan", next((line.removeprefix("hetero: ") for line in as_planned.stderr.splitlines()
-                                        if line.startswith("hetero: dram peak")), "(no memory line)"))
+                                        if line.startswith("hetero: ") and "dram peak" in line), "(no memory line)"))
     table.add_row("final loss", f"{loss_hetero:.4f} under the forced plan, {last_step(as_planned.stdout)[1]:.4f} "
                                 f"under the default plan, {loss_plain:.4f} plain PyTorch")
     ratio = statistics.median(times_hetero) / statistics.median(times_plain)

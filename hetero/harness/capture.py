@@ -291,7 +291,7 @@ def offloadable(optimizer: torch.optim.Optimizer, model: nn.Module) -> str | Non
         return f"{type(optimizer).__name__} is not Adam or AdamW"
     if sharded(model):
         return (f"the model's parameters are sharded across ranks (FSDP2's fully_shard): hetero's Adam places whole "
-                f"parameters, so the {type(optimizer).__name__} steps the shards as the script built it")
+                f"parameters, while the {type(optimizer).__name__} steps the shards")
     mine = {id(p) for p in model.parameters()}
     outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
     if outside:  # the plan places states by the model's parameter names

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hetero.harness import hooks
-from hetero.harness.layers import repeated_blocks, tensors, unique_storages
+from hetero.harness.layers import repeated_blocks, sharded, tensors, unique_storages
 from hetero.profile.dha import RootInputs
 from hetero.schema.profile import Block
 
@@ -30,6 +30,8 @@ SIDE_EFFECTS = "its forward changes its buffers (e.g. BatchNorm's running statis
 RANDOMNESS = "its forward, run again from the same RNG state on the same inputs, gave another output (randomness " \
              "checkpointing cannot replay, e.g. a generator of its own)"
 NOT_RUN = "the model's last training call did not reach it"
+SHARDED = "FSDP2 shards the model's parameters: its forward cannot be run again on one rank to check it (its " \
+          "all-gathers need every rank)"
 
 
 @dataclass(slots=True)
@@ -58,8 +60,9 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
         return []
     inputs.close()
     blocks = repeated_blocks(model)
-    if inputs.call is None:
-        return [Block(name=name, input_bytes=0, recomputable=False, why=NOT_RUN) for name, _ in blocks]
+    if inputs.call is None or sharded(model):
+        why = SHARDED if sharded(model) else NOT_RUN
+        return [Block(name=name, input_bytes=0, recomputable=False, why=why) for name, _ in blocks]
     seen: dict[str, _Seen] = {name: _Seen() for name, _ in blocks}
     handles = []
     for name, module in blocks:
@@ -73,13 +76,19 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
     except _AllChecked:
         pass
     except Exception as e:  # the script changed what its last call took (in place), or its model cannot run again
-        why = f"the check's forward of the model's last call failed ({type(e).__name__}: {str(e)[:120]})"
+        why = f"the check's forward of the model's last call failed ({type(e).__name__}: {_gist(e)})"
         return [Block(name=name, input_bytes=s.input_bytes, recomputable=False, why=why) for name, s in seen.items()]
     finally:
         for handle in handles:
             handle.remove()
     return [Block(name=name, input_bytes=s.input_bytes, recomputable=s.done and s.why is None,
                   why=s.why if s.done else NOT_RUN) for name, s in seen.items()]
+
+
+def _gist(error: Exception, most: int = 160) -> str:
+    """An error's message in one line of at most about `most` characters, cut between words."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= most else text[:most].rsplit(" ", 1)[0] + " ..."
 
 
 class _AllChecked(Exception):

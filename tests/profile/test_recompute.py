@@ -72,6 +72,15 @@ def test_a_last_call_that_cannot_run_again_leaves_every_block_not_recomputable()
     inputs.call = ((torch.randn(4, 3),), {})  # as if the script had changed its input in place since
     blocks = recompute.check(model, inputs)
     assert not any(b.recomputable for b in blocks) and blocks[0].why.startswith("the check's forward of the model's")
+    long = "the input has another shape than the one this block was built for, " * 5
+
+    def refuse(x):
+        raise ValueError(long)
+
+    model.blocks[0].forward = refuse  # a long error: cut between words
+    why = recompute.check(model, inputs)[0].why
+    message = why.split(": ", 1)[1].removesuffix(" ...)")
+    assert why.endswith(" ...)") and len(why) < 260 and long.startswith(message + " ")
 
 
 def test_the_check_stops_after_the_last_block_the_head_never_runs_again():
