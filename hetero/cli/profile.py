@@ -105,16 +105,21 @@ def _alone(result, options, output: Path, as_json: bool, script: str, args: list
 
 @contextlib.contextmanager
 def _progress(phases=None):
-    """A progress bar per phase on stderr; silent when stderr is not a terminal. Each phase also goes to `phases`
-    (hetero.launch.guard), where a memory limit could kill the profile."""
+    """A progress bar per phase on stderr; where stderr is no terminal (a log, `make demo`), a line as each phase
+    starts and as it ends. Each phase also goes to `phases` (hetero.launch.guard), where a memory limit could kill
+    the profile."""
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, disable=not err.is_terminal, transient=True) as bar:
         tasks: dict[str, int] = {}
+        ended: set[str] = set()
 
         def report(phase: str, done: int, total: int) -> None:
             if phases is not None:
                 phases.reached(phase, done, total)
+            if not err.is_terminal and (phase not in tasks or (done == total and phase not in ended)):
+                print(f"hetero profile: {phase} {done}/{total}", file=sys.stderr, flush=True)
+                ended.update([phase] if done == total else [])
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], completed=done, total=total)

@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils import clip_grad
 
 from hetero.cli.main import main
-from hetero.profile import conservative, machine, returned
+from hetero.profile import conservative, machine, phases, returned
 from hetero.run import process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
@@ -75,6 +75,8 @@ def test_json_goes_to_stdout_and_the_scripts_output_to_stderr(tmp_path, capfd, b
     out, err = capfd.readouterr()
     assert json.loads(out)["layers"][0]["name"] == "body.0"
     assert "finished" not in out
+    # no terminal: each phase said as it starts and ends
+    assert f"{phases.WARMUP} 1/1" in err and f"{phases.MEASURED} 0/1" not in err and f"{phases.MEASURED} 1/1" in err
 
 
 def test_a_crashing_script_exits_1_with_its_own_traceback(tmp_path, capfd):
