@@ -1,2 +1,2 @@
-"""The hot code: fused CPU Adam(W) over flat buffers, and later DHA mapping and GPU kernels. Each kernel has a
-reference implementation it is tested against."""
+"""The hot code: fused CPU Adam(W) over flat buffers, and the DHA mapping with the GPU devices it drives. Each
+kernel has a reference implementation it is tested against."""

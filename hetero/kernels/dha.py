@@ -1,5 +1,6 @@
 """Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU device the
-shadow model and the optimizer's gradient copies drive (hetero.kernels.standin stands in for it in the tests).
+shadow model and the optimizer's gradient copies drive, found through `devices` (the one seam through which
+another implementation of `Devices` and `Device`, such as the tests' CPU stand-in, takes the GPU's place).
 Memory is handled as flat bytes; `carve` views a parameter in them.
 
 The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
@@ -340,8 +341,24 @@ class CudaDevices:
         return not t.is_cuda
 
 
-# Where the GPU code paths find their devices; the tests put hetero.kernels.standin.StandInDevices here.
-devices: CudaDevices = CudaDevices()
+class Devices(Protocol):
+    """The devices of this process, as the GPU code paths find them through `devices`."""
+
+    kind: str
+
+    def check(self) -> None:
+        """Raise a HeteroError where there is no device to run on."""
+
+    def of(self, t: torch.Tensor) -> Device | None:
+        """The device holding tensor `t`, None for a host one."""
+
+    def for_model(self, model: torch.nn.Module) -> Device:
+        """The device the model's parameters are on (the current one while they are still on the host)."""
+
+
+# Where the GPU code paths find their devices: this process's GPUs, unless something else was put here (the tests
+# put a CPU stand-in, so that these paths run without a GPU).
+devices: Devices = CudaDevices()
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

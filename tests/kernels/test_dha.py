@@ -7,7 +7,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hetero.kernels.dha import carve, map_host, offsets, pinned_host, same_memory
-from hetero.kernels.standin import StandInDevice
+from tests.standin import StandInDevice
 
 MiB = 2**20
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetero.kernels.standin import COMPUTE, D2H, StandInDevice, StandInDevices, strict_parameters
+from tests.standin import COMPUTE, D2H, StandInDevice, StandInDevices, strict_parameters
 
 
 def test_a_download_waits_for_a_compute_event_and_poisons_until_synchronized():

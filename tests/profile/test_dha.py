@@ -10,10 +10,10 @@ from torch import nn
 
 from hetero.harness.layer_timing import CpuClock
 from hetero.harness.layers import select_layers
-from hetero.kernels.standin import StandInDevice
 from hetero.profile.dha import FIELDS, RootInputs, measure_layers, unmeasured
 from hetero.schema.profile import Layer
 from tests.conftest import REPO
+from tests.standin import StandInDevice
 
 
 class Fragile(nn.Linear):

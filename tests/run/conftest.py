@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hetero.kernels import dha
-from hetero.kernels.standin import StandInDevice, StandInDevices, strict_parameters
+from tests.standin import StandInDevice, StandInDevices, strict_parameters
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from hetero.kernels.standin import COMPUTE, D2H
 from hetero.run.runtime import Runtime
 from hetero.run.states import GradientSource
 from tests.run.plans import optimizer_plan
 from tests.run.test_shadow import STEPS, compare, gpt, layer_plan, shadow_of, train
+from tests.standin import COMPUTE, D2H
 
 
 def run_plan(device: str, overlap: bool, grad: str = "gpu", model=None):

@@ -10,9 +10,9 @@ from torch import nn
 from torch.testing import assert_close
 
 from hetero.kernels.dha import CudaDevice, same_memory
-from hetero.kernels.standin import StandInDevice
 from hetero.run.grad_offload import HostGrads, LinearToHost
 from tests.run.test_shadow import TINY, batch, gpt
+from tests.standin import StandInDevice
 
 
 def backward(model: nn.Module, micro: int = 0, device: str = "cpu") -> None:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.harness.saved_tensors import Chain
-from hetero.kernels.standin import StandInDevice
 from hetero.run import shadow, tiering
 from hetero.run.devices.evictions import Record, Worker
 from hetero.run.grad_offload import HostGrads
@@ -30,6 +29,7 @@ from hetero.run.states import Driver
 from hetero.run.tiering import ActivationTiering
 from tests.run.test_shadow import batch, gpt, layer_plan
 from tests.run.test_tiering import tiering_plan
+from tests.standin import StandInDevice
 from tests.waits import until
 
 WARM, MEASURED = 2, 2
@@ -204,7 +204,7 @@ if __name__ == "__main__":  # the table in docs/benchmarks.md
     import pytest
 
     from hetero.kernels import dha
-    from hetero.kernels.standin import StandInDevices, strict_parameters
+    from tests.standin import StandInDevices, strict_parameters
 
     devices = StandInDevices()
     with pytest.MonkeyPatch.context() as mp, strict_parameters(devices), tempfile.TemporaryDirectory() as tmp:

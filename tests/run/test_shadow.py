@@ -19,12 +19,12 @@ from hetero.errors import INVALID_FILE, STALE_PLAN, HeteroError
 from hetero.harness.layers import select_layers
 from hetero.harness.script import StopScript
 from hetero.kernels.dha import same_memory
-from hetero.kernels.standin import StandInDevice
 from hetero.run.runtime import Runtime
 from hetero.run.shadow import ShadowModel
 from hetero.run.shadow_layout import schedule
 from hetero.schema.plan import LayerPlan, Plan
 from tests.run.plans import optimizer_plan
+from tests.standin import StandInDevice
 
 STEPS = 10
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"

@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hetero.kernels import dha
-from hetero.kernels.standin import StandInDevices, strict_parameters
 from hetero.run.runtime import Runtime
 from tests.run.test_routing import routed_plan
 from tests.run.test_shadow import batch, compare, gpt, layer_plan
+from tests.standin import StandInDevices, strict_parameters
 
 STEPS = 4
 WORLD = 2

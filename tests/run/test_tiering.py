@@ -353,7 +353,7 @@ def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
     """GPU memory tiered to pinned host memory, through the stand-in's strict streams: training equals plain; every
     device buffer of the steps (fetched activations, partial evictions' kept tails) is allocated on the compute stream
     by the thread running the model, side streams only copy, and no buffer is freed while a copy still uses it."""
-    from hetero.kernels.standin import COMPUTE, PREFETCH
+    from tests.standin import COMPUTE, PREFETCH
 
     ref_model, model = tiny_gpt(), tiny_gpt()
     ref = train(ref_model, "gpt", steps=4)

@@ -12,13 +12,13 @@ import torch
 
 from hetero.errors import HeteroError
 from hetero.kernels.dha import pinned_host
-from hetero.kernels.standin import StandInDevice
 from hetero.run.devices.evictions import Worker
 from hetero.run.devices.host_pool import HostPool, PinnedTier, size_class
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier, open_tier
 from hetero.run.devices.workdir import LOCK, host
 from hetero.schema.plan import ActivationPlan
+from tests.standin import StandInDevice
 
 
 def plan(**kw) -> ActivationPlan:
@@ -173,8 +173,8 @@ def round_trip(tier: PinnedTier, data: torch.Tensor, evict_bytes: int) -> torch.
 def test_pinned_tier_round_trip_on_the_stand_in(below, tmp_path):
     """Partial eviction and back through the stand-in's strict streams: exact bytes; every device buffer made on
     the compute stream by this (the model's) thread, side streams only copying."""
-    from hetero.kernels.standin import COMPUTE, D2H, PREFETCH
     from hetero.run.devices.nvme import NvmeStore
+    from tests.standin import COMPUTE, D2H, PREFETCH
 
     device = StandInDevice()
     tier = PinnedTier("dram", device, NvmeStore(tmp_path / "nvme") if below else None)

@@ -1,4 +1,6 @@
 """The CPU standing in for CUDA devices, so that the GPU code paths run (and fail where a GPU would) on any machine.
+A test device, not part of hetero: tests install it through hetero.kernels.dha's one seam, `dha.devices` (the
+`stand_ins` fixture of tests/run/conftest.py), or hand a `StandInDevice` to what takes a device.
 
 `StandInDevice` implements hetero.kernels.dha's `Device` contract with CUDA's ordering rules made strict:
 - Streams: compute work runs when issued; the copy stream (H2D), the D2H stream and the prefetch stream (H2D for
@@ -335,7 +337,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class StandInDevices:
-    """Stand-in `cuda:0` and `cuda:1` for hetero.kernels.dha's `devices` (see the module's docstring)."""
+    """Stand-in `cuda:0` and `cuda:1`, hetero.kernels.dha's `Devices` contract (see the module's docstring)."""
 
     kind = "stand-in"
 
