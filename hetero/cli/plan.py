@@ -16,7 +16,7 @@ from hetero.plan.solve import PlanOptions
 from hetero.plan.solve import plan as solve
 from hetero.report.retime import retime
 from hetero.schema import files
-from hetero.schema.plan import ActivationPrediction, Plan
+from hetero.schema.plan import ActivationPrediction, LayerGrad, LayerMode, Plan
 from hetero.schema.profile import Profile
 from hetero.schema.sources import written_profile_path
 from hetero.units import SIZE, TIME
@@ -133,8 +133,8 @@ def _summary(profile: Profile, out: Plan, path: Path) -> None:
         table.add_row("recompute", f"{len(out.recompute.blocks)} blocks recomputed in backward "
                                    f"({', '.join(out.recompute.blocks)})")
     if out.layers:
-        modes = {m: sum(x.mode == m for x in out.layers) for m in ("gfgb", "dha", "dfgb")}
-        host = sum(x.grad == "host" for x in out.layers)
+        modes = {m: sum(x.mode == m for x in out.layers) for m in LayerMode.ALL}
+        host = sum(x.grad == LayerGrad.HOST for x in out.layers)
         table.add_row("layers", ", ".join(f"{n} {m}" for m, n in modes.items()) + f"; {host} write gradients to host")
     if out.optimizer:
         spill = f", {SIZE.format_short(out.optimizer.nvme.size_bytes)} on NVMe" if out.optimizer.nvme else ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.schema.plan import LayerPlan, Plan
+from hetero.schema.plan import LayerGrad, LayerMode, LayerPlan, Plan
 from hetero.schema.profile import Layer, Profile
 from hetero.schema.run import Run, RunLayer
 
@@ -42,11 +42,11 @@ def measured_profile(profile: Profile, plan: Plan, run: Run) -> Profile:
 
 
 def _layer(x: Layer, m: RunLayer, entry: LayerPlan | None) -> Layer:
-    mode, grad = (entry.mode, entry.grad) if entry is not None else ("gfgb", "gpu")
-    fp = {"fp_s": m.fp_s} if mode == "gfgb" else {"fp_dha_s": m.fp_s}
-    if grad == "host":
-        bp = {"bp_grad_host_s": m.bp_s} if mode != "dha" else {}  # DHA and host gradients at once: not a mode's time
+    mode, grad = (entry.mode, entry.grad) if entry is not None else (LayerMode.GFGB, LayerGrad.GPU)
+    fp = {"fp_s": m.fp_s} if mode == LayerMode.GFGB else {"fp_dha_s": m.fp_s}
+    if grad == LayerGrad.HOST:  # DHA and host gradients at once: not a mode's time
+        bp = {"bp_grad_host_s": m.bp_s} if mode != LayerMode.DHA else {}
     else:
-        bp = {"bp_dha_s": m.bp_s} if mode == "dha" else {"bp_s": m.bp_s}
+        bp = {"bp_dha_s": m.bp_s} if mode == LayerMode.DHA else {"bp_s": m.bp_s}
     saved = {"saved_bytes": m.saved_bytes} if m.saved_bytes is not None else {}
     return replace(x, fp_end_s=m.fp_end_s, bp_start_s=m.bp_start_s, **fp, **bp, **saved)

@@ -8,7 +8,9 @@ from collections.abc import Callable
 from hetero.plan import gradient_offload, memferry, memferry_solve
 from hetero.plan.context import Context
 from hetero.plan.model import Choices, Costs
-from hetero.schema.plan import LayerPlan, Plan
+from hetero.schema.plan import LayerGrad, LayerMode, LayerPlan, Mode, Plan
+
+_LEAST_FIRST = (LayerMode.DHA, LayerMode.DFGB, LayerMode.GFGB)  # by what a layer holds on the GPU, least first
 
 
 def layer_modes(ctx: Context, draft: Plan, kept: dict[str, LayerPlan], build: Callable[[Plan], tuple[Costs, Choices]],
@@ -24,7 +26,7 @@ def layer_modes(ctx: Context, draft: Plan, kept: dict[str, LayerPlan], build: Ca
                                        gain_s=None if c.bp_grad_host_s is None else c.bp_grad_host_s - c.bp_s)
              for c in costs.layers]
     go = gradient_offload.offload(items, reserve)
-    template.grads = ["gpu" if keep else "host" for keep in go.keep]
+    template.grads = [LayerGrad.GPU if keep else LayerGrad.HOST for keep in go.keep]
     fixed = {i: kept[x.name].mode for i, x in enumerate(layers) if x.name in kept}
     device = budget_bytes + ctx.gpu_device_bytes - ctx.gpu_budget_bytes  # the whole device, in the same terms
     chosen, why = memferry_solve.solve(costs, template, fixed, device, budget_bytes)
@@ -36,7 +38,7 @@ def layer_modes(ctx: Context, draft: Plan, kept: dict[str, LayerPlan], build: Ca
             for i, x in enumerate(layers)]
 
 
-def _fewest_bytes(costs: Costs, template: Choices, fixed: dict[int, str]) -> memferry_solve.Evaluated:
-    modes = [fixed.get(i, next(m for m in ("dha", "dfgb", "gfgb") if m in memferry.allowed_modes(c)))
+def _fewest_bytes(costs: Costs, template: Choices, fixed: dict[int, Mode]) -> memferry_solve.Evaluated:
+    modes = [fixed.get(i, next(m for m in _LEAST_FIRST if m in memferry.allowed_modes(c)))
              for i, c in enumerate(costs.layers)]
     return memferry_solve.evaluate(costs, template, modes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.errors import USAGE, HeteroError
+from hetero.schema.plan import GradPlace, LayerGrad
 from hetero.units import SIZE, TIME
 
 DP_CELL_UPDATES = 300_000  # table size the DP may fill (~0.1 s); a finer grid for models with fewer layers
@@ -24,7 +25,7 @@ class GradItem:
     name: str
     size_bytes: int
     gain_s: float | None  # T_GBP - T_CBP; None: no host-write timing, the gradient stays on the GPU
-    pinned: str | None = None  # `gpu` or `host` when the user pinned the entry
+    pinned: GradPlace | None = None  # where the user pinned the entry's gradient; None: not pinned
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +53,7 @@ def offload(items: list[GradItem], reserve: float) -> Offload:
     grid = grid_bytes(total, len(items))
     capacity = int(reserve * total)
     cells = [-(-it.size_bytes // grid) for it in items]
-    forced = [k for k, it in enumerate(items) if it.size_bytes and (it.pinned == "gpu" or
+    forced = [k for k, it in enumerate(items) if it.size_bytes and (it.pinned == LayerGrad.GPU or
                                                                      (it.pinned is None and it.gain_s is None))]
     candidates = [k for k, it in enumerate(items) if it.size_bytes and it.pinned is None and it.gain_s is not None
                   and it.gain_s >= 0]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from hetero.plan.model import GPU, Choices, Costs, LayerCosts
 from hetero.plan.simulate import Result, simulate
+from hetero.schema.plan import GradPlace, LayerMode, Mode
 from hetero.units import SIZE, short_time
 
 _EPS = 1e-12  # a change must beat float noise to count as an improvement
@@ -20,7 +21,7 @@ from hetero.plan.memferry import MODES, allowed_modes, choose_dfgb, forward_mode
 
 @dataclass(kw_only=True, slots=True)
 class Evaluated:
-    modes: list[str]
+    modes: list[Mode]
     result: Result
 
     @property
@@ -32,21 +33,21 @@ class Evaluated:
         return self.result.peak_bytes.get(GPU, 0)
 
 
-def evaluate(costs: Costs, template: Choices, modes: list[str]) -> Evaluated:
+def evaluate(costs: Costs, template: Choices, modes: list[Mode]) -> Evaluated:
     return Evaluated(modes=modes, result=simulate(costs, replace(template, modes=modes), detail=False))
 
 
-Memo = dict[tuple[str, ...], Evaluated]  # one `solve`'s simulations by modes: its searches meet the same plans often
+Memo = dict[tuple[Mode, ...], Evaluated]  # one `solve`'s simulations by modes: its searches meet the same plans often
 
 
-def _evaluated(costs: Costs, template: Choices, modes: list[str], memo: Memo) -> Evaluated:
+def _evaluated(costs: Costs, template: Choices, modes: list[Mode], memo: Memo) -> Evaluated:
     key = tuple(modes)
     if key not in memo:
         memo[key] = evaluate(costs, template, modes)
     return memo[key]
 
 
-def bound_s(costs: Costs, template: Choices, modes: list[str]) -> float:
+def bound_s(costs: Costs, template: Choices, modes: list[Mode]) -> float:
     """A lower bound on the simulated iteration: the compute lane's own work, as if nothing ever waited."""
     own = sum(_own_s(layer, modes[i], template.grads[i], costs.has_gpu and not template.params_on_gpu)
               for i, layer in enumerate(costs.layers))
@@ -55,14 +56,14 @@ def bound_s(costs: Costs, template: Choices, modes: list[str]) -> float:
     return own + gaps + updates + template.step_s + costs.tail_s
 
 
-def _own_s(layer: LayerCosts, mode: str, grad: str, modes_apply: bool) -> float:
+def _own_s(layer: LayerCosts, mode: Mode, grad: GradPlace, modes_apply: bool) -> float:
     if not modes_apply:
-        return layer.fp_s + layer.bp_time_s("gfgb", grad)
-    return (layer.fp_s if mode == "gfgb" else layer.fp_dha_s) + layer.bp_time_s(mode, grad)
+        return layer.fp_s + layer.bp_time_s(LayerMode.GFGB, grad)
+    return (layer.fp_s if mode == LayerMode.GFGB else layer.fp_dha_s) + layer.bp_time_s(mode, grad)
 
 
-def local_search(costs: Costs, template: Choices, start: Evaluated, fixed: dict[int, str], budget_bytes: int,
-                 allowed: tuple[str, ...] = MODES, max_evals: int | None = None, pairs: bool = True,
+def local_search(costs: Costs, template: Choices, start: Evaluated, fixed: dict[int, Mode], budget_bytes: int,
+                 allowed: tuple[Mode, ...] = MODES, max_evals: int | None = None, pairs: bool = True,
                  memo: Memo | None = None) -> Evaluated:
     """First-improvement hill climbing by simulated iteration time within the GPU budget: one layer's mode at a time,
     then (on small models) two layers' at once. Large layers are tried first; a change whose compute alone cannot
@@ -84,7 +85,7 @@ def local_search(costs: Costs, template: Choices, start: Evaluated, fixed: dict[
 class _Search:
     costs: Costs
     template: Choices
-    allowed: tuple[str, ...]
+    allowed: tuple[Mode, ...]
     budget_bytes: int
     evals: int
     best: Evaluated
@@ -115,8 +116,8 @@ class _Search:
         return False
 
 
-def fit_budget(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, str], budget_bytes: int,
-               allowed: tuple[str, ...] = MODES, memo: Memo | None = None) -> Evaluated | None:
+def fit_budget(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, Mode], budget_bytes: int,
+               allowed: tuple[Mode, ...] = MODES, memo: Memo | None = None) -> Evaluated | None:
     """The fastest plan within `budget_bytes` among a family of plans that does not depend on the budget: a chain
     that demotes GPU-resident layers to DHA one at a time, cheapest slowdown per byte first, and (on small models)
     a local search within each of _LEVELS memory levels spread over the chain, from the chain's plan below it.
@@ -134,20 +135,21 @@ def fit_budget(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int
     return chosen
 
 
-def _family(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, str], allowed: tuple[str, ...],
+def _family(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, Mode], allowed: tuple[Mode, ...],
             memo: Memo):
     """The family's plans, lazily: evaluated, or (modes, lower bound) for a big model's chain, which is sampled at
     most _CHAIN_POINTS times."""
     layers = costs.layers
-    movable = [i for i, m in enumerate(best.modes) if m != "dha" and i not in fixed
-               and "dha" in allowed_modes(layers[i], allowed)]
+    movable = [i for i, m in enumerate(best.modes) if m != LayerMode.DHA and i not in fixed
+               and LayerMode.DHA in allowed_modes(layers[i], allowed)]
     movable.sort(key=lambda i: (_demotion_cost_s(layers[i], best.modes[i]) / layers[i].params_bytes, i))
     chain, bounds = [best.modes], [bound_s(costs, template, best.modes)]
     for i in movable:
         prev = chain[-1]
-        chain.append([*prev[:i], "dha", *prev[i + 1:]])
+        chain.append([*prev[:i], LayerMode.DHA, *prev[i + 1:]])
         grad = template.grads[i]
-        bounds.append(bounds[-1] - _own_s(layers[i], prev[i], grad, True) + _own_s(layers[i], "dha", grad, True))
+        bounds.append(bounds[-1] - _own_s(layers[i], prev[i], grad, True)
+                      + _own_s(layers[i], LayerMode.DHA, grad, True))
     yield best
     if len(layers) > _PAIRS_UP_TO:
         step = max(1, -(-len(chain) // _CHAIN_POINTS))
@@ -162,13 +164,13 @@ def _family(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int, s
             yield local_search(costs, template, start, fixed, level, allowed, memo=memo)
 
 
-def _demotion_cost_s(layer: LayerCosts, mode: str) -> float:
+def _demotion_cost_s(layer: LayerCosts, mode: Mode) -> float:
     backward = max(0.0, layer.bp_dha_s - layer.bp_s)
-    return backward if mode == "dfgb" else backward + max(0.0, layer.fp_dha_s - layer.fp_s)
+    return backward if mode == LayerMode.DFGB else backward + max(0.0, layer.fp_dha_s - layer.fp_s)
 
 
-def exhaustive(costs: Costs, template: Choices, budget_bytes: int, allowed: tuple[str, ...] = MODES,
-               fixed: dict[int, str] | None = None) -> Evaluated | None:
+def exhaustive(costs: Costs, template: Choices, budget_bytes: int, allowed: tuple[Mode, ...] = MODES,
+               fixed: dict[int, Mode] | None = None) -> Evaluated | None:
     """The optimum over every combination of modes (3^L plans): for measuring the heuristics on small models."""
     fixed = fixed or {}
     options = [(fixed[i],) if i in fixed else allowed_modes(layer, allowed) for i, layer in enumerate(costs.layers)]
@@ -180,8 +182,8 @@ def exhaustive(costs: Costs, template: Choices, budget_bytes: int, allowed: tupl
     return best
 
 
-def solve(costs: Costs, template: Choices, fixed: dict[int, str], device_bytes: int, budget_bytes: int,
-          allowed: tuple[str, ...] = MODES) -> tuple[Evaluated | None, list[str]]:
+def solve(costs: Costs, template: Choices, fixed: dict[int, Mode], device_bytes: int, budget_bytes: int,
+          allowed: tuple[Mode, ...] = MODES) -> tuple[Evaluated | None, list[str]]:
     """Alg. 1, then greedy DFGB; local search from that plan and from uniform ones (all GFGB, all DFGB) within the
     whole device, then the budget chain. Returns the chosen plan (None when nothing fits `budget_bytes`) and a
     `why` per layer."""
@@ -190,8 +192,8 @@ def solve(costs: Costs, template: Choices, fixed: dict[int, str], device_bytes: 
     first = _evaluated(costs, template, alg1.modes, memo)
     dfgb = choose_dfgb(costs, alg1.modes, first.result, device_bytes - first.gpu_bytes, fixed, allowed)
     paper = _evaluated(costs, template, dfgb.modes, memo)
-    uniform = ([fixed.get(i, mode if mode in allowed_modes(x, allowed) else "gfgb") for i, x in enumerate(costs.layers)]
-               for mode in ("gfgb", "dfgb"))
+    uniform = ([fixed.get(i, mode if mode in allowed_modes(x, allowed) else LayerMode.GFGB)
+                for i, x in enumerate(costs.layers)] for mode in (LayerMode.GFGB, LayerMode.DFGB))
     starts = [paper] + [_evaluated(costs, template, modes, memo) for modes in uniform]
     if len(costs.layers) > _PAIRS_UP_TO:  # big models: one search, from the best start
         starts = [min(starts, key=lambda e: (e.gpu_bytes > device_bytes, e.time_s))]

@@ -8,6 +8,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from hetero.errors import USAGE, HeteroError
+from hetero.schema.plan import GradPlace, LayerGrad, LayerMode, Mode
 from hetero.schema.profile import CurvePoint, Profile
 
 GPU = "gpu"  # the key of GPU memory in `predicted.peak` and the fast tier of activations on a GPU
@@ -143,11 +144,11 @@ class LayerCosts:
     bp_gap_s: float  # compute between the previous backward layer and this one
     tensors: int = 1  # parameter tensors it owns: the optimizer's and the gradient hooks' unit of work
 
-    def bp_time_s(self, mode: str, grad: str) -> float:
+    def bp_time_s(self, mode: Mode, grad: GradPlace) -> float:
         """Backward time by parameter and gradient place. A DHA layer writing host gradients is not measured:
         both slowdowns are added, since they load different directions of the link."""
-        on_gpu = self.bp_s if mode != "dha" else self.bp_dha_s
-        if grad == "host":
+        on_gpu = self.bp_s if mode != LayerMode.DHA else self.bp_dha_s
+        if grad == LayerGrad.HOST:
             return on_gpu + (self.bp_grad_host_s - self.bp_s)
         return on_gpu
 
@@ -246,8 +247,8 @@ class Update:
 class Choices:
     """Everything a plan decides, in the simulator's terms (index = layer)."""
 
-    modes: list[str]
-    grads: list[str]
+    modes: list[Mode]
+    grads: list[GradPlace]
     evict_bytes: list[int]
     trigger: list[int | None]  # the layer whose backward start triggers the prefetch; None: by time
     prefetch_at_s: list[float]
@@ -295,9 +296,9 @@ def host_time_s(costs: Costs, ch: Choices) -> tuple[list[float], list[float]]:
             bp[i] += saved * w.saved_tensor_s / 2
         if shadow and x.params_bytes:
             mode = ch.modes[i]
-            fp[i] += (w.hook_pair_s / 2 + w.event_s) if mode != "dha" else 0.0
-            bp[i] += (w.hook_pair_s / 2 + w.event_s) if mode == "dfgb" else 0.0
+            fp[i] += (w.hook_pair_s / 2 + w.event_s) if mode != LayerMode.DHA else 0.0
+            bp[i] += (w.hook_pair_s / 2 + w.event_s) if mode == LayerMode.DFGB else 0.0
         if ch.grads_to_host and x.params_bytes:
             bp[i] += x.tensors * (w.hook_pair_s / 2 + w.event_s)
-            bp[i] += x.tensors * w.hook_pair_s if ch.grads[i] == "host" else 0.0
+            bp[i] += x.tensors * w.hook_pair_s if ch.grads[i] == LayerGrad.HOST else 0.0
     return fp, bp

@@ -15,7 +15,7 @@ from __future__ import annotations
 from hetero.plan.backward import Held, peak_bytes
 from hetero.plan.model import GPU
 from hetero.plan.simulate import Result
-from hetero.schema.plan import Plan
+from hetero.schema.plan import LayerGrad, LayerMode, Plan
 from hetero.schema.profile import Profile
 
 PLAIN_MEASURED = "plain training (measured reserved peak)"
@@ -50,8 +50,8 @@ def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result
         out[HETERO_STATES] = hetero_states_bytes
     offloaded = opt is not None and opt.device != "gpu"
     by_name = {x.name: x.params_bytes for x in profile.layers}
-    out[PARAMS] = -sum(by_name.get(e.name, 0) for e in plan.layers if e.mode == "dha") if offloaded else 0
-    host = {e.name for e in plan.layers if e.grad == "host"} if offloaded else set()
+    out[PARAMS] = -sum(by_name.get(e.name, 0) for e in plan.layers if e.mode == LayerMode.DHA) if offloaded else 0
+    host = {e.name for e in plan.layers if e.grad == LayerGrad.HOST} if offloaded else set()
     out[GRADS] = backward_peak_bytes(profile, host) - backward_peak_bytes(profile, set())
     out[TRANSIENT_GRAD] = _transient_grad_bytes(profile, plan) if offloaded else 0
     fast_is_gpu = plan.activations is None or plan.activations.fast == GPU
@@ -70,7 +70,7 @@ def backward_peak_bytes(profile: Profile, host_grads: set[str]) -> int:
 def _transient_grad_bytes(profile: Profile, plan: Plan) -> int:
     """Backward writes a Linear layer's gradients into host memory itself (hetero.run.grad_offload); any other
     layer's host gradient is made on the GPU and copied down, one parameter at a time."""
-    host = {e.name for e in plan.layers if e.grad == "host"}
+    host = {e.name for e in plan.layers if e.grad == LayerGrad.HOST}
     return max((b for x in profile.layers if x.name in host and x.type != "Linear" for b in x.params.values()),
                default=0)
 

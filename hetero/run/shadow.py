@@ -56,7 +56,7 @@ from hetero.run.grad_offload import HostGrads
 from hetero.run.mechanism import Mechanism
 from hetero.run.shadow_layout import LayerStorage, schedule
 from hetero.run.torch_optim import ids, updates_any
-from hetero.schema.plan import LayerPlan, Plan
+from hetero.schema.plan import LayerMode, LayerPlan, Plan
 from hetero.schema.profile import ROOT_LAYER
 from hetero.units import SIZE
 
@@ -80,7 +80,7 @@ def shadow_model(config: ShadowConfig) -> ShadowModel | None:
     """The mechanism for the plan's `layers` section: none when every layer stays on the GPU (gfgb, grad gpu)
     under an optimizer that updates there."""
     if config.updated_on == "gpu":
-        moved = [e for e in config.layers if e.mode != "gfgb" or e.grad != "gpu"]
+        moved = [e for e in config.layers if not e.runs_plain()]
         if not moved:
             return None
         dha.devices.check()  # the refusal below is for a GPU machine; elsewhere, that there is none comes first
@@ -112,7 +112,7 @@ class LayerState:
     on_gpu: bool = False  # dfgb: the parameters point at the device copy
 
     def compute(self) -> torch.Tensor:
-        return self.gpu if self.spec.mode == "gfgb" else self.alias
+        return self.gpu if self.spec.mode == LayerMode.GFGB else self.alias
 
     def point(self, flat: torch.Tensor) -> None:
         for p, offset in zip(self.params, self.offsets):
@@ -137,7 +137,7 @@ def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> Lay
     with torch.no_grad():
         for p, offset in zip(params, where):
             carve(host, offset, p).copy_(p.detach())
-        gpu = device.buffer(total) if spec.mode != "dha" else None
+        gpu = device.buffer(total) if spec.mode != LayerMode.DHA else None
         if gpu is not None:
             gpu.copy_(host)
     st = LayerState(spec, params, where, host, device.alias(host), gpu,
@@ -181,7 +181,8 @@ class ShadowModel(Mechanism):
             self.grads = HostGrads(self.device, [(n, params[n]) for n in sched.host_grads()], model)
         self.handles += [hooks.forward(model, self._forward_done, always_call=True),
                          hooks.state_dict_pre(model, self._settle)]
-        self.views = {st.alias.data_ptr(): st for st in self.layers if st.spec.mode == "dfgb" and st.alias.numel()}
+        self.views = {st.alias.data_ptr(): st for st in self.layers
+                      if st.spec.mode == LayerMode.DFGB and st.alias.numel()}
         if self.views:
             chain.join(self, SHADOW)
             self.handles.append(hooks.forward_pre(model, self._forward_start, prepend=True))
@@ -189,9 +190,9 @@ class ShadowModel(Mechanism):
                 self._forward_start(model, ())
 
     def _hook(self, module: nn.Module, st: LayerState) -> None:
-        if st.spec.mode == "gfgb":
+        if st.spec.mode == LayerMode.GFGB:
             self.handles.append(hooks.forward_pre(module, partial(self._await_copy, st)))
-        elif st.spec.mode == "dfgb":
+        elif st.spec.mode == LayerMode.DFGB:
             self.handles.append(hooks.forward(module, partial(self._layer_done, st)))
 
     # -- inside a step ------------------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class ShadowModel(Mechanism):
         # once that layer is done. Only the copies that read host copies are waited for here.
         self._settle()
         for st in self.layers:
-            if st.on_gpu or st.spec.mode == "gfgb":
+            if st.on_gpu or st.spec.mode == LayerMode.GFGB:
                 st.point(st.alias)
             st.copied = st.on_gpu = False
 
@@ -270,12 +271,12 @@ class ShadowModel(Mechanism):
         if not self._ours(optimizer):
             return
         for st in self.layers:
-            if st.spec.mode == "gfgb":
+            if st.spec.mode == LayerMode.GFGB:
                 st.point(st.gpu)
         self.device.record_compute(self.boundary)
         self.device.copy_waits(self.boundary)  # the last step's kernels are done with the device buffers
         for st in self.layers:
-            if st.spec.mode == "gfgb":
+            if st.spec.mode == LayerMode.GFGB:
                 self.device.copy(st.gpu, st.host)
                 self.device.record_copy(st.ready)
         self.device.record_copy(self.copied)
@@ -313,7 +314,8 @@ class ShadowModel(Mechanism):
     def summary(self) -> list[str]:
         if not self.layers:
             return []
-        by_mode = {m: [st for st in self.layers if st.spec.mode == m] for m in ("dha", "gfgb", "dfgb")}
+        order = (LayerMode.DHA, LayerMode.GFGB, LayerMode.DFGB)
+        by_mode = {m: [st for st in self.layers if st.spec.mode == m] for m in order}
         size = lambda states: SIZE.format_short(sum(p.numel() * p.element_size()  # noqa: E731
                                                     for st in states for p in st.params))
         lines = [f"shadow model on {self.device.kind}: " + ", ".join(

@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.schema.plan import LayerPlan
+from hetero.schema.plan import GradPlace, LayerGrad, LayerMode, LayerPlan, Mode
 from hetero.schema.profile import ROOT_LAYER
 
 
 @dataclass(frozen=True, slots=True)
 class LayerStorage:
     name: str
-    mode: str  # gfgb | dha | dfgb
-    grad: str  # gpu | host
+    mode: Mode
+    grad: GradPlace
     params: tuple[str, ...]  # qualified names of the parameters this layer places
 
 
@@ -24,13 +24,13 @@ class Schedule:
 
     layers: tuple[LayerStorage, ...]
 
-    def storage(self) -> dict[str, str]:
+    def storage(self) -> dict[str, Mode]:
         """Each placed parameter's mode."""
         return {p: x.mode for x in self.layers for p in x.params}
 
     def copies_after_step(self) -> list[str]:
         """GFGB layers, in forward order: copied on the copy stream after the step, one event each."""
-        return [x.name for x in self.layers if x.mode == "gfgb"]
+        return [x.name for x in self.layers if x.mode == LayerMode.GFGB]
 
     def waits_before_forward(self) -> list[str]:
         """Layers whose forward waits for their own copy event."""
@@ -38,14 +38,14 @@ class Schedule:
 
     def copies_after_forward(self) -> list[str]:
         """DFGB layers, in backward order: copied at the model's forward end, each after its own forward ended."""
-        return [x.name for x in reversed(self.layers) if x.mode == "dfgb"]
+        return [x.name for x in reversed(self.layers) if x.mode == LayerMode.DFGB]
 
     def switches_before_backward(self) -> list[str]:
         """Layers whose storage switches from the host view to the device copy when their backward starts."""
-        return [x.name for x in self.layers if x.mode == "dfgb"]
+        return [x.name for x in self.layers if x.mode == LayerMode.DFGB]
 
     def host_grads(self) -> list[str]:
-        return [p for x in self.layers if x.grad == "host" for p in x.params]
+        return [p for x in self.layers if x.grad == LayerGrad.HOST for p in x.params]
 
 
 def schedule(entries: list[LayerPlan], modules: list[str], params: list[str]) -> Schedule:

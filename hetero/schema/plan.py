@@ -8,7 +8,7 @@ a `# why:` comment; entries marked `pinned: true` are kept as written when re-pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from hetero.schema.fields import MAX_CHANNELS, MAX_MICRO_BATCHES, MAX_RANK, doc, unique_names
 from hetero.schema.profile import Backend
@@ -19,6 +19,22 @@ GradPlace = Literal["gpu", "host"]
 OptimizerDevice = Literal["axdimm", "host", "gpu"]
 StateTier = Literal["axdimm", "nvme", "host", "gpu"]
 SECTIONS = ("layers", "optimizer", "activations", "routing")
+
+
+class LayerMode:
+    """The words of `Mode`, a named constant each, for code that sets or compares a layer's mode. Plain strings taken
+    from the `Literal`, not an `Enum`: every enumeration of the schema is a `Literal` of words, which the YAML
+    boundary, docs/plan-format.md and content hashes read as they are, so plan files keep their words."""
+
+    ALL: tuple[Mode, ...] = get_args(Mode)
+    GFGB, DHA, DFGB = ALL  # what each means: `LayerPlan.mode`
+
+
+class LayerGrad:
+    """The words of `GradPlace`, a named constant each (as `LayerMode`'s)."""
+
+    ALL: tuple[GradPlace, ...] = get_args(GradPlace)
+    GPU, HOST = ALL
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +81,10 @@ class LayerPlan:
     grad: GradPlace = doc("Where backward writes the layer's gradients: `gpu`, or `host` (pinned, GO-MemFerry).")
     pinned: bool = doc("Keep this entry as written when re-planning.", default=False)
     why: str = doc("The numbers behind the decision.", default="", comment=True)
+
+    def runs_plain(self) -> bool:
+        """Placed as plain training places it: parameters and gradients on the GPU."""
+        return self.mode == LayerMode.GFGB and self.grad == LayerGrad.GPU
 
 
 @dataclass(kw_only=True, slots=True)
@@ -303,7 +323,7 @@ class Plan:
     def runs_plain(self) -> bool:
         """Nothing to carry out: no section moves anything (layers all `gfgb` with gradients on the GPU, and an
         optimizer, if any, on the GPU: the script's own), and no budget to keep at run time."""
-        return (all(e.mode == "gfgb" and e.grad == "gpu" for e in self.layers)
+        return (all(e.runs_plain() for e in self.layers)
                 and (self.optimizer is None or self.optimizer.device == "gpu") and self.activations is None
                 and self.routing is None and self.allocator is None and self.update_in_backward is None
                 and self.recompute is None and self.budget.dram_budget_bytes is None

@@ -12,7 +12,7 @@ from hetero.plan import gpu_fit, gpu_layers, gradient_offload, plain
 from hetero.plan.context import Context
 from hetero.plan.model import LayerCosts
 from hetero.plan.section import Section, Step, Translation
-from hetero.schema.plan import LayerPlan, Plan
+from hetero.schema.plan import GradPlace, LayerGrad, LayerMode, LayerPlan, Mode, Plan
 from hetero.schema.profile import Profile
 
 NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA device"
@@ -69,18 +69,19 @@ def static_bytes(profile: Profile, _: Plan, host: str) -> dict[str, int]:
 def choose(t: Translation) -> dict[str, Any]:
     """Each layer's mode and gradient place as the plan's entries say (an entry naming no layer is ignored)."""
     n, gpu = len(t.costs.layers), t.profile.machine.gpu is not None
-    modes, grads = ["gfgb"] * n, ["gpu"] * n
+    modes, grads = [LayerMode.GFGB] * n, [LayerGrad.GPU] * n
     for e in t.plan.layers:
         if (i := t.index.get(e.name)) is not None:
             modes[i], grads[i] = _timed_mode(t.costs.layers[i], e, gpu)
     return dict(modes=modes, grads=grads)
 
 
-def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[str, str]:
+def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[Mode, GradPlace]:
     """A layer entry's mode and gradient place, refused where the profile has no timing for them (an edited plan
     can ask for DHA on a layer the profiler could not run from host memory)."""
-    unknown = gpu and ((e.mode != "gfgb" and layer.fp_dha_s is None) or (e.mode == "dha" and layer.bp_dha_s is None)
-                       or (e.grad == "host" and layer.bp_grad_host_s is None))
+    unknown = gpu and ((e.mode != LayerMode.GFGB and layer.fp_dha_s is None)
+                       or (e.mode == LayerMode.DHA and layer.bp_dha_s is None)
+                       or (e.grad == LayerGrad.HOST and layer.bp_grad_host_s is None))
     if unknown:
         raise HeteroError(f"layers.{e.name}: mode {e.mode} / grad {e.grad} needs DHA or host-gradient timings the "
                           f"profile does not have", hint=f"set `mode: gfgb, grad: gpu` for {e.name}, or re-profile",
