@@ -1,7 +1,7 @@
 """Every GPU result in one command (`make gpu-check`), sized for a rented GPU: within 8 minutes on one H100, each
 piece under its own limit in its own processes. Pieces: the `gpu` tests, the whole CPU suite on the GPU machine
 (CUDA present, so nothing of it may start CUDA), a model that fits (examples/train_gpt.py: plain against the default
-plan, which must be plain), a held-out LM end to end (bench/lm_heldout.py: plain, the default plan, and a plan for
+plan, which must be plain), a held-out LM end to end (bench/heldout_lm.py: plain, the default plan, and a plan for
 half of plain's reserved GPU peak run under that budget), and training beyond a GPU budget beside ZeRO-Offload-style
 and FSDP2 CPU offload (bench/gpu_offload.py). Everything each piece made (logs, profiles, plans, JUnit files) is
 kept in one folder (--artifacts; default $OUT where set), with the results section and the names of failing tests.
@@ -56,6 +56,10 @@ def pieces(python: str, work: Path) -> list[Piece]:
     """The pieces, in the order they run, their limits summing to TOTAL_S; `work` holds what they make."""
     gpt = ("examples/train_gpt.py", "--device", "cuda", "--n-layer", "8", "--n-embd", "512", "--n-head", "8",
            "--batch-size", "8", "--seq-len", "256", "--steps", "30", "--log-every", "15", "--weight-sum")
+    # 120M parameters with the head tied to the token embedding; no evaluation pass: the runs compare training
+    heldout = ("bench/heldout_lm.py", "--device", "cuda", "--tied", "--width", "1024", "--blocks", "8", "--heads",
+               "16", "--vocab", "16384", "--batch", "8", "--context", "512", "--steps", "30", "--log-every", "15",
+               "--eval-batches", "0", "--weight-sum")
     # -vv (the project's addopts say -q): each test's outcome as it ends, so a suite cut at its limit still names
     # what failed; 60 s a test, so one that hangs cannot eat the piece
     suite = (python, "-m", "pytest", "-vv", "-rfE", "--tb=short", "-o", "timeout=60", "-p", "no:cacheprovider",
@@ -72,7 +76,7 @@ def pieces(python: str, work: Path) -> list[Piece]:
               limit_s=85),  # a profile and four runs of 12-16 s each, CUDA's start included
         Piece("heldout", "A held-out LM end to end: plain, the default plan, and half of plain's reserved GPU peak",
               ((python, "bench/gpu_e2e.py", "--out", str(work / "heldout"), "--half", "--rounds", "1", "--timeout",
-                "50", "--", "bench/lm_heldout.py", "--steps", "30"),), limit_s=90),
+                "50", "--", *heldout),), limit_s=90),
         Piece("offload", "Beyond a GPU budget: plain, ZeRO-Offload-style, FSDP2 CPUOffloadPolicy, hetero",
               ((python, "bench/gpu_offload.py", "--only", "compare", "--n-layer", "14", "--steps", "6",
                 "--timeout", "70", "--keep", str(work / "offload")),), limit_s=100),

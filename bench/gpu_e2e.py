@@ -5,7 +5,8 @@ weight sum, torch's reserved and allocated peaks, the plan's predictions) and th
 everything it ran and read into --out. `--profile FILE` plans from FILE, an earlier profile of the script (another
 run's --out/profile.yaml), instead of running `hetero profile` again.
 
-    python bench/gpu_e2e.py --out /tmp/e2e --half -- bench/lm_heldout.py --steps 30
+    python bench/gpu_e2e.py --out /tmp/e2e --half -- bench/heldout_lm.py --device cuda --tied --width 1024 \\
+        --blocks 8 --heads 16 --vocab 16384 --batch 8 --context 512 --steps 30 --eval-batches 0 --weight-sum
     python bench/gpu_e2e.py --out /tmp/e2e -- examples/train_gpt.py --device cuda --n-layer 8 --n-embd 512 \\
         --n-head 8 --batch-size 8 --seq-len 256 --steps 40
 """

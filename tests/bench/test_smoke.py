@@ -45,12 +45,11 @@ SMOKES = [
            rf"torch AdamW fused +{NUMBER} +1\.00")),
     Smoke("plan.py", ("--layers", "20", "--repeats", "1"),
           (rf"plan\(\) on 20 layers: best {NUMBER} s", rf"`hetero plan` on 20 layers .*best {NUMBER} s")),
-    Smoke("heldout_lm.py", ("--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64", "--batch", "1",
-                            "--context", "16", "--steps", "2", "--eval-batches", "1", "--weight-sum"),
-          (rf"step +2 +loss {NUMBER}", rf"eval loss {NUMBER}", rf"weight sum {NUMBER}")),
-    Smoke("lm_heldout.py", ("--device", "cpu", "--width", "32", "--blocks", "1", "--heads", "2", "--vocab", "64",
-                            "--batch", "1", "--seq", "16", "--steps", "3"),
-          (rf"final loss {NUMBER}", rf"weight sum {NUMBER}", rf"steady {NUMBER} ms/step")),
+    Smoke("heldout_lm.py", ("--device", "cpu", "--tied", "--width", "32", "--blocks", "1", "--heads", "2", "--vocab",
+                            "64", "--batch", "1", "--context", "16", "--steps", "3", "--eval-batches", "1",
+                            "--weight-sum"),
+          (rf"step +3 +loss {NUMBER}", rf"eval loss {NUMBER}", rf"final loss {NUMBER}", rf"weight sum {NUMBER}",
+           rf"steady {NUMBER} ms/step")),
     Smoke("checksum.py", ("{tmp}", "--rounds", "1", "--params", "2000000"),
           (rf"read +checksums on *: wall +{NUMBER} ms", rf"write checksums off: wall +{NUMBER} ms",
            rf"zlib.crc32 alone, one thread: .* = {NUMBER} GB/s")),
@@ -106,7 +105,7 @@ SMOKES_BY = {s.script: s for s in SMOKES}
 
 def bench(name: str, *args: str, timeout: float = 240, temp: Path | None = None) -> subprocess.CompletedProcess:
     # One intra-op thread unless asked: these sizes gain nothing from a second, and on a shared machine a second one
-    # waits at every barrier for a core a neighbour holds (a width-32 step of bench/lm_heldout.py: 1-2 ms alone, 5 to
+    # waits at every barrier for a core a neighbour holds (a width-32 step of a held-out LM: 1-2 ms alone, 5 to
     # 265 ms with two threads beside busy neighbours on the 2-core development VM).
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            **({"TMPDIR": str(temp)} if temp is not None else {})}
