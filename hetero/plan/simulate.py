@@ -50,31 +50,44 @@ class Result:
 
 
 @dataclass(slots=True)
+class LayerTimes:
+    """When one layer's tasks start and end, in seconds from the iteration's start (0.0: a task it does not have)."""
+
+    fp_host: float  # the runtime's host work in its forward and backward (model.host_time_s)
+    bp_host: float
+    fp_start: float = 0.0
+    fp_end: float = 0.0
+    bp_start: float = 0.0
+    bp_end: float = 0.0
+    load_end: float = 0.0  # its parameters' copy to the GPU
+    evict_start: float = 0.0  # its saved activations' eviction and prefetch
+    evict_end: float = 0.0
+    pf_start: float = 0.0
+    pf_end: float = 0.0
+    issued: bool = False  # its prefetch
+    ready: float = 0.0  # its gradients, for the optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class _Spilled:
+    """An update of layer `layer` whose states are on NVMe: `optimizer.step()` runs it."""
+
+    layer: int
+    update: Update
+
+
+@dataclass(slots=True)
 class _State:
     costs: Costs
     ch: Choices
     record: bool
     free: dict[str, float]
-    n: int
+    layers: list[LayerTimes]  # index = layer
     spans: list[Span] = field(default_factory=list)
-    fp_start: list[float] = field(default_factory=list)
-    fp_end: list[float] = field(default_factory=list)
-    bp_start: list[float] = field(default_factory=list)
-    bp_end: list[float] = field(default_factory=list)
-    load_end: list[float] = field(default_factory=list)
-    evict_start: list[float] = field(default_factory=list)
-    evict_end: list[float] = field(default_factory=list)
-    pf_start: list[float] = field(default_factory=list)
-    pf_end: list[float] = field(default_factory=list)
-    issued: list[bool] = field(default_factory=list)
-    ready: list[float] = field(default_factory=list)
-    spilled: list[tuple[int, Update]] = field(default_factory=list)  # (layer, update) left for step()
     opt_end: float = 0.0
     stall: float = 0.0
     nvme_late: float = 0.0
     background: Background | None = None  # None: background lanes do not slow compute
-    fp_host: list[float] = field(default_factory=list)  # the runtime's host work per layer (model.host_time_s)
-    bp_host: list[float] = field(default_factory=list)
 
     def run(self, lane: str, what: str, i: int, ready: float, duration: float) -> float:
         """Start layer i's task `what` on `lane` once the lane is free and its input is `ready`; its end time."""
@@ -101,18 +114,14 @@ def simulate(costs: Costs, ch: Choices, record: bool = False, detail: bool = Tru
     lanes = ["compute", "h2d", "d2h", "evict", "prefetch", "nvme read", "nvme write", "sync", *ch.lanes]
     if len(ch.evict_s) != n:
         ch = timed(costs, replace(ch))
-    st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0), n=n,
+    st = _State(costs=costs, ch=ch, record=record, free=dict.fromkeys(lanes, 0.0),
+                layers=[LayerTimes(fp, bp) for fp, bp in zip(*host_time_s(costs, ch))],
                 background=Background.of(costs, ch))
-    st.fp_host, st.bp_host = host_time_s(costs, ch)
-    for name in ("fp_start", "fp_end", "bp_start", "bp_end", "load_end", "evict_start", "evict_end", "pf_start",
-                 "pf_end", "ready"):
-        setattr(st, name, [0.0] * n)
-    st.issued = [False] * n
     _forward(st)
     _dfgb_copies(st)
     compute_end = _backward(st)
     end = max(compute_end, st.opt_end, st.free["nvme write"])
-    compute_only = st.bp_end[costs.bp_order[-1]] if n else 0.0
+    compute_only = st.layers[costs.bp_order[-1]].bp_end if n else 0.0
     iteration = end + costs.tail_s + (costs.micro_batches - 1) * compute_only
     if record and iteration > end:
         st.spans.append(Span(lane="compute", name="rest of the step (earlier micro-batches, data, zero_grad, ...)",
@@ -124,27 +133,26 @@ def _forward(st: _State) -> None:
     """GFGB copies start at the iteration start, back to back (MemFerry Fig. 6); DHA/DFGB layers start at once;
     saved activations are evicted as each layer's forward ends (TierTrain's aggressive eviction)."""
     costs, ch, gpu = st.costs, st.ch, st.costs.has_gpu
-    loads = gpu and not ch.params_on_gpu
     for i, layer in enumerate(costs.layers):
-        if loads and ch.modes[i] == "gfgb" and layer.copy_s > 0:
-            st.load_end[i] = st.run("h2d", "copy", i, 0.0, layer.copy_s)
+        if gpu and not ch.params_on_gpu and ch.modes[i] == "gfgb" and layer.copy_s > 0:
+            st.layers[i].load_end = st.run("h2d", "copy", i, 0.0, layer.copy_s)
     evict_lane = "d2h" if gpu else "evict"
     bg = st.background  # `st.compute` inlined: the searches' hot loop
     c = 0.0
-    for i, layer in enumerate(costs.layers):
+    for i, (layer, t) in enumerate(zip(costs.layers, st.layers)):
         c = c + layer.fp_gap_s if bg is None else bg.finish(c, layer.fp_gap_s)
-        start = max(c, st.load_end[i])
+        start = max(c, t.load_end)
         st.stall += start - c
         dha = gpu and not ch.params_on_gpu and ch.modes[i] != "gfgb"
-        fp = (layer.fp_dha_s if dha else layer.fp_s) + st.fp_host[i]
+        fp = (layer.fp_dha_s if dha else layer.fp_s) + t.fp_host
         c = start + fp if bg is None else bg.finish(start, fp)
-        st.fp_start[i], st.fp_end[i] = start, c
+        t.fp_start, t.fp_end = start, c
         if st.record:
             st.span("compute", "fp", i, start, c)
         st.free["compute"] = c
         if ch.evict_bytes[i] > 0:
-            st.evict_start[i] = max(st.free[evict_lane], c)
-            st.evict_end[i] = st.run(evict_lane, "evict", i, c, ch.evict_s[i])
+            t.evict_start = max(st.free[evict_lane], c)
+            t.evict_end = st.run(evict_lane, "evict", i, c, ch.evict_s[i])
 
 
 def _dfgb_copies(st: _State) -> None:
@@ -154,38 +162,38 @@ def _dfgb_copies(st: _State) -> None:
     for i in st.costs.bp_order:
         layer = st.costs.layers[i]
         if st.ch.modes[i] == "dfgb" and layer.copy_s > 0:
-            st.load_end[i] = st.run("h2d", "dfgb copy", i, st.fp_end[i], layer.copy_s)
+            st.layers[i].load_end = st.run("h2d", "dfgb copy", i, st.layers[i].fp_end, layer.copy_s)
 
 
 def _backward(st: _State) -> float:
     costs, ch, gpu = st.costs, st.ch, st.costs.has_gpu
-    by_time = sorted((ch.prefetch_at_s[i], i) for i in range(st.n) if ch.evict_bytes[i] > 0 and ch.trigger[i] is None)
-    by_layer: dict[int, list[int]] = {}  # prefetches one layer's backward start triggers, in their planned order
-    triggered = [i for i in range(st.n) if ch.evict_bytes[i] > 0 and ch.trigger[i] is not None]
-    for i in sorted(triggered, key=lambda i: (ch.prefetch_at_s[i], i)):
+    evicted = [i for i in range(len(st.layers)) if ch.evict_bytes[i] > 0]
+    planned = sorted(evicted, key=lambda i: (ch.prefetch_at_s[i], i))  # prefetches in their planned order
+    by_time = [i for i in reversed(planned) if ch.trigger[i] is None]  # those the clock starts; popped earliest first
+    by_layer: dict[int, list[int]] = {}  # those one layer's backward start triggers
+    for i in (i for i in planned if ch.trigger[i] is not None):
         by_layer.setdefault(ch.trigger[i], []).append(i)
-    next_timed = 0
     bg = st.background  # `st.compute` inlined: the searches' hot loop
     c = st.free["compute"]
     for i in costs.bp_order:
-        layer = costs.layers[i]
+        layer, t = costs.layers[i], st.layers[i]
         c = c + layer.bp_gap_s if bg is None else bg.finish(c, layer.bp_gap_s)
         start = c
         if gpu and ch.modes[i] == "dfgb" and not ch.params_on_gpu:
-            start = max(start, st.load_end[i])
-        while next_timed < len(by_time) and by_time[next_timed][0] <= start:
-            _prefetch(st, by_time[next_timed][1], by_time[next_timed][0])
-            next_timed += 1
+            start = max(start, t.load_end)
+        while by_time and ch.prefetch_at_s[by_time[-1]] <= start:
+            k = by_time.pop()
+            _prefetch(st, k, ch.prefetch_at_s[k])
         for k in by_layer.get(i, ()):
             _prefetch(st, k, start)
         if ch.evict_bytes[i] > 0:
             _prefetch(st, i, start)  # not triggered yet (a late trigger in an edited plan): fetched on demand
-            start = max(start, st.pf_end[i])
+            start = max(start, t.pf_end)
         st.stall += start - c
         mode = ch.modes[i] if gpu and not ch.params_on_gpu else "gfgb"
-        bp = (layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s) + st.bp_host[i]
+        bp = (layer.bp_time_s(mode, ch.grads[i]) if gpu else layer.bp_s) + t.bp_host
         c = start + bp if bg is None else bg.finish(start, bp)
-        st.bp_start[i], st.bp_end[i] = start, c
+        t.bp_start, t.bp_end = start, c
         if st.record:
             st.span("compute", "bp", i, start, c)
         kept = sum(u.grad_write_s for u in ch.updates[i])
@@ -194,23 +202,25 @@ def _backward(st: _State) -> float:
             if st.record:
                 st.span("compute", "grad to nvme", i, start, c)
         st.free["compute"] = c
-        st.ready[i] = _gradient_ready(st, i, c)
+        t.ready = _gradient_ready(st, i, c)
         if ch.overlap_backward:
-            c = _updates(st, i, st.ready[i], c)
+            c = _updates(st, i, t.ready)
+    last = max([t.ready for t in st.layers], default=c)  # the last gradient
     if not ch.overlap_backward:
-        t = max([c, *st.ready])  # clipping needs every gradient before the first update
+        ready = max(c, last)  # clipping needs every gradient before the first update
         for i in costs.bp_order:
-            c = _updates(st, i, t, c)
-    if st.spilled:
-        c = _spilled_updates(st, max([c, *st.ready]), c)
+            c = _updates(st, i, ready)
+    spilled = [_Spilled(i, u) for i in range(len(st.layers)) for u in ch.updates[i] if u.nvme_bytes]
+    if spilled:  # step() runs them in the optimizer's order: its parameters, forward order
+        c = _spilled_updates(st, spilled, max(c, last))
     if ch.step_s:
-        c = st.compute(max([c, *st.ready]), ch.step_s)
+        c = st.compute(max(c, last), ch.step_s)
     return c
 
 
-def _gradient_ready(st: _State, i: int, bp_end: float) -> float:
+def _gradient_ready(st: _State, i: int, ready: float) -> float:
+    """When layer i's gradients, final at `ready`, are where its updates read them."""
     layer, ch = st.costs.layers[i], st.ch
-    ready = bp_end
     if st.costs.has_gpu and ch.grads_to_host and ch.grads[i] == "gpu" and layer.params_bytes > 0:
         ready = st.run("d2h", "grad", i, ready, layer.grad_copy_s)
     if ch.sync_s and ch.sync_s[i] > 0:
@@ -219,59 +229,53 @@ def _gradient_ready(st: _State, i: int, bp_end: float) -> float:
 
 
 def _prefetch(st: _State, i: int, at: float) -> None:
-    if st.issued[i]:
+    t = st.layers[i]
+    if t.issued:
         return
-    st.issued[i] = True
+    t.issued = True
     lane = "h2d" if st.costs.has_gpu else "prefetch"
-    start = max(st.free[lane], at, st.evict_end[i])
-    st.pf_start[i] = start
-    st.pf_end[i] = st.run(lane, "prefetch", i, start, st.ch.prefetch_s[i])
+    t.pf_start = max(st.free[lane], at, t.evict_end)
+    t.pf_end = st.run(lane, "prefetch", i, t.pf_start, st.ch.prefetch_s[i])
 
 
-def _updates(st: _State, i: int, ready: float, c: float) -> float:
-    """Run layer i's parameter updates; the compute lane's new end (host Adam without a GPU shares the cores)."""
+def _updates(st: _State, i: int, ready: float) -> float:
+    """Run layer i's updates not spilled to NVMe; the compute lane's new end (host Adam without a GPU shares cores)."""
     for u in st.ch.updates[i]:
-        if u.nvme_bytes:
-            st.spilled.append((i, u))
-            continue
-        end, c = _adam(st, i, u.lane, ready, c, u.update_s)
-        st.opt_end = max(st.opt_end, end)
-    return c
+        if not u.nvme_bytes:
+            st.opt_end = max(st.opt_end, _adam(st, i, u.lane, ready, u.update_s))
+    return st.free["compute"]
 
 
-def _adam(st: _State, i: int, lane: int, ready: float, c: float, duration: float) -> tuple[float, float]:
-    """One update on `lane` (-1: the compute lane) once `ready`: its end, and the compute lane's new end."""
+def _adam(st: _State, i: int, lane: int, ready: float, duration: float) -> float:
+    """One update on `lane` (-1: the compute lane, from where it is free) once `ready`; its end."""
     if lane >= 0:
-        return st.run(st.ch.lanes[lane], "adam", i, ready, duration), c
-    start = max(c, ready)
-    end = c = st.compute(start, duration)
+        return st.run(st.ch.lanes[lane], "adam", i, ready, duration)
+    start = max(st.free["compute"], ready)
+    end = st.free["compute"] = st.compute(start, duration)
     if st.record:
         st.span("compute", "adam", i, start, end)
-    st.free["compute"] = c
-    return end, c
+    return end
 
 
-def _spilled_updates(st: _State, step: float, c: float) -> float:
-    """The NVMe-spilled updates inside `step()` from `step` on (see the module docstring); the compute lane's end."""
-    jobs = sorted(st.spilled, key=lambda job: job[0])  # the optimizer's order: its parameters, forward order
-    st.spilled = []
-    slot_free = [step, step]  # when each slot's last tensor was written out
+def _spilled_updates(st: _State, jobs: list[_Spilled], step: float) -> float:
+    """The NVMe-spilled updates `jobs`, in order, in `step()` from `step` on (module docstring); compute's end."""
+    slots = [step, step]  # when each staging slot's last tensor was written out
     lanes = len(st.ch.lanes)
-    reads = {0: st.run("nvme read", "read states", jobs[0][0], step, jobs[0][1].read_s)}
+    reads = {0: st.run("nvme read", "read states", jobs[0].layer, step, jobs[0].update.read_s)}
     t = step  # where the step's loop is
-    for j, (i, u) in enumerate(jobs):
+    for j, job in enumerate(jobs):
         if j + 1 < len(jobs):  # the next tensor's read, issued before this one's update
             nxt = jobs[j + 1]
-            reads[j + 1] = st.run("nvme read", "read states", nxt[0], max(t, slot_free[(j + 1) % 2]), nxt[1].read_s)
+            reads[j + 1] = st.run("nvme read", "read states", nxt.layer, max(t, slots[(j + 1) % 2]), nxt.update.read_s)
         lane = (j % 2) % lanes if lanes else -1
-        free = st.free[st.ch.lanes[lane]] if lane >= 0 else c
+        free = st.free[st.ch.lanes[lane] if lane >= 0 else "compute"]
         read = reads.pop(j)
         st.nvme_late += max(0.0, read - max(t, free))  # the update waits for its states
-        end, c = _adam(st, i, lane, max(t, read), c, u.update_s)
-        slot_free[j % 2] = st.run("nvme write", "write states", i, end, u.write_s)
+        end = _adam(st, job.layer, lane, max(t, read), job.update.update_s)
+        slots[j % 2] = st.run("nvme write", "write states", job.layer, end, job.update.write_s)
         st.opt_end = max(st.opt_end, end)
         t = end
-    return c
+    return st.free["compute"]
 
 
 def _result(st: _State, iteration: float, detail: bool) -> Result:
@@ -294,10 +298,12 @@ def _result(st: _State, iteration: float, detail: bool) -> Result:
             peak[tier] = peak.get(tier, 0) + extra
             base = peak[tier] - extra
             counters += [TierUse(t, tier, base + used) for t, used in curve] if st.record else []
-    return Result(iteration_s=iteration, fp_start_s=st.fp_start, fp_end_s=st.fp_end, bp_start_s=st.bp_start,
-                  bp_end_s=st.bp_end, stall_s=st.stall, nvme_late_s=st.nvme_late, peak_bytes=peak,
-                  act_avg_bytes=act_avg, act_peak_bytes=act_peak, act_avg_untiered_bytes=untiered_avg,
-                  act_peak_untiered_bytes=untiered_peak, spans=st.spans, counters=counters)
+    ts = st.layers
+    return Result(iteration_s=iteration, fp_start_s=[t.fp_start for t in ts], fp_end_s=[t.fp_end for t in ts],
+                  bp_start_s=[t.bp_start for t in ts], bp_end_s=[t.bp_end for t in ts], stall_s=st.stall,
+                  nvme_late_s=st.nvme_late, peak_bytes=peak, act_avg_bytes=act_avg, act_peak_bytes=act_peak,
+                  act_avg_untiered_bytes=untiered_avg, act_peak_untiered_bytes=untiered_peak, spans=st.spans,
+                  counters=counters)
 
 
 def _gpu_static(st: _State) -> int:
@@ -316,13 +322,13 @@ def _activation_events(st: _State, tiered: bool) -> tuple[list[tuple[float, int]
     its forward ends and leave when its backward ends; an evicted part is away from the end of its eviction to
     the start of its prefetch."""
     fast, slow = [], []
-    for i, layer in enumerate(st.costs.layers):
+    for i, (layer, t) in enumerate(zip(st.costs.layers, st.layers)):
         if layer.saved_bytes:
-            fast += [(st.fp_end[i], layer.saved_bytes), (st.bp_end[i], -layer.saved_bytes)]
+            fast += [(t.fp_end, layer.saved_bytes), (t.bp_end, -layer.saved_bytes)]
         e = min(st.ch.evict_bytes[i], layer.saved_bytes) if tiered else 0
         if e > 0:
-            fast += [(st.evict_end[i], -e), (st.pf_start[i], e)]
-            slow += [(st.evict_start[i], e), (st.pf_end[i], -e)]
+            fast += [(t.evict_end, -e), (t.pf_start, e)]
+            slow += [(t.evict_start, e), (t.pf_end, -e)]
     return fast, slow
 
 
