@@ -178,8 +178,7 @@ def _profiled_plain(path: Path, plain_peak: float) -> list[str]:
     memory = files.load(path, expect=Profile).memory if path.exists() else None
     if memory is None:
         return []
-    runs = ", ".join(SIZE.format_short(b) for b in memory.dram_peak_runs_bytes)
-    how = "estimated" if memory.dram_peak_estimated else f"fresh processes {runs}" if runs else "measured"
+    how = "estimated" if memory.dram_peak_estimated else "measured in the profile's process"
     return [f"    profile: plain peak {SIZE.format_short(memory.dram_peak_bytes)} ({how}): measured/profiled "
             f"{plain_peak / memory.dram_peak_bytes:.3f}"]
 

@@ -89,6 +89,9 @@ def _plan(work: Path, script: list[str], args) -> Path:
     profile = files.load(profiled, expect=Profile)
     plan = files.load(work / "plan.yaml", expect=Plan)
     acts = plan.activations
+    if acts is None and args.min_tensor:  # nothing reaches the planner's threshold: the bench's own decides
+        acts = plan.activations = _empty(profile, nvme, args.stay_time)
+        plan.omitted.pop("activations", None)
     assert acts is not None, f"the planner scheduled no activations: {plan.omitted.get('activations')}"
     if args.min_tensor:
         _resolve(profile, acts, SIZE.parse(args.min_tensor))
@@ -109,6 +112,16 @@ def _predicted(profile, plan) -> str:
         return f"no prediction ({type(e).__name__}: {e})"
     return (f"predicted average {_ratio(r.act_avg_bytes, r.act_avg_untiered_bytes)}, peak "
             f"{_ratio(r.act_peak_bytes, r.act_peak_untiered_bytes)} of untiered")
+
+
+def _empty(profile, nvme: str, stay_time: str):
+    """An activations section that evicts nothing yet, to the profile's disk tier (`_resolve` fills it)."""
+    from hetero.schema.plan import ActivationPlan
+    from hetero.units import TIME
+
+    disk = next(t for t in profile.machine.tiers if t.kind == "nvme")
+    return ActivationPlan(fast="dram", slow=disk.name, slow_path=nvme, stay_time_s=TIME.parse(stay_time),
+                          min_tensor_bytes=0, schedule=[], why="paper prefetch rule (bench)")
 
 
 def _resolve(profile, acts, min_tensor: int) -> None:

@@ -30,6 +30,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def machine_cache(tmp_path_factory):
+    """`hetero profile` remembers the last machine it measured on this host in the user's cache directory: the tests
+    keep theirs in a directory of the session's (each pytest worker measures the machine once, and a user's cache is
+    never touched)."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def terminal_width_unset(monkeypatch):
     """Tables are as wide as `COLUMNS` says where it is set (hetero.cli.usage.console): a shell that exports it (the
@@ -104,18 +118,6 @@ def cuda_reported(tmp_path_factory) -> Iterator[CudaReported]:
     """`cuda_reported_in` for one test: the example-script tests run so, and pass on the CPU."""
     with cuda_reported_in(tmp_path_factory.mktemp("cuda") / "started.log") as reported:
         yield reported
-
-
-@pytest.fixture(scope="module")
-def without_malloc_runs():
-    """`hetero profile` on a CPU runs the script four times more, each time in a fresh process (seconds each), for its
-    peak and step with freed memory returned and with malloc's defaults (hetero.profile.returned). Tests of something
-    else leave those runs out; tests/profile/test_returned.py and tests/cli/test_profile.py check them."""
-    from hetero.profile import returned
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(returned, "measure", lambda *args, **kwargs: None)
-        yield
 
 
 SMALL_GPT = [str(REPO / "examples/train_gpt.py"), "--device", "cpu", "--n-layer", "2", "--n-embd", "64", "--vocab",

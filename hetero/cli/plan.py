@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,10 +11,11 @@ import typer
 from rich.table import Table
 
 from hetero import __version__
-from hetero.cli.usage import console, quantity
+from hetero.cli.usage import console, own_process, quantity
 from hetero.errors import USAGE, HeteroError
+from hetero.launch import trials
+from hetero.launch.waiter import TRIAL_WANTED
 from hetero.plan.solve import PlanOptions
-from hetero.plan.solve import plan as solve
 from hetero.report.retime import retime
 from hetero.schema import files
 from hetero.schema.plan import ActivationPrediction, LayerGrad, LayerMode, Plan
@@ -23,6 +25,7 @@ from hetero.units import SIZE, TIME
 
 
 def plan(
+    ctx: typer.Context,
     profile: Path | None = typer.Option(None, "--profile", help="The profile to plan from [default: profile.yaml; "
                                         "with --from-run, the profile of the run's plan]."),
     output: Path = typer.Option(Path("plan.yaml"), "-o", "--output", help="Where to write the plan."),
@@ -53,6 +56,8 @@ def plan(
                                          help="Re-plan with the timings a traced run measured (hetero run --trace), "
                                               "keeping the pinned entries of the plan it ran."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (base units) instead of a summary."),
+    trial_state: str | None = typer.Option(None, "--trial-state", hidden=True,
+                                           help="hetero.launch.waiter's state file: the trials run so far."),
 ) -> None:
     """Solve a profile into a plan: per-layer GPU modes, gradient offload, optimizer placement, activation
     tiering and routing, with the simulator's predicted iteration. Every decision carries a `# why:` comment."""
@@ -74,7 +79,24 @@ def plan(
                           dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
                           stay_time_s=quantity(TIME, stay_time, "--stay-time"), previous=old)
-    result = solve(prof, options)
+    # under a binding DRAM budget, the plan chosen is run in fresh processes first (hetero.launch.trials); under a
+    # memory limit, beside a bare interpreter this process becomes (hetero.launch.waiter)
+    lean = trials.waiter_argv(prof, options, sys.argv[1:]) if trial_state is None and own_process(ctx) else None
+    if lean is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(lean[0], lean)
+    try:
+        result = trials.plan(prof, options, say=lambda line: print(f"hetero plan: {line}", file=sys.stderr,
+                                                                   flush=True), state=trial_state)
+    except trials.TrialWanted:
+        raise typer.Exit(TRIAL_WANTED) from None
+    except BaseException:
+        if trial_state is not None:
+            trials.end(trial_state)
+        raise
+    if trial_state is not None:
+        trials.end(trial_state)
     for unhonoured in (_unhonoured(optimizer_device, emulate == "axdimm", result),
                        _unapplied("--tier-activations", tier_activations, "activations", result),
                        _unapplied("--recompute", recompute, "recompute", result)):

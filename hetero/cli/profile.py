@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -42,7 +41,10 @@ def profile(
     machine: str = typer.Option(None, "--machine", metavar="FILE",
                                 help="Take the machine section of FILE, an earlier profile written on this machine, "
                                      "instead of measuring the machine again (tens of seconds); refused if FILE is of "
-                                     "another host, processor, core count, disk filesystem or GPU."),
+                                     "another host, processor, core count, disk filesystem or GPU. By default the "
+                                     "last profile that measured this host is taken (kept in ~/.cache/hetero)."),
+    measure_machine: bool = typer.Option(False, "--measure-machine",
+                                         help="Measure the machine even where an earlier profile on this host did."),
     output: Path = typer.Option(Path("profile.yaml"), "-o", "--output", help="Where to write the profile."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout (script output goes "
                                                        "to stderr)."),
@@ -63,7 +65,8 @@ def profile(
     from hetero.profile.profiler import ProfileOptions, profile_script, save  # imports torch: only for this command
 
     options = ProfileOptions(steps=steps, warmup=warmup, granularity=granularity, nvme_dir=nvme, model_name=model,
-                             dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"), machine=machine)
+                             dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"), machine=machine,
+                             measure_machine=measure_machine)
     launch.sweep_earlier([nvme])  # what killed runs and profiles left there and in the temp directory
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:
@@ -77,30 +80,10 @@ def profile(
             with _progress(phases) as report:
                 result = profile_script(script, list(args or []), options, report)
             save(result, output, script)
-    # Under a memory limit, plain training's own peak (or the leaner plans') is measured alone once the profile is
-    # written: this process becomes a bare interpreter that runs it (its torch alone holds 150 MiB), and says the
-    # outcome last.
-    alone = _alone(result, options, output, as_json, script, list(args or [])) if phases is not None else None
-    if as_json and alone is None:
+    if as_json:
         print(json.dumps(files.to_data(result), indent=2))
-    elif not as_json:
+    else:
         _summary(result, output)
-    if alone is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(alone[0], alone)
-
-
-def _alone(result, options, output: Path, as_json: bool, script: str, args: list[str]) -> list[str] | None:
-    """The command that measures plain training's own peak, or the leaner plans, alone
-    (hetero.profile.returned.alone_argv), or None."""
-    import torch
-
-    from hetero.profile import returned
-
-    budget = returned.budget_of(options.dram_budget_bytes)
-    return None if budget is None else returned.alone_argv(
-        result, budget[0], options.warmup_on(torch.device("cpu")), str(output), as_json, script, args)
 
 
 @contextlib.contextmanager
@@ -170,12 +153,8 @@ def _plain_peak(memory) -> str:
         return f"{peak} estimated, not measured (profiled under a budget: {memory.profiled_under})"
     returned = "" if memory.dram_peak_returned_bytes is None else \
         f", {SIZE.format_short(memory.dram_peak_returned_bytes)} with freed memory returned"
-    runs = memory.dram_peak_runs_bytes
-    spread = f"the median of {len(runs)} fresh processes with malloc's defaults " \
-        f"({SIZE.format_short(min(runs))} to {SIZE.format_short(max(runs))}), each" if len(runs) > 1 else \
-        "a fresh process with malloc's defaults,"
-    return (f"{peak} resident ({spread} once its peak settled){returned}: a "
-            "--dram-budget above it keeps plain training, one below it has hetero make room")
+    return (f"{peak} resident{returned}: a --dram-budget near or below it has hetero plan measure the plan it "
+            "chooses in fresh processes before writing it")
 
 
 def _interference(share: float) -> str:

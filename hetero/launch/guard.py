@@ -16,7 +16,7 @@ code, or 128 + the signal that ended it.
 Signals: the child stays in the terminal's process group, so a terminal's Ctrl-C or hangup reaches it directly;
 SIGINT, SIGTERM and SIGHUP a process sends the waiter (hetero's pid, the one a scheduler knows) are passed on to the
 child (`wait`). The child dies with the waiter (SIGTERM). The waiter, charged to the cgroup too, is inside the
-profile's headroom under its budget (hetero.plan.fit.HEADROOM: 3%, 15 MiB of 512 MiB).
+profile's headroom under its budget (hetero.plan.policy.MemoryPolicy.profile_headroom).
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def verdict(exit_code: int, oom_before: int | None, oom_after: int | None, reach
         held.append("Adam's states and gradients on NVMe" if reached.moved else
                     "the optimizer's states left in memory, where the profile found them to fit")
         return Ended(USAGE, (
-            f"below the floor: no plan trains {script} under the {limit} memory limit: the limit killed its training "
-            f"as the profile ran it, holding as little as it could ({', '.join(held)}); no profile written"),
+            f"below the floor: the least training of {script} needs more than the {limit} memory limit, which killed "
+            f"it as the profile ran it holding as little as it could ({', '.join(held)}); no profile written"),
             hint="raise the memory limit, or train a smaller model or batch (a profile taken outside the limit and "
                  f"`hetero plan --dram-budget {limit}` name the least any plan needs)")
     where = f"training, {reached.recomputed[0]} of {reached.recomputed[1]} repeated blocks recomputed" \

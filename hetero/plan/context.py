@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm, routing, tiering
 from hetero.plan.model import GPU
-from hetero.schema.plan import OptimizerDevice, Plan
+from hetero.schema.plan import OptimizerDevice, Plan, Trial
 from hetero.schema.profile import Gpu, Profile, Tier
 from hetero.schema.tiers import HOST_KIND, host_tier
 from hetero.units import SIZE
@@ -28,6 +28,7 @@ class PlanOptions:
     slow_tier: str | None = None
     stay_time_s: float = 1e-3
     previous: Plan | None = None  # --from: its pinned entries are kept
+    trials: tuple[Trial, ...] = ()  # what `hetero plan` measured of candidates under a DRAM budget (hetero.plan.fit)
 
 
 @dataclass(kw_only=True, slots=True)

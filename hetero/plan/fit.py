@@ -18,11 +18,12 @@ here, each simulated as a whole plan, and keeps the fastest combination that fit
   fastest combination that fits decides between them; with it, the fewest blocks (most bytes saved per second
   first) that keep the budget.
 
-Where the profile measured leaner plans with malloc's defaults alone (under a memory limit that plain training's own
-peak did not settle under with room for their spread; hetero.plan.alone: updates in backward, then every block
-recomputed), each is one more candidate, at its measured peak and step. A peak measured alone (plain's, or such
-a plan's) keeps malloc's spread above it under the budget, less the mapped files; a simulated one keeps the room
-(`room_of`: the simulation's headroom too).
+Each candidate is ranked by its predicted peak and iteration; `hetero plan` then runs the one chosen in fresh
+processes of its own (a trial, hetero.launch.trials) and calls the planner again with what they measured
+(`PlanOptions.trials`): a trialed candidate counts at its measured peak, with the margins hetero.plan.policy derives
+from the trial, and at its measured step. The plan is the fastest candidate a trial verified; after
+`MemoryPolicy.max_trials` trials, only trialed candidates are chosen from. Where none fits, the planner refuses,
+naming the floor: the least any candidate needs, measured where it was tried.
 
 A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
 I/O; `solve` builds and simulates each candidate.
@@ -35,8 +36,9 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import alone, in_backward, recompute
-from hetero.schema.plan import AllocatorPlan, Plan
+from hetero.plan import in_backward, recompute
+from hetero.plan.policy import POLICY
+from hetero.schema.plan import AllocatorPlan, Plan, Trial
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "in_backward", "states", "grads", "tiering", "recompute")  # in the order of their lines
@@ -48,43 +50,28 @@ EXCLUDES = (frozenset({"in_backward", "states"}),)  # levers that cannot work to
 # On this CPU-only VM, evicted activations left host memory far later than the simulator has them leave (a width-128
 # LM with 1024-token context under a 520 MiB budget: tiering predicted to save 92 MiB of the peak saved ~15, and the
 # run passed its budget; docs/benchmarks.md): where blocks can be recomputed instead, they are, and tiering is left out.
+TRIED = "measured by the trial, beyond the parts"  # the host-memory account's entry for a trial's margins
 TIERING_LEFT_OUT = ("the blocks can be recomputed instead, which frees what they save at once, while evicted "
                     "activations were measured to leave host memory far later than simulated on a CPU")
-# The predicted peak must stay this far under the budget: measured peaks of planned runs came out up to 2% above
-# their predictions, and 1% apart from run to run (docs/benchmarks.md, "Training under a DRAM budget").
-HEADROOM = 0.03
-# What a memory limit charges beside the predicted peak (anonymous memory): the mapped files a running process cannot
-# do without, its libraries' pages in use, which the limit's reclaim leaves it. A planned run killed with 14 MiB left
-# under a 1 GiB limit; plain training with 27-33 MiB left under 768 MiB never was (docs/benchmarks.md, round six).
-MAPPED_BYTES = 16 << 20
-# What a plan that keeps malloc's defaults must leave above its predicted peak as well: that peak moves from process
-# to process with where the heap's pieces land (address and hash randomization together; docs/benchmarks.md, round
-# fifteen), where freed memory returned peaks within 1% run to run. The widest seen above the median of processes
-# measured alone: 11% (train_gpt 1 x 768's updates in backward, 419-481 MiB over 28 processes against 433;
-# heldout_lm 6 x 256 x 2 x 1024's plain training, 1020 MiB against the profile's 918, one of four planned runs killed
-# under 1 GiB where 5% was allowed; round sixteen).
-DEFAULTS_SPREAD = 0.12
-
-
 @dataclass(frozen=True, slots=True)
 class Candidate:
     levers: frozenset[str]
     plan: Plan
-    peak_bytes: int
-    iteration_s: float
-    measured: bool = False  # its peak is the median of processes measured alone, not a simulation's
+    predicted_bytes: int
+    iteration_s: float  # predicted, or measured by its trial
+    trial: Trial | None = None  # what `hetero plan` measured of it, if it was tried
 
     @property
     def held_bytes(self) -> int:
-        """The most its process may hold: the prediction, and with malloc's defaults their spread above it."""
-        return self.peak_bytes if self.plan.allocator is not None else with_spread(self.peak_bytes)
+        """The most its process is taken to hold: measured with the trial's margins, else as predicted."""
+        return POLICY.held_bytes(self.trial) if self.trial is not None else self.predicted_bytes
 
-    def fits(self, budget_bytes: int) -> bool:
-        """Whether it keeps `budget_bytes`: a measured peak with malloc's spread above it (`measured_fits`), any
-        other within the room the predictions' error leaves (`room_of`)."""
-        if self.measured:
-            return measured_fits(self.peak_bytes, budget_bytes)
-        return self.held_bytes <= room_of(budget_bytes)
+    def fits(self, budget_bytes: int, beside_bytes: int) -> bool:
+        """Whether it keeps `budget_bytes`: as its trial verified, or, untried, as predicted with `beside_bytes`
+        (what trials so far measured beside their peaks) under it."""
+        if self.trial is not None:
+            return POLICY.fits(self.trial, budget_bytes)
+        return self.predicted_bytes + beside_bytes <= budget_bytes
 
 
 def applies(profile, gpu, budget_source: str | None) -> bool:
@@ -135,60 +122,52 @@ def available(ctx) -> tuple[list[str], dict[str, str]]:
 
 
 def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
-    """The plan under `ctx.dram_budget_bytes`: plain training's when it fits, else the fastest combination of levers
-    that fits; HeteroError (exit 2) when none does. `solve(levers, blocks=None)`: the plan with `levers`, and with
-    `recompute` among them the first `blocks` blocks (all: None)."""
+    """The plan under `ctx.dram_budget_bytes`: the fastest candidate that fits, counted as its trial measured it where
+    `hetero plan` tried it (`ctx.options.trials`), else as predicted; HeteroError (exit 2) naming the floor when none
+    does. `solve(levers, blocks=None)`: the plan with `levers`, and with `recompute` among them the first `blocks`
+    blocks (all: None)."""
     levers, unusable = available(ctx)
-    forced = frozenset({"allocator"}) if ctx.profile.memory.dram_peak_estimated and "allocator" in levers \
-        else frozenset()
-    forced |= recompute_levers(ctx) if ctx.options.recompute and "recompute" in levers else set()
+    forced = recompute_levers(ctx) if ctx.options.recompute and "recompute" in levers else frozenset()
+    trials = list(ctx.options.trials)
     seen: dict[frozenset[str], Candidate] = {}
     for k in range(len(levers) + 1):
         for combo in combinations(levers, k):
             chosen = frozenset(combo) | forced
             if any(lever in chosen and NEEDS[lever] not in chosen for lever in NEEDS) or \
-                    any(pair <= chosen for pair in EXCLUDES):
+                    any(pair <= chosen for pair in EXCLUDES) or chosen in seen:
                 continue
-            if chosen not in seen:
-                seen[chosen] = _candidate(ctx, chosen, solve(chosen), host)
-    for lean in ctx.profile.memory.measured_alone:  # as the profile measured them alone: malloc's defaults
-        chosen = frozenset(lean.levers)
-        if chosen <= set(levers) and forced <= chosen | {"allocator"} and chosen not in seen:
-            found = _candidate(ctx, chosen, solve(chosen), host)
-            if found.measured:
-                seen[chosen] = found
-    budget, room = ctx.dram_budget_bytes, room_bytes(ctx)
-    base = seen[forced]
-    fitting = [c for c in seen.values() if c.fits(budget)]
+            seen[chosen] = _candidate(chosen, solve(chosen), host, trials)
+    # a trial of fewer recomputed blocks than all (`_fewest_blocks` chose them) is a candidate of its own
+    fewer = [_candidate(frozenset(t.levers), solve(frozenset(t.levers), blocks=t.blocks), host, trials)
+             for t in trials if t.blocks is not None and frozenset(t.levers) in seen
+             and not _same(t, frozenset(t.levers), seen[frozenset(t.levers)].plan)]
+    budget, beside = ctx.dram_budget_bytes, max((t.mapped_bytes for t in trials), default=0)
+    pool = [c for c in [*seen.values(), *fewer] if c.trial is not None or len(trials) < POLICY.max_trials]
+    fitting = [c for c in pool if c.fits(budget, beside)]
     if not fitting:
-        least = min(seen.values(), key=lambda c: c.held_bytes)
-        raise HeteroError(
-            f"below the floor: no plan keeps the budget {SIZE.format_short(budget, 5)} ({ctx.budget_source}, less "
-            f"{HEADROOM:.0%} headroom and {SIZE.format_short(MAPPED_BYTES)} for mapped files); the least any plan "
-            f"needs is {SIZE.format_short(least.held_bytes, 5)} of "
-            f"{host}, with {_names(least.levers) or 'nothing moved'}: {floor_text(least.plan)}"
-            + _unusable_text(unusable),
-            hint=f"raise --dram-budget to {SIZE.format_short(budget_for(least.held_bytes), 5)} or "
-                 "more, or train a smaller model or batch", exit_code=USAGE)
-    # Equally fast: one that evicts activations last (the disk's workers take their share of the cores, which the
-    # simulator hides behind compute, and evictions left host memory later than simulated: TIERING_LEFT_OUT); then
-    # one that keeps malloc's defaults (a leaner plan measured alone: with plain training's own peak not known,
-    # `forced`, returning memory is predicted at no cost, but costs page faults); then, where `forced`, the lower peak
-    # first; then the fewer levers.
-    best = base if base.fits(budget) and not forced else min(
-        fitting, key=lambda c: (c.iteration_s, "tiering" in c.levers, c.plan.allocator is not None,
-                                c.peak_bytes if forced else 0, len(c.levers), c.peak_bytes))
-    best = _fewest_blocks(ctx, solve, best, host, room)
-    why = _why(ctx, best, seen, base, len(fitting), forced) + _unusable_text(unusable)
-    return replace(best.plan, budget=replace(best.plan.budget, why=why))
+        raise _floor(ctx, [*seen.values(), *fewer], host, unusable)
+    # the script as it is wherever it fits (DESIGN: a mechanism only where the budget needs it); else the fastest,
+    # and of equally fast ones, one that evicts activations last (the disk's workers take their share of the cores,
+    # which the simulator hides behind compute: TIERING_LEFT_OUT), then one that keeps malloc's defaults
+    base = seen[forced]
+    best = base if base in fitting else min(fitting, key=lambda c: (
+        c.iteration_s, "tiering" in c.levers, c.plan.allocator is not None, len(c.levers), c.held_bytes))
+    best = _fewest_blocks(ctx, solve, best, host, trials, beside)
+    why = _why(ctx, best, seen, len(fitting)) + _unusable_text(unusable)
+    return _as_tried(replace(best.plan, budget=replace(best.plan.budget, why=why, trials=trials)), best, host)
 
 
-def _candidate(ctx, levers: frozenset[str], plan: Plan, host: str) -> Candidate:
-    """`plan` as a candidate; measured where its peak is plain training's own or a leaner plan's the profile measured
-    alone (the footprint takes that peak: hetero.plan.alone)."""
-    measured = (not levers and not ctx.profile.memory.dram_peak_estimated) or \
-        alone.measured(ctx.profile, plan) is not None
-    return Candidate(levers, plan, plan.predicted.peak_bytes[host], plan.predicted.iteration_s, measured)
+def _candidate(levers: frozenset[str], plan: Plan, host: str, trials: list[Trial]) -> Candidate:
+    """`plan` as a candidate, with the trial that measured it, if any."""
+    trial = next((t for t in trials if _same(t, levers, plan)), None)
+    iteration = trial.step_s if trial is not None and trial.step_s is not None else plan.predicted.iteration_s
+    return Candidate(levers, plan, plan.predicted.peak_bytes[host], iteration, trial)
+
+
+def _same(trial: Trial, levers: frozenset[str], plan: Plan) -> bool:
+    """Whether `trial` measured `plan`: the same levers, and as many recomputed blocks."""
+    blocks = len(plan.recompute.blocks) if plan.recompute is not None else None
+    return frozenset(trial.levers) == levers and trial.blocks == blocks
 
 
 def recompute_levers(ctx) -> frozenset[str]:
@@ -198,21 +177,87 @@ def recompute_levers(ctx) -> frozenset[str]:
     return frozenset({"recompute", "allocator"} if returned else {"recompute"})
 
 
-def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, room: int) -> Candidate:
-    """With recomputation chosen, the fewest blocks that keep the budget: each one more costs its forward."""
-    # --recompute: every block it can; with malloc's defaults, every block, as measured
-    if "recompute" not in best.levers or ctx.options.recompute or "allocator" not in best.levers:
+def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial],
+                   beside: int) -> Candidate:
+    """With recomputation chosen and not yet tried, the fewest blocks predicted to keep the budget (each one more
+    costs its forward), the error a trial of the same levers showed added to each prediction."""
+    if best.trial is not None or "recompute" not in best.levers or ctx.options.recompute:
         return best
     units, _ = recompute.units(ctx.profile)
+    error = max((POLICY.held_bytes(t) - t.predicted_bytes for t in trials if frozenset(t.levers) == best.levers),
+                default=beside)
     plans: dict[int, Plan] = {len(units): best.plan}
 
     def fits(k: int) -> bool:
         plans.setdefault(k, solve(best.levers, blocks=k))
-        return plans[k].predicted.peak_bytes[host] <= room
+        tried = next((t for t in trials if _same(t, best.levers, plans[k])), None)
+        if tried is not None:
+            return POLICY.fits(tried, ctx.dram_budget_bytes)
+        return plans[k].predicted.peak_bytes[host] + error <= ctx.dram_budget_bytes
 
     k = recompute.fewest(fits, len(units))
-    p = plans[k]
-    return Candidate(best.levers, p, p.predicted.peak_bytes[host], p.predicted.iteration_s)
+    return _candidate(best.levers, plans[k], host, trials)
+
+
+def _as_tried(plan: Plan, best: Candidate, host: str) -> Plan:
+    """A plan a trial verified predicts what the trial measured: its step, and the most its process is taken to
+    hold (the difference from the account's parts is an entry of its own)."""
+    if best.trial is None:
+        return plan
+    held, p = best.held_bytes, plan.predicted
+    beyond = held - sum(p.dram.values()) + sum(p.dram_saved.values())
+    dram, saved = dict(p.dram), dict(p.dram_saved)
+    (dram if beyond >= 0 else saved)[TRIED] = abs(beyond)
+    iteration = best.trial.step_s if best.trial.step_s is not None else p.iteration_s
+    return replace(plan, predicted=replace(p, iteration_s=iteration, peak_bytes=p.peak_bytes | {host: held},
+                                           dram=dram, dram_saved=saved))
+
+
+def wants_trial(profile, options, plan: Plan, trials: list[Trial], policy=POLICY) -> bool:
+    """Whether `hetero plan` runs `plan` in fresh processes before writing it: it was chosen without a GPU to keep a
+    DRAM budget that binds (given with --dram-budget, or one the profile had to keep: `dram_peak_estimated`), no
+    trial measured it yet, and fewer than `max_trials` ran."""
+    binds = profile.machine.gpu is None and plan.budget.dram_budget_bytes is not None and \
+        (options.dram_budget_bytes is not None or (profile.memory is not None and profile.memory.dram_peak_estimated))
+    tried = any(_same(t, levers_of(profile, plan), plan) for t in trials)
+    return binds and not tried and len(trials) < policy.max_trials
+
+
+def levers_of(profile, plan: Plan) -> frozenset[str]:
+    """The fit's levers `plan` turns on (`LEVERS`)."""
+    opt, out = plan.optimizer, set()
+    if plan.allocator is not None:
+        out.add("allocator")
+    if plan.update_in_backward is not None:
+        out.add("in_backward")
+    if opt is not None and opt.nvme is not None and opt.states and all(s.tier == "nvme" for s in opt.states):
+        out.add("states")
+        if opt.nvme.grads:
+            out.add("grads")
+    if plan.activations is not None:
+        out.add("tiering")
+    if plan.recompute is not None:
+        out.add("recompute")
+    return frozenset(out)
+
+
+def describe(levers: frozenset[str]) -> str:
+    """A candidate in words: `plain training`, or its levers' names."""
+    return _names(levers) or "plain training"
+
+
+def _floor(ctx, candidates: list[Candidate], host: str, unusable: dict[str, str]) -> HeteroError:
+    """The refusal below the floor: the least any candidate needs (measured where it was tried)."""
+    least = min(candidates, key=lambda c: c.held_bytes)
+    budget, trial = ctx.dram_budget_bytes, least.trial
+    how = "predicted" if trial is None else "measured in fresh processes" if not trial.stopped else \
+        f"more: {trial.stopped} of its trial's processes reached it"
+    return HeteroError(
+        f"below the floor: no plan keeps the budget {SIZE.format_short(budget, 5)} ({ctx.budget_source}); the least "
+        f"any plan needs is {SIZE.format_short(least.held_bytes, 5)} of {host} ({how}), with "
+        f"{_names(least.levers) or 'nothing moved'}: {floor_text(least.plan)}" + _unusable_text(unusable),
+        hint=f"raise --dram-budget to {SIZE.format_short(budget_for(least.held_bytes), 5)} or more, or train a "
+             "smaller model or batch", exit_code=USAGE)
 
 
 def floor_text(plan: Plan) -> str:
@@ -228,32 +273,9 @@ def allocator_plan(why: str, from_bytes: int | None = None) -> AllocatorPlan:
                          from_bytes=from_bytes, why=why)
 
 
-def with_spread(peak_bytes: int) -> int:
-    """What a process that keeps malloc's defaults and is predicted at `peak_bytes` may hold (`DEFAULTS_SPREAD`)."""
-    return int(peak_bytes * (1 + DEFAULTS_SPREAD))
-
-
-def measured_fits(peak_bytes: int, budget_bytes: int) -> bool:
-    """Whether a peak measured alone (the median of fresh processes with malloc's defaults) keeps `budget_bytes`
-    with malloc's spread above it (`with_spread`) and the mapped files beside it (`MAPPED_BYTES`): without the
-    `HEADROOM` that is kept for a simulation's error, which a measured peak has not."""
-    return with_spread(peak_bytes) <= budget_bytes - MAPPED_BYTES
-
-
-def room_bytes(ctx) -> int:
-    """The most the predicted peak may be under the budget."""
-    return room_of(ctx.dram_budget_bytes)
-
-
-def room_of(budget_bytes: int) -> int:
-    """The most a predicted peak may be under `budget_bytes`: `HEADROOM` for the predictions' error, `MAPPED_BYTES`
-    for the mapped files a memory limit charges too."""
-    return int(budget_bytes * (1 - HEADROOM)) - MAPPED_BYTES
-
-
 def budget_for(peak_bytes: int) -> int:
-    """The least budget whose room holds `peak_bytes` (`room_of` reversed, to the MiB above)."""
-    return ((int((peak_bytes + MAPPED_BYTES) / (1 - HEADROOM)) >> 20) + 1) << 20
+    """The least budget that holds `peak_bytes`, to the MiB above."""
+    return ((peak_bytes >> 20) + 1) << 20
 
 
 def allocator_cost_s(profile) -> float:
@@ -265,45 +287,32 @@ def allocator_cost_s(profile) -> float:
     return max(0.0, m.returned_step_s - reference)
 
 
-def _why(ctx, best: Candidate, seen: dict, base: Candidate, fitting: int, forced: frozenset[str]) -> str:
-    source = (f"DRAM budget {SIZE.format_short(ctx.dram_budget_bytes)} ({ctx.budget_source}; the prediction keeps "
-              f"{HEADROOM:.0%} and {SIZE.format_short(MAPPED_BYTES)} for mapped files under it)")
-    if best is base and not best.levers:
-        return (f"{source}: plain training's predicted peak {SIZE.format_short(base.peak_bytes)} fits with "
-                f"{DEFAULTS_SPREAD:.0%} more for malloc's defaults' spread, nothing moved")
-    lean = alone.measured(ctx.profile, best.plan)
-    if lean is not None:
-        return (f"{source}: {_names(best.levers)}{', every block' if 'recompute' in best.levers else ''}, with "
-                f"malloc's defaults, measured alone after the profile: peak {SIZE.format_short(lean.peak_bytes)} "
-                f"({SIZE.format_short(best.held_bytes)} with their {DEFAULTS_SPREAD:.0%} spread), "
-                f"{short_time(lean.step_s)} per step against "
-                f"{short_time(ctx.profile.memory.returned_step_s)} with freed memory returned instead"
-                f"{_noise(ctx.profile, lean)}; the fastest of {fitting} combinations that fit (of {len(seen)} "
-                "simulated)")
+def _why(ctx, best: Candidate, seen: dict, fitting: int) -> str:
+    source = f"DRAM budget {SIZE.format_short(ctx.dram_budget_bytes)} ({ctx.budget_source})"
+    tried = ""
+    if best.trial is not None:
+        t = best.trial
+        tried = (f"; measured in {len(t.peaks_bytes)} fresh processes: peaks {SIZE.format_short(min(t.peaks_bytes))}"
+                 f" to {SIZE.format_short(max(t.peaks_bytes))}, {SIZE.format_short(t.mapped_bytes)} of file pages "
+                 f"and page tables beside them, {short_time(best.iteration_s)} per step")
+    if not best.levers:
+        return (f"{source}: plain training, predicted at {SIZE.format_short(best.predicted_bytes)}, fits"
+                f"{tried or ' (predicted: not measured)'}")
     parts = []
     for lever in (x for x in LEVERS if x in best.levers):
         # a lever's saving is counted without the levers that need it (they have their own line)
         dependents = {x for x, needed in NEEDS.items() if needed == lever}
         with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
         with_it = best if lever == "recompute" else with_it  # with the fewest blocks, not every block
-        if without is None:
-            parts.append(f"{_NAMES[lever]} (--recompute)" if lever == "recompute" else
-                         f"{_NAMES[lever]} (always: the profile returned freed memory throughout to keep the "
-                         "budget, so plain training's own peak is not known)")
+        if without is None or with_it is None:
+            parts.append(f"{_NAMES[lever]} (--recompute)" if lever == "recompute" else _NAMES[lever])
             continue
-        parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.peak_bytes - with_it.peak_bytes)} for "
-                     f"{short_time(with_it.iteration_s - without.iteration_s)} per iteration")
-    plain = "" if forced else (f"plain training's peak {SIZE.format_short(seen[frozenset()].peak_bytes)} (with "
-                               f"{DEFAULTS_SPREAD:.0%} for malloc's defaults' spread) exceeds it; ")
-    return (f"{source}: {plain}{'; '.join(parts)}: predicted {SIZE.format_short(best.peak_bytes)} at "
-            f"{short_time(best.iteration_s)} per iteration, the fastest of {fitting} combinations that fit "
-            f"(of {len(seen)} simulated)")
-
-
-def _noise(profile, lean) -> str:
-    if not alone.taken_as_free(profile, lean):
-        return ""
-    return " (taken as no slower: it adds no work and faults less, so that is the machine's noise)"
+        parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.predicted_bytes - with_it.predicted_bytes)} "
+                     f"for {short_time(with_it.plan.predicted.iteration_s - without.plan.predicted.iteration_s)} "
+                     "per iteration (predicted)")
+    return (f"{source}: {'; '.join(parts)}: predicted {SIZE.format_short(best.predicted_bytes)} at "
+            f"{short_time(best.plan.predicted.iteration_s)} per iteration, the fastest of {fitting} candidates that "
+            f"fit (of {len(seen)} simulated){tried}")
 
 
 _NAMES = {"allocator": "returning freed memory",

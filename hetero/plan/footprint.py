@@ -10,8 +10,7 @@ stays where plain training put it (docs/benchmarks.md, "Memory is what the proce
 lower it: by the simulated drop of the saved-activation peak. Recomputed blocks (the plan's `recompute`, which comes
 with freed memory returned) never hold what they would have saved, so they lower it by the level of saved
 activations and gradients at its highest through the step (hetero.plan.backward), as updates in backward do by the
-gradients that coexist there. A leaner plan the profile measured alone (hetero.plan.alone) starts from its measured
-peak instead, which counts them.
+gradients that coexist there.
 
 `contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
 `hetero run` names its largest entries when the process nears the budget. Each section writes its own entries
@@ -20,27 +19,24 @@ peak instead, which counts them.
 
 from __future__ import annotations
 
-from hetero.plan import alone
 from hetero.plan.choices import host_tier, static_bytes
 from hetero.plan.section import HostPeak
 from hetero.plan.sections import TABLE
 from hetero.plan.sections.activations import EVICTED, TIERING
-from hetero.plan.sections.allocator import BELOW_SWITCH
 from hetero.plan.sections.optimizer_bytes import ADAM_STATE_BYTES_PER_PARAM, OPTIMIZER, STAGING, STATES
 from hetero.plan.sections.recompute import RECOMPUTED
 from hetero.plan.sections.update_in_backward import GRADS_FREED
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 
-__all__ = ["ADAM_STATE_BYTES_PER_PARAM", "BELOW_SWITCH", "EVICTED", "GRADS_FREED", "OPTIMIZER", "RECOMPUTED",
+__all__ = ["ADAM_STATE_BYTES_PER_PARAM", "EVICTED", "GRADS_FREED", "OPTIMIZER", "RECOMPUTED",
            "STAGING", "STATES", "TIERING", "contributors", "dram_peak_bytes", "returns_memory"]
 
 PLAIN = "plain training"  # its measured peak
 PLAIN_RETURNED = "plain training, memory returned"  # its peak measured with freed memory returned
-MEASURED_ALONE = "measured alone"  # a leaner plan's peak, measured so (hetero.plan.alone)
 MOVED_IN = "moved in from the gpu"
 # The order plans have always listed their entries in; an entry not here follows them, in the sections' order.
-ORDER = (PLAIN, PLAIN_RETURNED, MEASURED_ALONE, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED,
+ORDER = (PLAIN, PLAIN_RETURNED, STATES, OPTIMIZER, STAGING, MOVED_IN, EVICTED, GRADS_FREED,
          RECOMPUTED, TIERING)
 
 
@@ -58,10 +54,7 @@ def contributors(profile: Profile, plan: Plan, simulated_host_peak: int, evicted
     the saved-activation peak in host memory (counted only where freed memory is returned)."""
     assert profile.memory is not None
     host, returned = host_tier(profile), returns_memory(profile, plan)
-    lean = alone.measured(profile, plan)
-    if lean is not None:
-        out = {MEASURED_ALONE: lean.peak_bytes}
-    elif returned:
+    if returned:
         out = {PLAIN_RETURNED: profile.memory.dram_peak_returned_bytes}
     else:
         out = {PLAIN: profile.memory.dram_peak_bytes}

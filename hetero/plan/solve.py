@@ -13,22 +13,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import alone, fit, footprint, gpu_fit, plain, recompute, simulate
+from hetero.plan import fit, footprint, gpu_fit, plain, recompute, simulate
 from hetero.plan.choices import build, host_tier
 from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.model import GPU
 from hetero.plan.pins import pins_of
 from hetero.plan.section import Phase, Pins, Step, ns
-from hetero.plan.sections import TABLE, plain_of, update_in_backward
+from hetero.plan.sections import TABLE, plain_of
 from hetero.plan.sections.optimizer_bytes import gpu_state_bytes
 from hetero.plan.sections.routing import ONE_PROCESS, sync_times
 from hetero.plan.simulate import Result
 from hetero.schema import files
-from hetero.schema.plan import SECTIONS, ActivationPrediction, Budget, Plan, PlannedModel, Predicted, Source
+from hetero.schema.plan import ActivationPrediction, Budget, Plan, PlannedModel, Predicted, Source
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
 
-__all__ = ["ONE_PROCESS", "PlanOptions", "build", "measured_alone", "plan", "predict", "predicted_of"]
+__all__ = ["ONE_PROCESS", "PlanOptions", "build", "plan", "predict", "predicted_of"]
 
 UNPREDICTED = Predicted(iteration_s=0.0, peak_bytes={})  # a draft's: the simulator never reads it
 
@@ -81,20 +81,6 @@ def _source(profile: Profile, profile_path: str) -> Source:
     return Source(profile=profile_path, profile_sha256=files.content_sha256(profile),
                   model_fingerprint=profile.model.fingerprint,
                   models=[PlannedModel(name=m.name, fingerprint=m.fingerprint) for m in profile.model.models])
-
-
-def measured_alone(profile: Profile, profile_path: str, levers: frozenset[str]) -> Plan:
-    """The leaner plan with `levers` (hetero.plan.alone.to_measure): plain training with them turned on, malloc's
-    defaults and no budget, unpredicted: what `hetero profile` runs alone under a memory limit where plain training's
-    own peak was not found with room below it (hetero.profile.fresh)."""
-    sections = {"recompute": recompute.section(profile)} if "recompute" in levers else {}
-    if "in_backward" in levers:
-        sections["update_in_backward"] = update_in_backward.section(profile)
-    return Plan(source=_source(profile, profile_path), budget=Budget(gpu_memory_bytes=None, dram_budget_bytes=None,
-                                                                     reserve=PlanOptions().reserve),
-                predicted=UNPREDICTED, omitted=dict.fromkeys(SECTIONS, "a leaner plan: hetero profile measures it "
-                                                                       "alone"),
-                **{s.name: s.absent() for s in TABLE} | sections)
 
 
 def _solved(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None, draft: Plan, phase: Phase) -> Plan:
@@ -151,7 +137,7 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
                                    avg_fast_untiered_bytes=result.act_avg_untiered_bytes,
                                    peak_fast_untiered_bytes=result.act_peak_untiered_bytes)
     sync = sync_times(profile, plan)
-    iteration = result.iteration_s + alone.cost_s(profile, plan)
+    iteration = result.iteration_s
     for section in TABLE:  # what the simulator does not time: returning memory's page faults, recomputation
         iteration += section.cost_s(profile, plan)
     gpu: dict[str, int] = {}

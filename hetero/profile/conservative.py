@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from hetero.plan.fit import HEADROOM
+from hetero.plan.policy import POLICY
 from hetero.plan.footprint import ADAM_STATE_BYTES_PER_PARAM
 from hetero.profile import phases
 from hetero.profile.pressure import BLOCK_SHARE
@@ -85,7 +85,7 @@ class Conservative:
         n = sum(p.numel() for _, p in named)
         self.held_at_bind = process_memory.resident_bytes()
         added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n + self.budget_bytes // BLOCK_SHARE
-        fits = self.held_at_bind + added <= self.budget_bytes * (1 - HEADROOM)
+        fits = self.held_at_bind + added <= self.budget_bytes * (1 - POLICY.profile_headroom)
         self.ample = self.held_at_bind + added <= self.budget_bytes * AMPLE_SHARE
         if fits or not _movable(named):
             self.offload.leave_to_torch()

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from hetero.harness import hooks
 from hetero.harness.layers import repeated_blocks
 from hetero.plan import backward
-from hetero.plan.fit import HEADROOM
+from hetero.plan.policy import POLICY
 from hetero.profile import phases
 from hetero.run import process_memory
 from hetero.schema.profile import Layer
@@ -122,7 +122,7 @@ class UnderPressure:
         elif not self.calibrated:
             self.calibrated = True
             beyond = max(0, process_memory.dram_peak_bytes() - self.started_at)
-            self.mark = int(self.budget_bytes * (1 - HEADROOM)) - beyond
+            self.mark = int(self.budget_bytes * (1 - POLICY.profile_headroom)) - beyond
 
     def fill(self, layers: list[Layer], output_bytes: int, grads_gone: bool) -> tuple[list[Layer], int]:
         """`layers` with every engaged block's layers given what the same layer of a measured block of its class

@@ -55,6 +55,8 @@ from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 WARMUP_CPU, WARMUP_GPU = 2, 6  # default warm-up steps; on a GPU the last 5 time plain training's own step
+RETURNED_STEPS = "freed memory returned"  # the progress phase of returned.ReturnedSteps
+MACHINE_REMEMBERED = "machine as measured before on this host"  # the progress phase of a remembered machine
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +68,7 @@ class ProfileOptions:
     model_name: str | None = None  # `--model`: which of several candidate models to profile
     dram_budget_bytes: int | None = None  # `--dram-budget`: keep the profile under it (default: the memory cgroup's)
     machine: str | None = None  # `--machine`: an earlier profile of this machine, whose machine section is taken
+    measure_machine: bool = False  # `--measure-machine`: measure it even where an earlier profile of this host did
 
     def warmup_on(self, device: torch.device) -> int:
         """The warm-up steps on `device`: as asked, else enough that the plain step time is steady (a GPU's first
@@ -102,6 +105,11 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
         return None
     if options.machine is not None:
         known = same_machine.load(options.machine, options.nvme_dir)
+    else:
+        known = None if options.measure_machine else same_machine.remembered(options.nvme_dir, run.device)
+        if known is not None and progress is not None:
+            progress(MACHINE_REMEMBERED, 1, 1)
+    if known is not None:
         return assemble(run, same_machine.reuse(known, run.device, options.nvme_dir, links, run.disk_beside))
     # Under a budget that leaves less than the machine's measurements hold by default, their buffers fit under the
     # training's own peak (the training was released): the profile needs no more than the run it plans for.
@@ -112,7 +120,10 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
         run.memory.profiled_under += (f"; the machine measured after the training was released, in buffers of at "
                                       f"most {SIZE.format_short(machine.largest_buffer(room))} (an eighth of the "
                                       f"{SIZE.format_short(room)} left under the training's own peak)")
-    return assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside, room))
+    out = assemble(run, machine.measure(run.device, options.nvme_dir, progress, links, run.disk_beside, room))
+    if room is None:  # measured in full: kept for the next profile on this host
+        same_machine.remember(out)
+    return out
 
 
 def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
@@ -149,6 +160,7 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
     """Run the script for warm-up plus measured steps and measure its layers."""
     options.check()
     session = _Session(options, progress or (lambda *a: None))
+    session.cwd = os.getcwd()  # before the script can change it
     session.capture = Capture(session.found, script, options.model_name)
     budget = session.budget = returned.budget_of(options.dram_budget_bytes)
     session.budgeted = returned.Budgeted(budget) if budget is not None else None
@@ -194,7 +206,7 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
     layers = [replace(x, model=part_of(session.model, x.name)) for x in layers]
     if session.pressure is not None:
         session.pressure.least()  # the check's forward under the budget too
-    model_info = _model_info(session.model, session.optimizers, script)
+    model_info = _model_info(session.model, session.optimizers, script, args, session.cwd)
     _release_training(session.model, session.optimizers)  # the check needs the weights only
     blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
     out = ScriptMeasurement(model=model_info, training=session.training(summary, edits_grads=edits["edited"] > 0),
@@ -202,21 +214,12 @@ def _measured(script: str, args: list[str], options: ProfileOptions, session: _S
                             compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
                             moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
                             blocks=blocks)
-    _release(session.model)  # before the fresh processes: they must not come on top of it
-    # where plain's peak can be compared with it: a CPU trains, no budget made the profile return memory, and the
-    # script runs as one process (a second run of a torchrun worker would join its ranks' rendezvous)
-    if session.device.type == "cpu" and session.budgeted is None and os.environ.get("WORLD_SIZE", "1") == "1":
-        session.progress("malloc's settings", 0, 1 + returned.DEFAULT_RUNS)
-        found = returned.measure(script, args, options.warmup_on(session.device), session.steps_from,
-                                 lambda done, n: session.progress("malloc's settings", done, n))
-        total = 1 + (len(found.default_peaks_bytes) if found is not None else returned.DEFAULT_RUNS)
-        session.progress("malloc's settings", total, total)
-        if found is not None:  # plain training's own peak, settled, without hooks: what a plain process pays
-            session.memory.dram_peak_bytes = found.default_peak_bytes
-            session.memory.dram_peak_runs_bytes = list(found.default_peaks_bytes)
-            session.memory.dram_peak_returned_bytes = found.peak_bytes
-            session.memory.returned_step_s = measured(found.step_s)
-            session.memory.default_step_s = measured(found.default_step_s)
+    _release(session.model)  # before the machine is measured: it must not come on top of it
+    found = session.returned.result if session.returned is not None else None
+    if found is not None:  # plain training's peak and step with freed memory returned, against the measured steps'
+        session.memory.dram_peak_returned_bytes, step_s = found
+        session.memory.returned_step_s = measured(step_s)
+        session.memory.default_step_s = out.training.iteration_s
     return out
 
 
@@ -261,6 +264,7 @@ class _Session:
         self.summary: Summary | None = None  # the measured steps', once they are all done
         self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
         self.tier_steps: tier_steps.TierSteps | None = None
+        self.returned: returned.ReturnedSteps | None = None  # the steps with freed memory returned, once started
         self.budget: tuple[int, str] | None = None  # the budget the profile keeps, and where it came from
         self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
         self.conservative: Conservative | None = None  # under a budget: the optimizer, moved if plain won't fit
@@ -276,6 +280,7 @@ class _Session:
         self.output_bytes = 0  # the most the model's training forward returned with gradients
         self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
         self._start = self._previous_end = None
+        self.cwd = ""  # where the script started
 
     def _unbudgeted(self) -> None:
         """The memory cgroup's limit binds nothing (Conservative.ample): the rest of the profile measures as without
@@ -353,6 +358,12 @@ class _Session:
             if done:
                 raise StopScript()
             return
+        if self.returned is not None and self.returned.result is None:
+            if self.returned.step_ended():
+                self.returned.close()  # malloc's defaults again for the disk's steps
+                self._start_tier_steps() or self._stop()
+            self.progress(RETURNED_STEPS, len(self.returned.ends), self.returned.STEPS)
+            return
         self.steps_done += 1
         end = self.profiler.clock.mark()
         warmup, total = self.warmup, self.warmup + self.options.steps
@@ -370,13 +381,12 @@ class _Session:
             self.profiler.attach()
         elif self.steps_done == total:
             self.profiler.detach()
-            if self.budgeted is not None and self.device.type == "cpu":
-                # under a budget no fresh process measures plain's peak, so the measured steps count too: the
-                # process goes on growing after a single warm-up step (its first NVMe updates, malloc's heap)
+            if self.device.type == "cpu":
+                # the measured steps count too: a process goes on growing after its first steps (malloc's heap,
+                # first NVMe updates under a budget), and on a CPU the hooks' records are small beside a step's
                 self.memory = _memory(self.device, self.budgeted, self.conservative)
             self.summary = summarize(self.profiler)
-            if not self._start_tier_steps():
-                raise StopScript()
+            self._start_returned_steps() or self._start_tier_steps() or self._stop()
 
     def _start_tier_steps(self) -> bool:
         """Time the disk beside training where the planner needs it: the CPU computes (a GPU's kernels share no
@@ -393,10 +403,29 @@ class _Session:
         self.progress("disk beside training", 0, tier_steps.STEPS)
         return True
 
+    def _start_returned_steps(self) -> bool:
+        """Right after the measured steps, the steps with freed memory returned, where they measure what a plan
+        would pay for it: the CPU trains plainly in one process (under a budget the profile returned memory
+        throughout: its peak is that one)."""
+        if self.device.type != "cpu" or self.budgeted is not None or os.environ.get("WORLD_SIZE", "1") != "1":
+            return False
+        steps = returned.ReturnedSteps()
+        if not steps.start():
+            return False
+        self.returned = steps
+        self.progress(RETURNED_STEPS, 0, steps.STEPS)
+        return True
+
+    @staticmethod
+    def _stop() -> None:
+        raise StopScript()
+
     def close(self) -> tier_steps.DiskBeside | None:
         """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
         if self.budgeted is not None:
             self.budgeted.close()
+        if self.returned is not None:
+            self.returned.close()
         if self.recompute is not None and self.summary is None:  # ended early: nothing will check the blocks
             self.recompute.close()
         if self.others is not None:
@@ -489,14 +518,15 @@ def _plain_step(training: Training, tensors: int, params: int, measured_machine:
                    iteration_s=measured(max(step, training.iteration_s - training.optimizer_step_s + step)))
 
 
-def _model_info(model: nn.Module, optimizers: list[torch.optim.Optimizer], script: str) -> ModelInfo:
+def _model_info(model: nn.Module, optimizers: list[torch.optim.Optimizer], script: str, args: list[str],
+                cwd: str) -> ModelInfo:
     owned = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]} if optimizers \
         else {id(p): p for p in model.parameters() if p.requires_grad}  # updated by hand: what gets gradients
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
     parts = [TrainedModel(name=name, type=type(part).__name__, fingerprint=fingerprint(part),
                           num_params=sum(p.numel() for p in part.parameters()))
              for name, part in model.named_children()] if len(roots(model)) > 1 else []
-    return ModelInfo(fingerprint=fingerprint(model), script=script,
+    return ModelInfo(fingerprint=fingerprint(model), script=script, args=list(args), cwd=cwd,
                      num_params=sum(p.numel() for p in owned.values()), dtype=dtypes.most_common(1)[0][0],
                      models=parts, sharded=sharded(model))
 

@@ -1,6 +1,7 @@
-"""`hetero profile --machine FILE`: the machine section of an earlier profile written on this machine, taken instead
-of measuring the machine again (tens of seconds: most of a small script's profile; nothing the script's own
-measurements depend on).
+"""The machine section of an earlier profile written on this machine, taken instead of measuring the machine again
+(tens of seconds: most of a small script's profile; nothing the script's own measurements depend on): `hetero
+profile --machine FILE`, or by default the last profile that measured this host (`remembered`, kept in the user's
+cache directory by `remember`; `--measure-machine` measures it again).
 
 What was measured is taken as it stands: the CPU's rates, the memory and disk curves, the AXDIMM's updates, the GPU
 and its link. What describes the present is read again: available memory and free disk (the tiers' capacities and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -115,3 +117,33 @@ def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def cache_path() -> Path:
+    """Where the last profile that measured this host is kept: `$XDG_CACHE_HOME/hetero` (default ~/.cache/hetero),
+    one file per host."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hetero" / f"machine-{workdir.host()}.profile.yaml"
+
+
+def remembered(nvme_dir: str | None, device: torch.device) -> Machine | None:
+    """The machine `remember` kept for this host, where it is this machine's (`differences`) beside `device`; None
+    where there is none, it is of another machine, or it cannot be read."""
+    path = cache_path()
+    if not path.is_file():
+        return None
+    try:
+        known = files.load(path, expect=Profile).machine
+        _check_device(known, device)
+    except HeteroError:  # another machine's, another GPU's, or damaged: measured again
+        return None
+    return None if differences(known, nvme_dir) else known
+
+
+def remember(profile: Profile) -> None:
+    """Keep `profile` (its machine measured in full) for the next profile on this host; nothing where the cache
+    directory cannot be written."""
+    path = cache_path()
+    with suppress(OSError):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        files.save(profile, path)

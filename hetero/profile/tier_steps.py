@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hetero.plan.fit import room_of
+from hetero.plan.policy import POLICY
 from hetero.run import process_memory, spans
 from hetero.run.tiering import ActivationTiering
 from hetero.schema.plan import ActivationPlan, Eviction
@@ -53,7 +53,7 @@ def room_beside(budget: tuple[int, str] | None) -> bool:
     (hetero.profile.machine)."""
     if budget is None:
         return True
-    return process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= room_of(budget[0])
+    return process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= POLICY.room_of(budget[0])
 
 
 class TierSteps:

@@ -40,7 +40,7 @@ M_MMAP_THRESHOLD = -3
 RESTORED_MMAP_BYTES = 32 << 20
 RESTORED_TRIM_BYTES = 64 << 20
 # How often the resident set is read with `from_bytes`: filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM
-# (torch.ones of 256 MiB), inside the plan's headroom under its budget from 1 GiB up (hetero.plan.fit.HEADROOM).
+# (torch.ones of 256 MiB), inside the plan's headroom under its budget from 1 GiB up (hetero.plan.policy.MemoryPolicy.profile_headroom).
 WATCH_INTERVAL_S = 0.005
 # Below the switch the heaps are trimmed after a backward only where the process ends it holding this share of
 # `from_bytes` more than it ended any backward before with: trimming after every backward (or whenever the heaps

@@ -58,6 +58,26 @@ class Source:
 
 
 @dataclass(kw_only=True, slots=True)
+class Trial:
+    """A candidate plan `hetero plan` ran in fresh processes under a DRAM budget before choosing
+    (hetero.launch.trials), and what they measured (judged by hetero.plan.policy)."""
+
+    levers: list[str] = doc("What the candidate turns on to keep the budget (hetero.plan.fit's levers: `allocator`, "
+                            "`in_backward`, `states`, `grads`, `tiering`, `recompute`); empty: plain training.")
+    blocks: int | None = doc("Blocks it recomputes; null: none.", default=None)
+    predicted_bytes: int = doc("Its predicted peak of host memory, before the trial.", unit=SIZE, ge=0)
+    peaks_bytes: list[int] = doc("Each process's peak, as a memory limit charges it (anonymous memory), once it "
+                                 "settled; a process that reached the budget and stopped itself has none.", unit=SIZE)
+    stopped: int = doc("Processes that reached the budget and stopped themselves.", ge=0)
+    stop_bytes: int = doc("What they stopped themselves at: the budget, less what `hetero plan` held beside them "
+                          "under the same memory limit.", unit=SIZE, ge=0)
+    mapped_bytes: int = doc("The most file pages a process referenced in its steps, with its page tables: what a "
+                            "limit charges beside the peak.", unit=SIZE, ge=0)
+    step_s: float | None = doc("The processes' median step time; null: none settled.", unit=TIME)
+    step_range_s: float = doc("The range of their step times.", unit=TIME, ge=0)
+
+
+@dataclass(kw_only=True, slots=True)
 class Budget:
     """The limits the plan was solved under."""
 
@@ -67,6 +87,9 @@ class Budget:
                          "GPU (1 keeps all, 0 writes all to host).", ge=0, le=1)
     grad_grid_bytes: int | None = doc("Step of the size grid the gradient-offload DP solved on (sizes rounded up "
                                       "to it, the reserve down); null without a GPU.", unit=SIZE, default=None)
+    trials: list[Trial] = doc("The candidates `hetero plan` ran in fresh processes to keep a binding DRAM budget, "
+                              "in the order it tried them; the plan is one a trial verified. Empty: none ran.",
+                              default_factory=list, added=True)
     why: str = doc("Where the DRAM budget came from (the option, or the memory cgroup the profile ran in) and what "
                    "the plan turned on to keep the process's predicted peak under it.", default="", comment=True)
 

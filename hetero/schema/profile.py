@@ -58,6 +58,11 @@ class ModelInfo:
 
     fingerprint: str = doc("`sha256:` hash over (name, shape, dtype) of every parameter, in order.")
     script: str = doc("The training script, as given to `hetero profile`.")
+    args: list[str] | None = doc("The script's arguments, as given to `hetero profile`: `hetero plan` runs the script "
+                                 "with them to measure a plan under a DRAM budget; null: not recorded (an older "
+                                 "profile).", default=None, added=True)
+    cwd: str | None = doc("The directory `hetero profile` ran the script in, where `hetero plan` runs it too.",
+                          default=None, added=True)
     num_params: int = doc("Parameters the optimizer owns.", unit=COUNT)
     dtype: str = doc("Parameter dtype, e.g. `float32` (the most common one when mixed).")
     models: list[TrainedModel] = doc("The models, where the script trains several (each with its own optimizer): "
@@ -321,64 +326,32 @@ class Layer:
 
 
 @dataclass(kw_only=True, slots=True)
-class MeasuredAlone:
-    """A plan with malloc's defaults that `hetero profile` ran alone under its memory limit, as `hetero run` would
-    carry it out (hetero.plan.alone), and what it measured."""
-
-    levers: list[Literal["in_backward", "recompute"]] = doc(
-        "What the plan turns on: `in_backward`, the script's own optimizer updating each parameter in backward; "
-        "`recompute`, every block the profile found recomputable recomputed.")
-    peak_bytes: int = doc("Its peak, as `dram_peak` counts it: the median of up to 3 fresh processes (two that agree "
-                          "end it), where it settled below the budget's room.", unit=SIZE, ge=0)
-    step_s: float = doc("Those processes' step time; with `returned_step`, measured alone beside them, what the plan "
-                        "costs against plain training with freed memory returned.", unit=TIME)
-
-
-@dataclass(kw_only=True, slots=True)
 class Memory:
-    """What the whole process held while the script trained as it is (its warm-up steps, before the profiler's
-    hooks): what plain training costs, interpreter, libraries and allocator slack included."""
+    """What the whole process held while the script trained as it is: what plain training costs, interpreter,
+    libraries and allocator slack included."""
 
     dram_peak_bytes: int = doc("Peak of host memory as a memory limit charges it (the kernel's high-water mark "
-                               "VmHWM less the file pages mapped then): the mean of the script run in 2 fresh "
-                               "processes with malloc's defaults (`dram_peak_runs`; the median of 3 where the first "
-                               "two are more than 5% apart), each for 16 steps (or to the script's own end, whose "
-                               "evaluation and saving then count); under a budget, in the profile's own process "
-                               "by the end of the measured steps, unless, under a memory limit, the script "
-                               "then ran alone in up to 3 fresh processes with malloc's defaults (two that agree end "
-                               "it) and their median settled below the budget's room (`profiled_under` says which); "
-                               "under torchrun or on a GPU, by the end of the warm-up steps, which run without the "
-                               "profiler's hooks.", unit=SIZE, ge=0)
+                               "VmHWM less the file pages mapped then), in the profile's own process by the end of "
+                               "the measured steps (on a GPU or under torchrun, of the warm-up steps, which run "
+                               "without the profiler's hooks); under a budget an estimate (`dram_peak_estimated`).",
+                               unit=SIZE, ge=0)
     gpu_allocated_peak_bytes: int | None = doc("Peak of torch's allocated GPU memory; null without a GPU.",
                                                unit=SIZE, ge=0, default=None)
     gpu_reserved_peak_bytes: int | None = doc("Peak of GPU memory torch's caching allocator reserved; null without "
                                               "a GPU.", unit=SIZE, ge=0, default=None)
-    dram_peak_runs_bytes: list[int] = doc("Each fresh process's peak whose median is `dram_peak`, in the order they "
-                                          "ran: with malloc's defaults the same script peaks differently from one "
-                                          "process to the next; empty: not measured that way.", unit=SIZE,
-                                          default_factory=list)
     dram_peak_estimated: bool = doc("`dram_peak` was not measured: the profile ran under a budget with freed memory "
                                     "returned from the start (plain training might not have fit), and `dram_peak` "
                                     "is the peak measured that way (a lower bound of plain's), plus, where the "
                                     "profile also kept Adam's states and the gradients on NVMe (`profiled_under` "
                                     "says so), the 12 B/param plain training holds there instead.", default=False)
-    dram_peak_returned_bytes: int | None = doc("Peak of host memory (as `dram_peak` counts it) of the script run in a "
-                                               "fresh process with glibc returning freed memory to the kernel (the "
-                                               "plan's `allocator`), until it settles; null: not measured.",
-                                               unit=SIZE, ge=0, default=None)
-    returned_step_s: float | None = doc("Mean step time over those steps (with `measured_alone`: where plain "
-                                        "training that way passed the budget's room, of the script's updates in "
-                                        "backward that way, which cost no time; `profiled_under` says which); null: "
-                                        "not measured.", unit=TIME, default=None)
-    default_step_s: float | None = doc("Mean step time of the same fresh run with malloc's defaults: "
-                                       "`returned_step` less this is what returning memory costs a step (page "
-                                       "faults); null: not measured.", unit=TIME, default=None)
-    measured_alone: list[MeasuredAlone] = doc("Under a memory limit where plain training's own peak was not found "
-                                              "with room for malloc's spread below the budget's room: leaner plans "
-                                              "with malloc's defaults, each measured alone after the profile as "
-                                              "plain's is, in the order they ran (the next only where the one before "
-                                              "did not fit); empty: none measured.", default_factory=list,
-                                              added=True)
+    dram_peak_returned_bytes: int | None = doc("Peak of host memory (as `dram_peak` counts it) over a few more steps "
+                                               "with glibc returning freed memory to the kernel (the plan's "
+                                               "`allocator`), from a trimmed heap; under a budget, `dram_peak` "
+                                               "itself; null: not measured.", unit=SIZE, ge=0, default=None)
+    returned_step_s: float | None = doc("Mean time of those steps; null: not measured.", unit=TIME, default=None)
+    default_step_s: float | None = doc("The measured steps' time, with malloc's defaults: `returned_step` less this "
+                                       "is what returning memory costs a step (page faults); null: not measured.",
+                                       unit=TIME, default=None)
     profiled_under: str | None = doc("How the profile kept a budget it found or was given (null: none), e.g. "
                                      "`freed memory returned from the start, under the 2GiB memory cgroup`.",
                                      default=None)

@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils import clip_grad
 
 from hetero.cli.main import main
-from hetero.profile import conservative, machine, phases, returned
+from hetero.profile import conservative, machine, phases
 from hetero.run import process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
@@ -69,7 +69,6 @@ def test_the_disk_probe_leaves_nothing_behind(profiled):
 
 
 def test_json_goes_to_stdout_and_the_scripts_output_to_stderr(tmp_path, capfd, bundled_machine, monkeypatch):
-    monkeypatch.setattr(returned, "measure", lambda *args, **kwargs: None)  # what they print goes nowhere
     path = scripts.write(tmp_path, scripts.LOOP)
     assert main(["profile", "--json", "--steps", "1", "--warmup", "1", "-o", str(tmp_path / "p.yaml"), path]) == 0
     out, err = capfd.readouterr()
@@ -157,21 +156,20 @@ def test_an_earlier_profiles_machine_is_taken_instead_of_measured(profiled, tmp_
 
 def test_a_memory_limit_that_binds_nothing_is_profiled_as_without_one_and_in_process_never_forks(
         profiled, tmp_path, monkeypatch):
-    """A container's limit near the machine's memory (a GPU machine's 123 GiB) leaves plain training's peak measured
-    in fresh processes, not estimated; `main()` called from Python (here, pytest) is not hetero's own process, so
+    """A container's limit near the machine's memory (a GPU machine's 123 GiB) leaves plain training's peak measured,
+    not estimated; `main()` called from Python (here, pytest) is not hetero's own process, so
     the memory guard must not turn the caller into its waiter."""
     from hetero.launch import guard
 
     _, out, _ = profiled
     monkeypatch.setattr(process_memory, "memory_limit_bytes", lambda *a, **kw: 20 << 30)
     monkeypatch.setattr(guard, "fork", lambda *a, **kw: pytest.fail("hetero profile forked its caller"))
-    monkeypatch.setattr(returned, "DEFAULT_RUNS", 1)  # fresh processes, however many
     profile = tmp_path / "profile.yaml"
     assert main(["profile", "--steps", "1", "--warmup", "1", "--machine", str(out / "profile.yaml"), "--nvme",
                  str(tmp_path / "disk"), "-o", str(profile), *SMALL_GPT]) == 0
     memory = files.load(profile, expect=Profile).memory
     assert not memory.dram_peak_estimated and memory.profiled_under is None
-    assert len(memory.dram_peak_runs_bytes) == returned.DEFAULT_RUNS
+    assert memory.dram_peak_returned_bytes is not None  # the steps with freed memory returned ran too
     assert process_memory.memory_limit_bytes() == 20 << 30  # the plan still keeps the limit (hetero.plan.context)
 
 

@@ -108,7 +108,6 @@ def test_an_empty_directory_in_a_plan_is_refused_by_check(tmp_path, capfd, path)
     assert "activations.slow_path: empty path" in capfd.readouterr().err
 
 
-@pytest.mark.usefixtures("without_malloc_runs")
 @pytest.mark.parametrize("args", [(), ("fp32", "workers=0"), ("scaled", "workers=0")],
                          ids=["bf16-workers", "fp32", "model-is-a-layer"])
 def test_a_conv_script_evicts_every_byte_its_plan_schedules(tmp_path, monkeypatch, capfd, args):
@@ -132,7 +131,6 @@ def test_a_conv_script_evicts_every_byte_its_plan_schedules(tmp_path, monkeypatc
     assert queued == {layer: nbytes * int(harness.STEPS) for layer, nbytes in scheduled.items()}
 
 
-@pytest.mark.usefixtures("without_malloc_runs")
 def test_an_lstm_saved_whole_at_each_epochs_end_trains_as_plain_under_tiering(tmp_path, monkeypatch, capfd):
     """pytorch/examples' word language model: `torch.save(model)` of a model with an nn.LSTM (whose class pickles
     its own way) while tiering's hooks are on it; the saved model and a deep copy carry none of them."""

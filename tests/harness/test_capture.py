@@ -7,8 +7,6 @@ from hetero.profile.profiler import ProfileOptions, measure_script
 from tests.profile import scripts
 
 ONE_STEP = ProfileOptions(steps=1, warmup=1)
-pytestmark = pytest.mark.usefixtures("without_malloc_runs")
-
 
 def test_teacher_and_student_picks_the_one_being_trained(tmp_path):
     path = scripts.write(tmp_path, """

@@ -56,7 +56,8 @@ def test_copies_and_pickles_leave_heteros_hooks_out_and_keep_the_scripts():
 @pytest.fixture
 def fresh(monkeypatch):
     """The hook registry as in a new process: earlier tests may keep modules that still carry hetero's hooks."""
-    monkeypatch.setattr(nn.Module, "__getstate__", hooks._originals.get(nn.Module, nn.Module.__getstate__))
+    for owner, original in hooks._originals.items():  # every class an earlier test's hooks patched (nn.LSTM's too)
+        monkeypatch.setattr(owner, "__getstate__", original)
     monkeypatch.setattr(hooks, "_ids", {})
     monkeypatch.setattr(hooks, "_originals", {})
 

@@ -9,8 +9,6 @@ from hetero.harness.layers import select_layers
 from hetero.profile.profiler import ProfileOptions, measure_script
 from tests.profile import scripts
 
-pytestmark = pytest.mark.usefixtures("without_malloc_runs")
-
 
 def independent_saved_storages(model, x, y) -> list[int]:
     """Sizes of what autograd keeps for one forward, counted with our own hooks: distinct storages, parameters

@@ -7,13 +7,12 @@ from dataclasses import replace
 import pytest
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import alone, backward, fit, footprint, recompute
+from hetero.plan import backward, fit, footprint, recompute
 from hetero.plan.sections.recompute import gradients_of
-from hetero.plan.sections import plain_of
-from hetero.plan.solve import PlanOptions, plan, predict
+from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
-from hetero.schema.plan import UpdateInBackward
-from hetero.schema.profile import Block, MeasuredAlone, Memory, Profile
+from hetero.schema.plan import Trial, UpdateInBackward
+from hetero.schema.profile import Block, Memory, Profile
 
 MiB = 2**20
 PLAIN, RETURNED = 900 * MiB, 700 * MiB
@@ -125,80 +124,11 @@ def test_recomputing_is_counted_with_the_plans_own_gradients(cpu):
     assert gone.gone_grads == {x.name for x in cpu.layers if x.params} and gone.step
 
 
-def _anchored(profile: Profile, p) -> float:
-    """`p`'s simulated iteration on plain training's measured step (hetero.plan.plain.anchored_iteration_s)."""
-    return profile.training.iteration_s + predict(profile, p).iteration_s - predict(profile, plain_of(p)).iteration_s
-
-
-def test_every_block_recomputed_with_mallocs_defaults_is_planned_at_its_peak_and_step_measured_alone(cpu):
-    """Under a limit plain's own peak did not settle under, the profile measured every block recomputed with
-    malloc's defaults alone: that is a candidate at its measured peak and step, chosen where it is the faster fit."""
-    step = cpu.training.iteration_s
-    lean = MeasuredAlone(levers=["recompute"], peak_bytes=RETURNED - 80 * MiB, step_s=0.5 * step)
-    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
-                        returned_step_s=step, measured_alone=[lean])
-    p = plan(cpu, budget(RETURNED))
-    assert p.allocator is None and p.update_in_backward is None and p.optimizer is None
-    assert p.recompute.blocks == ["h.0", "h.1", "h.2", "h.3"]  # every block: the measured plan, not fewer
-    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED - 80 * MiB}
-    # its simulated iteration (the profile's steps returned freed memory), less what the measured step saves, less the
-    # margin a plan that recomputes must beat memory returned by
-    saved = 0.5 - alone.RECOMPUTE_MARGIN
-    assert p.predicted.iteration_s == pytest.approx(_anchored(cpu, p) - saved * step, rel=1e-6)
-    assert "every block, with malloc's defaults, measured alone" in p.budget.why
-    # slower than returning freed memory, or faster by less than the margin: not chosen where that fits; above the
-    # room: not a candidate
-    for slower in (1.1, 1 - alone.RECOMPUTE_MARGIN / 2):
-        lean.step_s = slower * step
-        assert plan(cpu, budget(RETURNED)).allocator is not None
-    lean.step_s, lean.peak_bytes = 0.5 * step, RETURNED + 50 * MiB
-    assert plan(cpu, budget(RETURNED)).allocator is not None
-    # a plan edited to recompute fewer blocks is predicted as the profile's layers count it, not as measured
-    edited = replace(p, recompute=replace(p.recompute, blocks=p.recompute.blocks[1:]))
-    assert alone.measured(cpu, edited) is None
-
-
-def test_updates_in_backward_measured_alone_are_planned_before_recomputation(cpu):
-    """Updates in backward cost no time: measured alone under the room, they are the plan, with no block
-    recomputed; the planner takes the measured peak, not plain's estimate less the gradients."""
-    step = cpu.training.iteration_s
-    cpu.memory = Memory(dram_peak_bytes=RETURNED, dram_peak_estimated=True, dram_peak_returned_bytes=RETURNED,
-                        returned_step_s=step, measured_alone=[
-                            MeasuredAlone(levers=["in_backward"], peak_bytes=RETURNED - 80 * MiB, step_s=0.7 * step),
-                            MeasuredAlone(levers=["in_backward", "recompute"], peak_bytes=RETURNED // 2,
-                                          step_s=0.8 * step)])
-    p = plan(cpu, budget(RETURNED))
-    assert p.allocator is None and p.recompute is None and p.update_in_backward is not None
-    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED - 80 * MiB}
-    assert p.predicted.iteration_s == pytest.approx(_anchored(cpu, p) - 0.3 * step, rel=1e-6)
-    assert "updating each parameter in backward" in p.budget.why and "measured alone" in p.budget.why
-    # measured slower than plain with freed memory returned, one process each: still the plan, at no cost, before
-    # returning memory (as fast by the prediction, which cannot count its page faults here); no NVMe to move to
-    lean = replace(cpu, machine=replace(cpu.machine, tiers=[t for t in cpu.machine.tiers if t.kind != "nvme"]))
-    first = lean.memory.measured_alone[0]
-    first.step_s, first.peak_bytes, lean.memory.measured_alone[1].step_s = 1.1 * step, RETURNED + 10 * MiB, 1.2 * step
-    p = plan(lean, budget(fit.with_spread(first.peak_bytes)))  # its peak above the one predicted with memory returned
-    assert p.allocator is None and p.recompute is None and p.update_in_backward is not None
-    assert p.predicted.iteration_s == pytest.approx(_anchored(lean, p), rel=1e-6)
-    assert "taken as no slower" in p.budget.why
-    first.step_s, first.peak_bytes, cpu.memory.measured_alone[1].step_s = 0.7 * step, RETURNED - 80 * MiB, 0.8 * step
-    # where only the leaner of the two fits, it is the plan
-    p = plan(cpu, PlanOptions(dram_budget_bytes=fit.budget_for(fit.with_spread(RETURNED // 2))))
-    assert p.allocator is None and p.recompute is not None and p.update_in_backward is not None
-    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED // 2}
-
-
-def test_a_leaner_plan_measured_alone_beside_plains_own_peak_is_held_as_measured(cpu):
-    """Plain training measured alone but too near the budget for malloc's spread: the profile measured updates in
-    backward alone too, and that candidate (a lever the planner also simulates) keeps the measured rule, spread and
-    mapped files under the budget without the simulation's headroom."""
-    step = cpu.training.iteration_s
-    lean = MeasuredAlone(levers=["in_backward"], peak_bytes=RETURNED, step_s=step)
-    cpu.memory = Memory(dram_peak_bytes=PLAIN, dram_peak_returned_bytes=RETURNED - 100 * MiB, returned_step_s=step,
-                        default_step_s=step, measured_alone=[lean])
-    budget = fit.with_spread(RETURNED) + fit.MAPPED_BYTES  # within the room only without the headroom
-    assert fit.with_spread(RETURNED) > fit.room_of(budget)
-    cpu.machine.tiers = [t for t in cpu.machine.tiers if t.kind != "nvme"]  # its Adam would be faster than torch's
-    p = plan(cpu, PlanOptions(dram_budget_bytes=budget))
-    assert p.update_in_backward is not None and p.allocator is None
-    assert p.predicted.dram == {footprint.MEASURED_ALONE: RETURNED} and "measured alone" in p.budget.why
+def test_a_trial_of_fewer_blocks_that_did_not_fit_has_the_planner_recompute_more(cpu):
+    options = budget(650 * MiB)
+    first = plan(cpu, options)
+    k = len(first.recompute.blocks)
+    over = Trial(levers=sorted(fit.levers_of(cpu, first)), blocks=k, predicted_bytes=first.predicted.peak_bytes["dram"],
+                 peaks_bytes=[660 * MiB] * 3, stopped=0, stop_bytes=650 * MiB, mapped_bytes=0, step_s=1.0, step_range_s=0.0)
+    second = plan(cpu, replace(options, trials=(over,)))
+    assert second.recompute is not None and len(second.recompute.blocks) > k  # the trial's error added

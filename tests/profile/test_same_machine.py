@@ -90,3 +90,17 @@ def test_a_machine_measured_beside_a_gpu_is_refused_for_a_model_on_the_cpu(here)
     with pytest.raises(HeteroError) as e:
         same_machine.reuse(dataclasses.replace(here, gpu=gpu), torch.device("cpu"), None, [], None)
     assert e.value.exit_code == USAGE and "measured beside GPU H100" in e.value.message
+
+
+def test_the_last_machine_measured_on_this_host_is_remembered_for_the_next_profile(here, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu = torch.device("cpu")
+    assert same_machine.remembered(None, cpu) is None  # nothing kept yet
+    profile = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml")
+    same_machine.remember(dataclasses.replace(profile, machine=here))
+    assert same_machine.cache_path().parent == tmp_path / "cache" / "hetero"
+    assert same_machine.remembered(None, cpu) == here
+    same_machine.remember(dataclasses.replace(profile, machine=dataclasses.replace(here, host="0badcafe")))
+    assert same_machine.remembered(None, cpu) is None  # another host's: measured again
+    same_machine.cache_path().write_text("not: a profile\n")
+    assert same_machine.remembered(None, cpu) is None  # damaged: measured again

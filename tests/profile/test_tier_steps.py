@@ -1,11 +1,10 @@
 """The disk timed as the runtime's tiering drives it, beside a script's own training steps."""
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hetero.plan.fit import room_of
+from hetero.plan.policy import POLICY
 from hetero.profile import tier_steps
 from hetero.profile.profiler import ProfileOptions, measure_script
 from hetero.run import process_memory, spans
@@ -14,11 +13,9 @@ from hetero.schema.profile import Layer
 from tests.profile import scripts
 from tests.waits import until
 
-pytestmark = pytest.mark.usefixtures("without_malloc_runs")
-
 WIDE = """
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=7)
+parser.add_argument("--steps", type=int, default=10)  # warm-up, measured, returned-memory and disk steps
 args = parser.parse_args()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 4))
@@ -134,7 +131,7 @@ def test_the_disk_is_timed_beside_training_only_where_the_budget_leaves_room_for
     assert tier_steps.room_beside(None)  # no budget
     assert tier_steps.room_beside((2 * 400 * MiB, "the memory cgroup"))
     budget = 512 * MiB  # train_gpt 7 x 768's least training peaked at 510 MiB under it
-    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: room_of(budget) - buffers + 1)
+    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: POLICY.room_of(budget) - buffers + 1)
     assert not tier_steps.room_beside((budget, "the 512MiB memory cgroup"))
-    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: room_of(budget) - buffers)
+    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: POLICY.room_of(budget) - buffers)
     assert tier_steps.room_beside((budget, "the 512MiB memory cgroup"))

@@ -16,8 +16,6 @@ from hetero.schema.profile import Profile
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
-pytestmark = pytest.mark.usefixtures("without_malloc_runs")
-
 CLIENTS = {"lightning_module": "pytorch_lightning", "hf_trainer": "transformers", "accelerate_loop": "accelerate"}
 
 

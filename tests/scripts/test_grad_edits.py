@@ -14,8 +14,6 @@ from hetero.schema import files
 from hetero.schema.profile import Profile
 from tests.scripts import harness
 
-pytestmark = pytest.mark.usefixtures("without_malloc_runs")
-
 EDITS = ["norm", "value", "total_norm", "foreach", "scaler", "inplace", "data", "replace", "closure"]
 
 

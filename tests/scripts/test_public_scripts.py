@@ -20,8 +20,6 @@ from tests.conftest import REPO
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
-pytestmark = pytest.mark.usefixtures("without_malloc_runs")  # no budget here: plans never use what those runs measure
-
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):

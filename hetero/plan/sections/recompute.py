@@ -3,7 +3,7 @@ fit; the blocks and their figures: hetero.plan.recompute). Pure: no torch, no I/
 
 from __future__ import annotations
 
-from hetero.plan import alone, recompute
+from hetero.plan import recompute
 from hetero.plan.backward import Held
 from hetero.plan.section import HostPeak, Section, Step
 from hetero.plan.sections.optimizer_bytes import grads_on_nvme
@@ -18,8 +18,6 @@ def solve(step: Step) -> RecomputePlan | None:
 
 
 def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
-    if alone.measured(profile, plan):  # the peak measured so is the account's base (footprint)
-        return {}
     return {RECOMPUTED: -recompute.peak_drop(profile, plan.recompute, gradients_of(profile, plan))}
 
 
@@ -37,9 +35,8 @@ def gradients_of(profile: Profile, plan: Plan) -> Held:
 
 
 def cost_s(profile: Profile, plan: Plan) -> float:
-    """Each chosen block's forward once more; nothing where the profile measured the plan alone, whose measured step
-    counts instead (hetero.plan.alone.cost_s)."""
-    return 0.0 if alone.measured(profile, plan) else recompute.cost_s(profile, plan.recompute)
+    """Each chosen block's forward once more."""
+    return recompute.cost_s(profile, plan.recompute)
 
 
 SECTION = Section(name="recompute", phase="draft", solve=solve, host_bytes=host_entries, cost_s=cost_s)

@@ -3,7 +3,6 @@ gradient final, and frees it (a lever of the DRAM-budget fit, hetero.plan.fit). 
 
 from __future__ import annotations
 
-from hetero.plan import alone
 from hetero.plan.in_backward import grads_freed_in_backward
 from hetero.plan.section import HostPeak, Section, Step
 from hetero.schema.plan import Plan, UpdateInBackward
@@ -20,7 +19,7 @@ def solve(step: Step) -> UpdateInBackward | None:
 
 
 def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
-    if plan.update_in_backward is None or alone.measured(profile, plan):  # measured so: the account's base
+    if plan.update_in_backward is None:
         return {}
     return {GRADS_FREED: -grads_freed_in_backward(profile)}
 

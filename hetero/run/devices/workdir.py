@@ -57,10 +57,10 @@ from hetero.run.devices.places import HINT, PlanPathError, check_place, existing
 from hetero.units import SIZE
 
 # evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes, and the
-# fresh process `hetero profile` measures returned memory in
-KINDS = ("activations", "states", "profile", "exit", "returned")
+# trials `hetero plan` runs a plan in (older hetero's `returned` ones are still swept)
+KINDS = ("activations", "states", "profile", "exit", "trial")
 # a final name, or (a leading dot) one still being set up: both carry the owner's pid and host
-_NAME = re.compile(r"^\.?hetero-(?:activations|states|profile|exit|returned)-(\d+)-([0-9a-f]{8})-")
+_NAME = re.compile(r"^\.?hetero-(?:activations|states|profile|exit|trial|returned)-(\d+)-([0-9a-f]{8})-")
 LOCK = ".lock"  # in every work directory, locked (flock) by its owner for the directory's whole life
 
 
