@@ -15,7 +15,7 @@ ended any backward before with: the heaps then grow within a bound, not from one
 switch is reached later or never, for the page faults of one refill where they grew, nothing where they do not.
 From the switch on, what was freed inside the heaps is returned every interval until the next backward ends: the
 tensors the switch found live in a heap leave holes there when backward frees them, and only a trim returns those
-(docs/benchmarks.md, "Round four"). Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime
+(measured: docs/benchmarks.md). Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime
 says so.
 """
 
@@ -39,13 +39,13 @@ M_MMAP_THRESHOLD = -3
 # it pairs with it (2x). glibc's starting values (128 KiB) cannot be restored once set: they would stay fixed.
 RESTORED_MMAP_BYTES = 32 << 20
 RESTORED_TRIM_BYTES = 64 << 20
-# How often the resident set is read with `from_bytes`: filling fresh pages adds ~25 MiB in 5 ms on the 2-core VM
-# (torch.ones of 256 MiB), inside the plan's headroom under its budget from 1 GiB up (hetero.plan.policy.MemoryPolicy.profile_headroom).
+# How often the resident set is read with `from_bytes`: what filling fresh pages adds between two reads must stay
+# inside the plan's headroom under its budget (hetero.plan.policy.MemoryPolicy.profile_headroom).
 WATCH_INTERVAL_S = 0.005
 # Below the switch the heaps are trimmed after a backward only where the process ends it holding this share of
 # `from_bytes` more than it ended any backward before with: trimming after every backward (or whenever the heaps
-# refilled what the last trim returned) cost 10-20% of the step of a script whose heaps do not grow (train_gpt
-# 1 x 768 under 512 MiB, whose backward ends within +-10 MiB of each other; docs/benchmarks.md "Round four").
+# refilled what the last trim returned) costs a script whose heaps do not grow a noticeable share of its step
+# (measured: docs/benchmarks.md).
 GROWTH_SHARE = 64
 
 

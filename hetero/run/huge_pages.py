@@ -7,8 +7,7 @@ tunable `glibc.malloc.hugetlb=1`: one fault per 2 MiB where the kernel's THP mod
 distributions' default) or `always`, and nothing changes where it is `never` or glibc is older. The tunable is read
 once, when the process starts: hetero sets it in the environment of the processes it starts to return memory (the
 profile's fresh processes, torchrun's workers) and `hetero run` starts itself again with it
-(hetero.launch.launcher). Measured: docs/benchmarks.md, round twelve. No torch: the profile's small parent imports
-this.
+(hetero.launch.launcher). Measured: docs/benchmarks.md. No torch: the profile's small parent imports this.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """What the whole process holds: the figures a user pays for and a memory limit counts.
 
 Host memory is what a memory limit charges the process: its resident set less the pages it maps from files
-(interpreter, heap, allocator slack, tensors: anonymous and shared memory). A memory cgroup charges a library's
-file pages only to whoever first read them, and reclaims clean ones before it kills anything, so the resident set
-(VmRSS, VmHWM) overstates what a limit counts by the ~80-100 MiB of torch's libraries (docs/benchmarks.md,
-"What plain training needs"). Its peak is taken from the kernel's own high-water mark (VmHWM), which no sampling
-can miss, less the file pages mapped when it last rose (`Peak`): the library pages are mapped by the time training
-peaks and stay so. On a GPU, torch's caching allocator's peaks: `allocated` (live tensors) and `reserved` (what the
-GPU has given the process).
+(interpreter, heap, allocator slack, tensors: anonymous and shared memory). A memory cgroup charges a library's file
+pages only to whoever first read them, and reclaims clean ones before it kills anything, so the resident set (VmRSS,
+VmHWM) overstates what a limit counts by torch's libraries (docs/benchmarks.md, "What plain training needs"). Its
+peak is taken from the kernel's own high-water mark (VmHWM), which no sampling can miss, less the file pages mapped
+when it last rose (`Peak`): the library pages are mapped by the time training peaks and stay so. On a GPU, torch's
+caching allocator's peaks: `allocated` (live tensors) and `reserved` (what the GPU has given the process).
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ def resident_bytes() -> int:
 class _StatusFile:
     """/proc/self/status read into one buffer made once, with no allocation per read: `open()` and a text buffer
     between a step's large frees move where malloc puts the next tensors, and with them the peak being measured
-    (heldout_lm 8 x 256 x 2 x 1024, layout fixed: 1.16 GiB with such a read in an optimizer-step hook, 1.07-1.10 GiB
-    with this one or none; docs/benchmarks.md, round seventeen)."""
+    (measured: docs/benchmarks.md)."""
 
     SIZE = 1 << 14  # the fields read are in the file's first lines
 

@@ -299,5 +299,5 @@ def _arena(nbytes: int, pinned: bool) -> torch.Tensor:
             arena = pinned_host(nbytes)
     if arena is None:
         arena = torch.empty(nbytes, dtype=torch.uint8)
-    arena.zero_()  # first touch now: in this VM it is slow, and it must not land inside the first step
+    arena.zero_()  # first touch now: it is slow, and it must not land inside the first step
     return arena

@@ -43,7 +43,7 @@ def write_direct(fd: int, src: np.ndarray, chunk: int, bounce: np.ndarray) -> in
     if middle < src.nbytes:
         tail = bounce[BLOCK:2 * BLOCK] if bounce.nbytes >= 2 * BLOCK else aligned_buffer(BLOCK)
         parts.append(_in_block(tail, src[middle:], 0))
-    # One call for the whole file: on a busy VM every blocking call costs the writer a wake-up.
+    # One call for the whole file: on a busy machine every blocking call costs the writer a wake-up.
     pwritev_all(fd, parts, 0)
     return shift
 

@@ -14,7 +14,7 @@ Rules the store keeps:
   within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
   at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
   (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle,
-  tail block), not three writes: each blocking call costs the writer a wake-up on a busy VM.
+  tail block), not three writes: each blocking call costs the writer a wake-up on a busy machine.
 - Every record's crc32 is taken as it is written and kept in the store's index (in this process's memory, where
   whatever could change a file cannot reach it), and every read checks it: a file changed, cut short or removed by
   anything but the store is `Damaged` (exit 6, naming the file and the key it held), never data handed on.
