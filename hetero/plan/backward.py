@@ -6,9 +6,7 @@ Backward runs the layers from the last. When it starts, every saved tensor of fo
 exists (a script zeroes them to None); the loss's own backward comes first, outside the model's layers: for a
 cross-entropy over the model's output it holds three tensors of the output's size (the log-probabilities it saved,
 their gradient and the output's), which the profile cannot see layer by layer (`output_bytes`, measured:
-`Training.output_bytes`). On a CPU with freed memory returned, an LM's peak was there: a GPT of 6 blocks whose plan
-kept 2 of them was killed 6% over a prediction that put the peak at a block's rebuild, and one that kept none
-peaked within 1% of this count (docs/benchmarks.md, round five).
+`Training.output_bytes`). An LM's peak can be there, before any block is rebuilt.
 
 A layer's gradients appear during its backward, while its saved tensors are still held, which go once its backward
 ends. A recomputed block holds only its inputs from forward on; when backward reaches its last layer, its forward
@@ -30,9 +28,8 @@ from hetero.schema.profile import Layer
 
 ADAM_TEMPORARIES = 2  # tensors the size of what it updates that torch's Adam(W) makes while it updates a parameter
 # Updates in backward run torch's step on pieces of a parameter this large at most (hetero.run.update_in_backward),
-# so that their temporaries are this size, not the largest parameter's: train_gpt 1 x 768 (a 12 MiB embedding) peaked
-# 30-50 MiB lower with them under malloc's defaults, its step no slower (docs/benchmarks.md, round fifteen). Under
-# freed memory returned the pieces stay below the mmap threshold (`update_piece_bytes`): one mapped, faulted and
+# so that their temporaries are this size, not the largest parameter's (a large embedding's), at no cost to the step.
+# Under freed memory returned the pieces stay below the mmap threshold (`update_piece_bytes`): one mapped, faulted and
 # unmapped per piece costs more than the whole parameter's huge pages.
 UPDATE_PIECE_BYTES = 1 << 20
 LEAST_MMAP_THRESHOLD = 128 << 10  # glibc's default mmap threshold, from which its dynamic threshold grows
@@ -94,7 +91,7 @@ def drop_bytes(layers: Sequence[Layer], recomputed: Mapping[str, int], output_by
                base: Held = Held(step=True)) -> int:
     """What recomputing `recomputed` (block -> input bytes kept) takes off the peak of the configuration `base`
     (its gradients where it keeps them; by default all held until the optimizer steps): where the gradients leave as
-    they are made, the step no longer hides the activations (a GPT of 15 x 768 under 768 MiB, its gradients on
-    NVMe: counted with them held, recomputing its blocks saved nothing, and the plan without it was killed)."""
+    they are made, the step no longer hides the activations, so counting them held would find recomputing useless
+    where it is needed."""
     return peak_bytes(layers, base, output_bytes) - \
         peak_bytes(layers, replace(base, recomputed=recomputed), output_bytes)

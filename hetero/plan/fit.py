@@ -42,14 +42,13 @@ from hetero.schema.plan import AllocatorPlan, Plan, Trial
 from hetero.units import SIZE, short_time
 
 LEVERS = ("allocator", "in_backward", "states", "grads", "tiering", "recompute")  # in the order of their lines
-# A lever that works only with another. Recomputed blocks with malloc's defaults: the heap keeps what their rebuilds
-# free, and train_gpt 6 x 256 with every block recomputed peaked at 931-1020 MiB from run to run against 526 MiB,
-# twice, with freed memory returned (plain: 1.27-1.32 GiB, 970 MiB; docs/benchmarks.md, round five).
+# A lever that works only with another: recomputed blocks with malloc's defaults leave what their rebuilds free in
+# the heap, so the peak barely falls unless freed memory is returned.
 NEEDS = {"grads": "states", "recompute": "allocator"}
 EXCLUDES = (frozenset({"in_backward", "states"}),)  # levers that cannot work together (both drive the optimizer)
-# On this CPU-only VM, evicted activations left host memory far later than the simulator has them leave (a width-128
-# LM with 1024-token context under a 520 MiB budget: tiering predicted to save 92 MiB of the peak saved ~15, and the
-# run passed its budget; docs/benchmarks.md): where blocks can be recomputed instead, they are, and tiering is left out.
+# On a CPU, evicted activations leave host memory far later than the simulator has them leave, so tiering saves a
+# fraction of its predicted saving (measured: docs/benchmarks.md): where blocks can be recomputed instead, they are,
+# and tiering is left out.
 TRIED = "measured by the trial, beyond the parts"  # the host-memory account's entry for a trial's margins
 TIERING_LEFT_OUT = ("the blocks can be recomputed instead, which frees what they save at once, while evicted "
                     "activations were measured to leave host memory far later than simulated on a CPU")

@@ -16,7 +16,7 @@ from hetero.errors import USAGE, HeteroError
 from hetero.schema.plan import GradPlace, LayerGrad
 from hetero.units import SIZE, TIME
 
-DP_CELL_UPDATES = 300_000  # table size the DP may fill (~0.1 s); a finer grid for models with fewer layers
+DP_CELL_UPDATES = 300_000  # table size the DP may fill (bounds its time); a finer grid for models with fewer layers
 MIN_CELLS, MAX_CELLS = 1024, 65536
 
 

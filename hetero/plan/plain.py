@@ -62,8 +62,8 @@ def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result
 def backward_peak_bytes(profile: Profile, host_grads: set[str]) -> int:
     """Saved activations and gradients on the GPU at their highest through backward, gradients of `host_grads`
     layers written to host memory instead (hetero.plan.backward). Moving gradients saves at plain training's peak
-    only what coexists with the activations still saved: nothing where backward's start is the peak (measured on an
-    H100: subtracting every host gradient predicted 7% under the reserved peak)."""
+    only what coexists with the activations still saved: nothing where backward's start, before any gradient exists,
+    is the peak."""
     return peak_bytes(profile.layers, Held(gone_grads=frozenset(host_grads)), profile.training.output_bytes)
 
 

@@ -118,7 +118,7 @@ def sync_time_s(size: int, ranks: int, threshold: int, shard: int, lat: Curve, b
 
 def ring_allreduce_s(size: float, ranks: int, curve: Curve) -> float:
     """A ring all-reduce is 2(p-1) steps, each moving 1/p of the tensor over one link: each step pays the link's
-    measured time for that size, its latency included (one transfer per all-reduce underestimated 4x here)."""
+    measured time for that size, its latency included, not one transfer per all-reduce."""
     return 2 * (ranks - 1) * curve.time_s(size / ranks) if ranks > 1 else 0.0
 
 

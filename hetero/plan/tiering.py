@@ -87,7 +87,7 @@ def disk_curves(tier: Tier) -> tuple[Curve, Curve]:
 def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:
     """The smallest measured size at which, in both directions, a transfer's fixed cost (the smallest measured
     transfer's time) is at most LATENCY_SHARE of the transfer. The runtime applies it per tensor, so it must not be
-    a size only whole layers reach (half the peak rate lands at 16 MiB on this VM's disk)."""
+    a size only whole layers reach (a disk may reach half its peak rate only at many MiB)."""
     def amortized(curve: Curve, size: int) -> bool:
         return curve.times[0] <= LATENCY_SHARE * curve.time_s(size)
     for size in sorted(set(evict.sizes) | set(prefetch.sizes)):
