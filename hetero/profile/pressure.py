@@ -165,7 +165,7 @@ class UnderPressure:
         owners = [(rel, m) for rel, m in block.named_modules() if rel and any(True for _ in m.parameters(False))]
         current = [f".{owners[0][0]}"] if owners else [""]
         # A storage is known by its address while a tensor saved on it lives: one freed since leaves its address to
-        # the next allocation, which is another storage (counting by address alone missed 5% of a train_gpt block's)
+        # the next allocation, which is another storage (counting by address alone misses some of a block's bytes)
         seen: dict[int, weakref.ref] = {}
         storages: dict[str, list[int]] = {}
 

@@ -48,8 +48,7 @@ class DiskBeside:
 def room_beside(budget: tuple[int, str] | None) -> bool:
     """Whether the process may train `STEPS` more steps with the store's bounce buffers beside its training under
     `budget` (None: no budget): its peak so far and those buffers stay within the budget's room. At the floor they
-    do not (train_gpt 7 x 768 under 512 MiB: the least training peaked at 510-512 MiB, and the limit killed the
-    profile in these steps; docs/benchmarks.md, round nine): the disk is then timed beside a GEMM loop instead
+    do not, and the limit would kill the profile in these steps: the disk is then timed beside a GEMM loop instead
     (hetero.profile.machine)."""
     if budget is None:
         return True
