@@ -4,11 +4,9 @@
 (`torch.optim.adam.adam`/`torch.optim.adamw.adamw` with `fused=True`), which reads each of param, grad, exp_avg and
 exp_avg_sq once and writes param, exp_avg and exp_avg_sq once (28 bytes per parameter). `many` updates several
 tensors in one call, each exactly as alone (the op is elementwise, tensor by tensor).
-Measured with bench/adam.py (2-core VM, 10M and 100M params): on par with `torch.optim.AdamW(fused=True)` (the same
-op without the optimizer's bookkeeping), ahead of DeepSpeed's CPU Adam (0.9x fused) and 5-8x foreach, at about the
-memory-bandwidth bound. A hand-written kernel can only win by fusing more work into the pass: a separate bf16 copy
-of the weights after the step costs 20-30% of the rate, which a fused low-precision write could win back once the
-runtime needs low-precision weights.
+It is torch's fused op without the optimizer's bookkeeping, so it runs at about the memory-bandwidth bound; a
+hand-written kernel could only win by fusing more work into the pass, such as a low-precision copy of the weights
+once the runtime needs one (measured: docs/benchmarks.md).
 
 `adam_reference` is the spec: torch's single-tensor algorithm in a few plain ops, which the tests hold the fast
 path to. It allocates temporaries and is slow; never use it for training.

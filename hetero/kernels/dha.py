@@ -4,8 +4,8 @@ another implementation of `Devices` and `Device`, such as the tests' CPU stand-i
 Memory is handled as flat bytes; `carve` views a parameter in them.
 
 The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
-`torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` costs a
-first build of ~80 s and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to
+`torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` would cost a
+slow first build and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to
 the interface object, which owns the host tensor: the host memory lives exactly as long as the last view, autograd's
 saved views included. The device pointer comes from `cudaHostGetDevicePointer`, called through ctypes on the CUDA
 runtime torch already loaded. Where that library cannot be found (a statically linked torch), the host pointer

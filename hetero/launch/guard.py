@@ -5,13 +5,12 @@ recomputed, Adam's states and gradients on NVMe where plain training would not f
 hetero.profile.conservative), passes the memory cgroup's limit, and the kernel kills the process: SIGKILL, no Python
 code runs, the shell says `Killed`. So under a limit `hetero profile` forks before it imports torch. The child
 profiles and writes each phase it reaches down a pipe (`Phases`); the parent execs this module (`python -m
-hetero.launch.guard`): a bare interpreter, 6.4 MiB resident, where staying the CLI would leave the child copying the
-~14 MiB of pages they share as its reference counts touch them, all of it charged to the same cgroup. The waiter
-waits for the child and, where the limit's killer ended it (the cgroup's OOM-kill count grew), says so: killed while
-the script trained holding as little as the profile makes it (every block recomputed, as its forwards last reported),
-the floor no plan keeps (exit 2, as `hetero plan` refuses a budget below it); anywhere else, where (exit 1).
-It removes the work directories the killed child left. Any other end is passed on: the child's exit
-code, or 128 + the signal that ended it.
+hetero.launch.guard`): a bare interpreter, where staying the CLI would leave the child copying the pages they share
+as its reference counts touch them, all of it charged to the same cgroup. The waiter waits for the child and, where
+the limit's killer ended it (the cgroup's OOM-kill count grew), says so: killed while the script trained holding as
+little as the profile makes it (every block recomputed, as its forwards last reported), the floor no plan keeps
+(exit 2, as `hetero plan` refuses a budget below it); anywhere else, where (exit 1). It removes the work directories
+the killed child left. Any other end is passed on: the child's exit code, or 128 + the signal that ended it.
 
 Signals: the child stays in the terminal's process group, so a terminal's Ctrl-C or hangup reaches it directly;
 SIGINT, SIGTERM and SIGHUP a process sends the waiter (hetero's pid, the one a scheduler knows) are passed on to the

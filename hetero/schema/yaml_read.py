@@ -30,7 +30,7 @@ MAX_BYTES = 16 << 20  # a profile of a 10,000-layer model is ~3 MiB
 MAX_DEPTH = 32  # hetero's files nest 5 levels deep
 
 
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser when built in: 4-5x faster
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser when built in: several times faster
     """YAML 1.1 without its surprises: `yes`/`on`/`off` are words, `1:20` is not 80, `0x1f` is text."""
 
     yaml_implicit_resolvers: dict = {}
