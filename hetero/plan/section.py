@@ -1,12 +1,12 @@
 """The one seam between the planner and a plan section: what each section (optimizer, activations, routing,
-allocator, update_in_backward, recompute, layers) contributes to planning, as a `Section` of functions.
+allocator, update_in_backward, recompute, layers) contributes to planning, as a subclass of `Section`.
 
-A section contributes, each through one field: the section itself (`solve`, run in its `phase`), what an earlier
+A section contributes, each through one method: the section itself (`solve`, run in its `phase`), what an earlier
 plan pinned of it (`pinned`), what it holds in each tier for the whole iteration (`static_bytes`), its part of the
 simulator's choices (`curves`, `choose`), its entries of the host-memory account (`host_bytes`), time it adds
-beyond the simulated iteration (`cost_s`), and what it decides once the plan is predicted (`settle`). Every field
-but `name`, `phase` and `solve` defaults to contributing nothing. `hetero.plan.sections` lists them in a table;
-`solve`, `pins`, `choices` and `footprint` loop over that table and name no section. Pure: no torch, no I/O.
+beyond the simulated iteration (`cost_s`), and what it decides once the plan is predicted (`settle`). Here each
+contributes nothing: a section overrides the ones it uses. `hetero.plan.sections` holds one instance of each in a
+table; `solve`, `pins`, `choices` and `footprint` loop over it and name no section. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -83,35 +83,45 @@ def ns(seconds: float) -> float:
     return round(seconds, 9)
 
 
-def _nothing(*_: Any) -> None:
-    return None
-
-
-def _no_bytes(*_: Any) -> dict[str, int]:
-    return {}
-
-
-def _no_choices(_: Translation) -> dict[str, Any]:
-    return {}
-
-
-def _no_time(*_: Any) -> float:
-    return 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class Section:
     """One plan section's part in planning; see the module."""
 
     name: str  # the Plan field it fills
-    phase: Phase
-    solve: Callable[[Step], Any]  # the section, or None (then `omitted[name]` says why, unless a fit does)
-    pinned: Callable[[Profile, Plan], Any] = _nothing  # of the earlier plan, checked against the profile
-    curves: Callable[[Profile, Plan], tuple[Curve, Curve] | None] = _nothing  # eviction and prefetch times
-    static_bytes: Callable[[Profile, Plan, str], dict[str, int]] = _no_bytes  # per tier, beyond the model's
-    choose: Callable[[Translation], dict[str, Any]] = _no_choices  # `Choices` fields it sets
-    host_bytes: Callable[[Profile, Plan, HostPeak], dict[str, int]] = _no_bytes  # account entries, by name
-    cost_s: Callable[[Profile, Plan], float] = _no_time  # per iteration, beyond the simulated one
-    settle: Callable[[Context, Plan], Plan] | None = None  # the predicted plan, revised by this section
-    absent: Callable[[], Any] = _nothing  # the section's value where the plan leaves it out
-    in_plain: bool = False  # plain training has it too (a DDP all-reduce's routing: plain DDP pays for one alike)
+    phase: Phase = "draft"
+    in_plain = False  # plain training has it too (a DDP all-reduce's routing: plain DDP pays for one alike)
+
+    def solve(self, step: Step) -> Any:
+        """The section, or None (then `step.omitted[name]` says why, unless a fit does)."""
+        return None
+
+    def pinned(self, profile: Profile, previous: Plan) -> Any:
+        """What `previous` pinned of it, checked against the profile; None where nothing is."""
+        return None
+
+    def curves(self, profile: Profile, plan: Plan) -> tuple[Curve, Curve] | None:
+        """The eviction and prefetch times the simulator's costs use, or None."""
+        return None
+
+    def static_bytes(self, profile: Profile, plan: Plan, host: str) -> dict[str, int]:
+        """Bytes it holds per tier for the whole iteration, beyond the model's (`host`: the host-memory tier)."""
+        return {}
+
+    def choose(self, t: Translation) -> dict[str, Any]:
+        """The `Choices` fields it sets."""
+        return {}
+
+    def host_bytes(self, profile: Profile, plan: Plan, peak: HostPeak) -> dict[str, int]:
+        """Its entries of the host-memory account, by name (negative: what it saves)."""
+        return {}
+
+    def cost_s(self, profile: Profile, plan: Plan) -> float:
+        """Time it adds per iteration beyond the simulated one."""
+        return 0.0
+
+    def settle(self, ctx: Context, plan: Plan) -> Plan:
+        """The predicted plan, revised by this section."""
+        return plan
+
+    def absent(self) -> Any:
+        """Its value where the plan leaves it out."""
+        return None

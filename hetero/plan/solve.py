@@ -97,8 +97,7 @@ def _solved(ctx: Context, pins: Pins, levers: frozenset[str], blocks: int | None
 def _settled(ctx: Context, predicted: Plan) -> Plan:
     """The predicted plan with what each section decides from the prediction (hetero.plan.section.Section.settle)."""
     for section in TABLE:
-        if section.settle is not None:
-            predicted = section.settle(ctx, predicted)
+        predicted = section.settle(ctx, predicted)
     return predicted
 
 

@@ -8,7 +8,7 @@ import pytest
 from hetero.plan import choices, footprint, pins, sections, solve
 from hetero.plan.section import ns
 from hetero.plan.sections import TABLE, plain_of
-from hetero.plan.sections import recompute as recompute_section
+from hetero.plan.sections.recompute import Recompute
 from hetero.schema import files
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
@@ -42,9 +42,15 @@ def test_a_table_entry_alone_reaches_the_prediction_and_the_account(cpu, monkeyp
     changed: the orchestrator and the account read the table, not a list of mechanisms."""
     before = solve.plan(cpu, solve.PlanOptions())
     entry = "a test's runtime buffers"
-    extra = dataclasses.replace(recompute_section.SECTION, cost_s=lambda profile, plan: 0.25,
-                                host_bytes=lambda profile, plan, peak: {entry: 3 * MiB})
-    table = tuple(extra if s is recompute_section.SECTION else s for s in TABLE)
+
+    class Extra(Recompute):
+        def cost_s(self, profile, plan):
+            return 0.25
+
+        def host_bytes(self, profile, plan, peak):
+            return {entry: 3 * MiB}
+
+    table = tuple(Extra() if isinstance(s, Recompute) else s for s in TABLE)
     for module in (sections, solve, choices, footprint, pins):
         monkeypatch.setattr(module, "TABLE", table)
     after = solve.plan(cpu, solve.PlanOptions())

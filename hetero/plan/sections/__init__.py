@@ -1,5 +1,6 @@
 """The plan's sections, one module each, in the order the planner goes through them (hetero.plan.section says what
-each contributes). Adding a section on the plan side: its module, and its entry here.
+each contributes). Adding a section on the plan side: its module, with its `Section` subclass, and one instance
+of it here.
 
 The order: `draft` sections are solved in it, each from the ones before (update_in_backward only where the
 optimizer section left the script's optimizer), then the `whole` ones; sections left out say why in this order;
@@ -14,8 +15,8 @@ from hetero.plan.section import Section
 from hetero.plan.sections import activations, allocator, layers, optimizer, recompute, routing, update_in_backward
 from hetero.schema.plan import Plan
 
-TABLE: tuple[Section, ...] = (optimizer.SECTION, allocator.SECTION, update_in_backward.SECTION, recompute.SECTION,
-                              activations.SECTION, routing.SECTION, layers.SECTION)
+TABLE: tuple[Section, ...] = (optimizer.Optimizer(), allocator.Allocator(), update_in_backward.UpdatesInBackward(),
+                              recompute.Recompute(), activations.Activations(), routing.Routing(), layers.Layers())
 
 
 def plain_of(plan: Plan) -> Plan:

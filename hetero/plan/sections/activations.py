@@ -22,66 +22,64 @@ TIERING = "activation store buffers"  # entries of the host-memory account (hete
 EVICTED = "evicted activations"
 
 
-def solve(step: Step) -> ActivationPlan | None:
-    """The faster schedule; None where none evicts a byte (`omitted` says why): a section would hook every layer
-    for nothing."""
-    kept = step.pinned("activations") or {}
-    candidates = _activations(step.ctx, kept, step.omitted, step.levers, step.draft.recompute)
-    chosen = _pick_schedule(step.ctx, step.draft, candidates, step.predict)
-    if chosen is not None and not any(e.evict_bytes for e in chosen.schedule):
-        step.omitted["activations"] = _evicts_nothing(step.ctx.profile, chosen)
-        return None
-    return chosen
+class Activations(Section):
+    name, phase = "activations", "whole"
 
+    def solve(self, step: Step) -> ActivationPlan | None:
+        """The faster schedule; None where none evicts a byte (`omitted` says why): a section would hook every layer
+        for nothing."""
+        kept = step.pinned("activations") or {}
+        candidates = _activations(step.ctx, kept, step.omitted, step.levers, step.draft.recompute)
+        chosen = _pick_schedule(step.ctx, step.draft, candidates, step.predict)
+        if chosen is not None and not any(e.evict_bytes for e in chosen.schedule):
+            step.omitted["activations"] = _evicts_nothing(step.ctx.profile, chosen)
+            return None
+        return chosen
 
-def pinned(profile: Profile, previous: Plan) -> dict[str, Eviction]:
-    """The earlier plan's pinned evictions, by layer; refused where the profile has no such layer."""
-    evictions = {e.layer: e for e in (previous.activations.schedule if previous.activations else []) if e.pinned}
-    unknown = sorted(set(evictions) - {layer.name for layer in profile.layers})
-    if unknown:
-        raise HeteroError(f"--from plan pins layers the profile does not have: {', '.join(unknown[:5])}",
-                          hint="unpin or delete those entries in the old plan, then re-plan", exit_code=USAGE)
-    return evictions
+    def pinned(self, profile: Profile, previous: Plan) -> dict[str, Eviction]:
+        """The earlier plan's pinned evictions, by layer; refused where the profile has no such layer."""
+        evictions = {e.layer: e for e in (previous.activations.schedule if previous.activations else []) if e.pinned}
+        unknown = sorted(set(evictions) - {layer.name for layer in profile.layers})
+        if unknown:
+            raise HeteroError(f"--from plan pins layers the profile does not have: {', '.join(unknown[:5])}",
+                              hint="unpin or delete those entries in the old plan, then re-plan", exit_code=USAGE)
+        return evictions
 
+    def curves(self, profile: Profile, plan: Plan) -> tuple[Curve, Curve] | None:
+        return tiering.curves(profile, plan.activations.slow) if plan.activations else None
 
-def curves(profile: Profile, plan: Plan) -> tuple[Curve, Curve] | None:
-    return tiering.curves(profile, plan.activations.slow) if plan.activations else None
+    def choose(self, t: Translation) -> dict[str, Any]:
+        """Each layer's evicted bytes and what triggers its prefetch; the tiers; the disk workers' share of a core."""
+        acts = t.plan.activations
+        if acts is None:
+            return {}
+        n = len(t.costs.layers)
+        evicted, trigger, at = [0] * n, [None] * n, [0.0] * n
+        for e in acts.schedule:
+            if (i := t.index.get(e.layer)) is not None:
+                evicted[i] = min(e.evict_bytes, t.costs.layers[i].saved_bytes)
+                trigger[i], at[i] = t.index.get(e.prefetch_after) if e.prefetch_after else None, e.prefetch_at_s
+        share = {}
+        slow = next((x for x in t.profile.machine.tiers if x.name == acts.slow), None)
+        if slow is not None:  # disk workers mostly wait for the device (the profile measures how much)
+            share["evict"], share["prefetch"] = _share(slow.write_cpu), _share(slow.read_cpu)
+        return dict(evict_bytes=evicted, trigger=trigger, prefetch_at_s=at, fast=acts.fast, slow=acts.slow,
+                    cpu_share=share)
 
-
-def choose(t: Translation) -> dict[str, Any]:
-    """Each layer's evicted bytes and what triggers its prefetch; the tiers; the disk workers' share of a core."""
-    acts = t.plan.activations
-    if acts is None:
-        return {}
-    n = len(t.costs.layers)
-    evicted, trigger, at = [0] * n, [None] * n, [0.0] * n
-    for e in acts.schedule:
-        if (i := t.index.get(e.layer)) is not None:
-            evicted[i] = min(e.evict_bytes, t.costs.layers[i].saved_bytes)
-            trigger[i], at[i] = t.index.get(e.prefetch_after) if e.prefetch_after else None, e.prefetch_at_s
-    share = {}
-    slow = next((x for x in t.profile.machine.tiers if x.name == acts.slow), None)
-    if slow is not None:  # disk workers mostly wait for the device (the profile measures how much)
-        share["evict"], share["prefetch"] = _share(slow.write_cpu), _share(slow.read_cpu)
-    return dict(evict_bytes=evicted, trigger=trigger, prefetch_at_s=at, fast=acts.fast, slow=acts.slow,
-                cpu_share=share)
+    def host_bytes(self, profile: Profile, plan: Plan, peak: HostPeak) -> dict[str, int]:
+        """Where freed memory is returned, evictions lower the host peak by the simulated drop; with malloc's defaults
+        only by as much as the store's bounce buffers hold, which cost always."""
+        tiered = peak.evicted_from_peak and plan.activations is not None and \
+            any(e.evict_bytes for e in plan.activations.schedule)
+        bounces = ActivationPlan.STORE_BYTES if tiered else 0
+        # malloc's heap keeps what evicted tensors free for the next ones saved, so the simulated drop never shows,
+        # and tiering's processes did not pass plain's peak either: the buffers come out of what evictions free
+        saving = peak.evicted_saving if peak.memory_returned else min(peak.evicted_saving, bounces)
+        return {EVICTED: -saving, TIERING: bounces}
 
 
 def _share(measured: float | None) -> float:
     return 1.0 if measured is None else measured
-
-
-def host_entries(profile: Profile, plan: Plan, peak: HostPeak) -> dict[str, int]:
-    """Where freed memory is returned, evictions lower the host peak by the simulated drop; with malloc's defaults
-    only by as much as the store's bounce buffers hold, which cost always."""
-    tiered = peak.evicted_from_peak and plan.activations is not None and \
-        any(e.evict_bytes for e in plan.activations.schedule)
-    bounces = ActivationPlan.STORE_BYTES if tiered else 0
-    # malloc's heap keeps what evicted tensors free for the next ones saved, so the simulated drop never shows; it
-    # did not let tiering's processes pass plain's peak either (0.96-0.99x plain's in five runs of two scripts,
-    # docs/benchmarks.md rounds five, eight and nine): the buffers come out of what evictions free
-    saving = peak.evicted_saving if peak.memory_returned else min(peak.evicted_saving, bounces)
-    return {EVICTED: -saving, TIERING: bounces}
 
 
 def _activations(ctx: Context, evictions: dict[str, Eviction], omitted: dict[str, str], levers: frozenset[str],
@@ -182,7 +180,3 @@ def _pick_schedule(ctx: Context, draft: Plan, candidates: list[ActivationPlan],
                                f"{ctx.fast} activations {size_change(r.act_avg_untiered_bytes, r.act_avg_bytes)} on "
                                f"average, {size_change(r.act_peak_untiered_bytes, r.act_peak_bytes)} at peak "
                                f"(the {others})")
-
-
-SECTION = Section(name="activations", phase="whole", solve=solve, pinned=pinned, curves=curves, choose=choose,
-                  host_bytes=host_entries)

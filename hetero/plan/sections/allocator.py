@@ -12,18 +12,22 @@ from hetero.schema.plan import AllocatorPlan, Plan
 from hetero.schema.profile import Profile
 from hetero.units import SIZE, short_time
 
-def solve(step: Step) -> AllocatorPlan | None:
-    if "allocator" not in step.levers:
-        return None
-    plan = _allocator(step.ctx)
-    if "recompute" not in step.levers:
-        return plan
-    return replace(plan, why=f"{plan.why}; recomputed blocks need it (hetero.plan.fit.NEEDS): with malloc's "
-                             "defaults the heap keeps much of what their rebuilds free, and the peak falls by far less")
 
+class Allocator(Section):
+    name = "allocator"
 
-def cost_s(profile: Profile, plan: Plan) -> float:
-    return fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0
+    def solve(self, step: Step) -> AllocatorPlan | None:
+        if "allocator" not in step.levers:
+            return None
+        plan = _allocator(step.ctx)
+        if "recompute" not in step.levers:
+            return plan
+        return replace(plan, why=f"{plan.why}; recomputed blocks need it (hetero.plan.fit.NEEDS): with malloc's "
+                                 "defaults the heap keeps much of what their rebuilds free, and the peak falls by far "
+                                 "less")
+
+    def cost_s(self, profile: Profile, plan: Plan) -> float:
+        return fit.allocator_cost_s(profile) if plan.allocator is not None else 0.0
 
 
 def _allocator(ctx: Context) -> AllocatorPlan:
@@ -37,6 +41,3 @@ def _allocator(ctx: Context) -> AllocatorPlan:
         f"{SIZE.format_short(m.dram_peak_returned_bytes)} this way against {SIZE.format_short(m.dram_peak_bytes)} "
         f"by default, for {short_time(fit.allocator_cost_s(ctx.profile))} more per step (page faults), as the "
         "profile measured it")
-
-
-SECTION = Section(name="allocator", phase="draft", solve=solve, cost_s=cost_s)

@@ -19,40 +19,56 @@ NO_GPU = "the profile has no GPU: DHA modes and gradient offload need a CUDA dev
 ON_GPU = "the optimizer updates parameters on the GPU: every parameter and gradient stays there"
 
 
-def solve(step: Step) -> list[LayerPlan]:
-    """Every layer's mode and gradient place, with the simulator's count of GPU bytes held within the GPU budget
-    less headroom (in the count's terms, hetero.plan.plain); at most `--reserve` of the gradient bytes kept on the
-    GPU where the fit turned `host_grads` on."""
-    ctx, draft = step.ctx, step.draft
-    if ctx.gpu is None:
-        step.omitted["layers"] = NO_GPU
+class Layers(Section):
+    name, phase = "layers", "whole"
+
+    def solve(self, step: Step) -> list[LayerPlan]:
+        """Every layer's mode and gradient place, with the simulator's count of GPU bytes held within the GPU budget
+        less headroom (in the count's terms, hetero.plan.plain); at most `--reserve` of the gradient bytes kept on the
+        GPU where the fit turned `host_grads` on."""
+        ctx, draft = step.ctx, step.draft
+        if ctx.gpu is None:
+            step.omitted["layers"] = NO_GPU
+            return []
+        if draft.optimizer is None or draft.optimizer.device == "gpu":
+            step.omitted["layers"] = ON_GPU
+            return []
+        bare = step.plain_of(draft)
+        counted = plain.counted_budget_bytes(ctx.profile, bare, int(ctx.gpu_budget_bytes * (1 - gpu_fit.HEADROOM)),
+                                             step.predict(bare))
+        reserve = ctx.options.reserve if "host_grads" in step.levers else 1.0
+        return gpu_layers.layer_modes(ctx, draft, step.pinned("layers") or {}, step.build, reserve, counted)
+
+    def settle(self, ctx: Context, out: Plan) -> Plan:
+        """The budget names the size grid the gradient-offload DP solved on (from the model alone)."""
+        if not out.layers:
+            return out
+        grid = gradient_offload.grid_bytes(sum(x.params_bytes for x in ctx.profile.layers), len(ctx.profile.layers))
+        return replace(out, budget=replace(out.budget, grad_grid_bytes=grid))
+
+    def pinned(self, profile: Profile, previous: Plan) -> dict[str, LayerPlan]:
+        """The earlier plan's pinned layer entries, by name; refused where the profile has no such layer."""
+        layers = {e.name: e for e in previous.layers if e.pinned}
+        unknown = sorted(set(layers) - {layer.name for layer in profile.layers})
+        if unknown:
+            raise HeteroError(f"--from plan pins layers the profile does not have: {', '.join(unknown[:5])}",
+                              hint="unpin or delete those entries in the old plan, then re-plan", exit_code=USAGE)
+        return layers
+
+    def static_bytes(self, profile: Profile, _: Plan, host: str) -> dict[str, int]:
+        return {host: model_host_bytes(profile)}
+
+    def choose(self, t: Translation) -> dict[str, Any]:
+        """Each layer's mode and gradient place as the plan's entries say (an entry naming no layer is ignored)."""
+        n, gpu = len(t.costs.layers), t.profile.machine.gpu is not None
+        modes, grads = [LayerMode.GFGB] * n, [LayerGrad.GPU] * n
+        for e in t.plan.layers:
+            if (i := t.index.get(e.name)) is not None:
+                modes[i], grads[i] = _timed_mode(t.costs.layers[i], e, gpu)
+        return dict(modes=modes, grads=grads)
+
+    def absent(self) -> list[LayerPlan]:
         return []
-    if draft.optimizer is None or draft.optimizer.device == "gpu":
-        step.omitted["layers"] = ON_GPU
-        return []
-    bare = step.plain_of(draft)
-    counted = plain.counted_budget_bytes(ctx.profile, bare, int(ctx.gpu_budget_bytes * (1 - gpu_fit.HEADROOM)),
-                                         step.predict(bare))
-    reserve = ctx.options.reserve if "host_grads" in step.levers else 1.0
-    return gpu_layers.layer_modes(ctx, draft, step.pinned("layers") or {}, step.build, reserve, counted)
-
-
-def settle(ctx: Context, out: Plan) -> Plan:
-    """The budget names the size grid the gradient-offload DP solved on (from the model alone)."""
-    if not out.layers:
-        return out
-    grid = gradient_offload.grid_bytes(sum(x.params_bytes for x in ctx.profile.layers), len(ctx.profile.layers))
-    return replace(out, budget=replace(out.budget, grad_grid_bytes=grid))
-
-
-def pinned(profile: Profile, previous: Plan) -> dict[str, LayerPlan]:
-    """The earlier plan's pinned layer entries, by name; refused where the profile has no such layer."""
-    layers = {e.name: e for e in previous.layers if e.pinned}
-    unknown = sorted(set(layers) - {layer.name for layer in profile.layers})
-    if unknown:
-        raise HeteroError(f"--from plan pins layers the profile does not have: {', '.join(unknown[:5])}",
-                          hint="unpin or delete those entries in the old plan, then re-plan", exit_code=USAGE)
-    return layers
 
 
 def model_host_bytes(profile: Profile) -> int:
@@ -60,20 +76,6 @@ def model_host_bytes(profile: Profile) -> int:
     their gradients too."""
     model = sum(x.params_bytes for x in profile.layers)
     return model + (model if profile.machine.gpu is None else 0)
-
-
-def static_bytes(profile: Profile, _: Plan, host: str) -> dict[str, int]:
-    return {host: model_host_bytes(profile)}
-
-
-def choose(t: Translation) -> dict[str, Any]:
-    """Each layer's mode and gradient place as the plan's entries say (an entry naming no layer is ignored)."""
-    n, gpu = len(t.costs.layers), t.profile.machine.gpu is not None
-    modes, grads = [LayerMode.GFGB] * n, [LayerGrad.GPU] * n
-    for e in t.plan.layers:
-        if (i := t.index.get(e.name)) is not None:
-            modes[i], grads[i] = _timed_mode(t.costs.layers[i], e, gpu)
-    return dict(modes=modes, grads=grads)
 
 
 def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[Mode, GradPlace]:
@@ -87,7 +89,3 @@ def _timed_mode(layer: LayerCosts, e: LayerPlan, gpu: bool) -> tuple[Mode, GradP
                           f"profile does not have", hint=f"set `mode: gfgb, grad: gpu` for {e.name}, or re-profile",
                           exit_code=USAGE)
     return e.mode, e.grad
-
-
-SECTION = Section(name="layers", phase="whole", solve=solve, pinned=pinned, static_bytes=static_bytes, choose=choose,
-                  settle=settle, absent=list)

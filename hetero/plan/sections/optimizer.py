@@ -10,45 +10,61 @@ from typing import Any
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm
 from hetero.plan.context import Context
-from hetero.plan.section import Section, Step, Translation
+from hetero.plan.section import HostPeak, Section, Step, Translation
 from hetero.plan.sections import optimizer_bytes
 from hetero.schema.plan import NvmeOverflow, OptimizerPlan, Plan, StatePlacement
 from hetero.schema.profile import Profile
 from hetero.units import SIZE
 
 
-def solve(step: Step) -> OptimizerPlan | None:
-    return _optimizer(step.ctx, step.pinned("optimizer"), step.omitted, step.levers)
+class Optimizer(Section):
+    name = "optimizer"
 
+    def solve(self, step: Step) -> OptimizerPlan | None:
+        training = step.ctx.profile.training
+        if training.optimizer in ("other", "none"):
+            step.omitted["optimizer"] = _scripts_own(training)
+            return None
+        if (kept := step.pinned("optimizer")) is not None:  # pinned in the earlier plan
+            return kept
+        ctx, theirs = _placeable(step.ctx)
+        out = _placed(ctx, step.omitted, step.levers)
+        if not theirs:
+            return out
+        if out is None:
+            step.omitted["optimizer"] = f"{step.omitted['optimizer']}; {theirs}"
+            return None
+        return replace(out, why=f"{out.why}; {theirs}")
 
-def pinned(profile: Profile, previous: Plan) -> OptimizerPlan | None:
-    """The earlier plan's optimizer section where pinned; refused where its parameters are not the profile's."""
-    optimizer = previous.optimizer if previous.optimizer and previous.optimizer.pinned else None
-    if optimizer is not None and {s.param for s in optimizer.states} != {p.name for p in axdimm.params(profile)}:
-        raise HeteroError("--from plan pins an optimizer section whose parameters differ from the profile's",
-                          hint="unpin the optimizer section of the old plan (pinned: false)", exit_code=USAGE)
-    return optimizer
+    def pinned(self, profile: Profile, previous: Plan) -> OptimizerPlan | None:
+        """The earlier plan's optimizer section where pinned; refused where its parameters are not the profile's."""
+        optimizer = previous.optimizer if previous.optimizer and previous.optimizer.pinned else None
+        if optimizer is not None and {s.param for s in optimizer.states} != {p.name for p in axdimm.params(profile)}:
+            raise HeteroError("--from plan pins an optimizer section whose parameters differ from the profile's",
+                              hint="unpin the optimizer section of the old plan (pinned: false)", exit_code=USAGE)
+        return optimizer
 
+    def static_bytes(self, profile: Profile, plan: Plan, host: str) -> dict[str, int]:
+        return optimizer_bytes.static_bytes(profile, plan.optimizer, host)
 
-def static_bytes(profile: Profile, plan: Plan, host: str) -> dict[str, int]:
-    return optimizer_bytes.static_bytes(profile, plan.optimizer, host)
+    def choose(self, t: Translation) -> dict[str, Any]:
+        """Each parameter's update, the lanes that run them, and where gradients and parameters live."""
+        profile, opt = t.profile, t.plan.optimizer
+        gpu, n = profile.machine.gpu is not None, len(t.costs.layers)
+        rates = axdimm.rates(profile, opt.device) if opt else None
+        lanes = rates.lanes if rates else []
+        updates = axdimm.updates(axdimm.params(profile), opt.states, n, rates,
+                                 grads=optimizer_bytes.grads_on_nvme(profile, opt)) if opt else [[] for _ in range(n)]
+        return dict(updates=updates, lanes=lanes, overlap_backward=opt.overlap_backward if opt else False,
+                    grads_to_host=opt is not None and opt.device != "gpu",
+                    params_on_gpu=gpu and (opt is None or opt.device == "gpu"),
+                    step_s=0.0 if opt else profile.training.optimizer_step_s,
+                    staging_bytes=optimizer_bytes.simulated_staging_bytes(profile, t.plan,
+                                                                          t.static_bytes.get(t.host, 0), t.host),
+                    cpu_share=_cpu_share(profile, opt, lanes))
 
-
-def choose(t: Translation) -> dict[str, Any]:
-    """Each parameter's update, the lanes that run them, and where gradients and parameters live."""
-    profile, opt = t.profile, t.plan.optimizer
-    gpu, n = profile.machine.gpu is not None, len(t.costs.layers)
-    rates = axdimm.rates(profile, opt.device) if opt else None
-    lanes = rates.lanes if rates else []
-    updates = axdimm.updates(axdimm.params(profile), opt.states, n, rates,
-                             grads=optimizer_bytes.grads_on_nvme(profile, opt)) if opt else [[] for _ in range(n)]
-    return dict(updates=updates, lanes=lanes, overlap_backward=opt.overlap_backward if opt else False,
-                grads_to_host=opt is not None and opt.device != "gpu",
-                params_on_gpu=gpu and (opt is None or opt.device == "gpu"),
-                step_s=0.0 if opt else profile.training.optimizer_step_s,
-                staging_bytes=optimizer_bytes.simulated_staging_bytes(profile, t.plan, t.static_bytes.get(t.host, 0),
-                                                                      t.host),
-                cpu_share=_cpu_share(profile, opt, lanes))
+    def host_bytes(self, profile: Profile, plan: Plan, peak: HostPeak) -> dict[str, int]:
+        return optimizer_bytes.host_entries(profile, plan, peak)
 
 
 def _cpu_share(profile: Profile, opt: OptimizerPlan | None, lanes: list[str]) -> dict[str, float]:
@@ -70,24 +86,6 @@ def _cpu_share(profile: Profile, opt: OptimizerPlan | None, lanes: list[str]) ->
 
 def _share(measured: float | None) -> float:
     return 1.0 if measured is None else measured
-
-
-def _optimizer(ctx: Context, kept: OptimizerPlan | None, omitted: dict[str, str],
-               levers: frozenset[str]) -> OptimizerPlan | None:
-    training = ctx.profile.training
-    if training.optimizer in ("other", "none"):
-        omitted["optimizer"] = _scripts_own(training)
-        return None
-    if kept is not None:  # pinned in the earlier plan
-        return kept
-    ctx, theirs = _placeable(ctx)
-    out = _placed(ctx, omitted, levers)
-    if not theirs:
-        return out
-    if out is None:
-        omitted["optimizer"] = f"{omitted['optimizer']}; {theirs}"
-        return None
-    return replace(out, why=f"{out.why}; {theirs}")
 
 
 def _placeable(ctx: Context) -> tuple[Context, str]:
@@ -195,7 +193,3 @@ def _placement(ctx: Context, device: str) -> axdimm.Placement:
         return axdimm.place(ctx.params, ctx.update_order, ax.channels, ax.channel_capacity_bytes, nvme, "axdimm")
     room = max(0, ctx.dram_budget_bytes - ctx.host_model_bytes)
     return axdimm.place(ctx.params, ctx.update_order, 1, room, nvme, "host")
-
-
-SECTION = Section(name="optimizer", phase="draft", solve=solve, pinned=pinned, static_bytes=static_bytes,
-                  choose=choose, host_bytes=optimizer_bytes.host_entries)

@@ -13,12 +13,18 @@ from hetero.schema.profile import Profile
 RECOMPUTED = "activations recomputed in backward"  # its host-memory account entry (hetero.plan.footprint)
 
 
-def solve(step: Step) -> RecomputePlan | None:
-    return recompute.section(step.ctx.profile, step.blocks) if "recompute" in step.levers else None
+class Recompute(Section):
+    name = "recompute"
 
+    def solve(self, step: Step) -> RecomputePlan | None:
+        return recompute.section(step.ctx.profile, step.blocks) if "recompute" in step.levers else None
 
-def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
-    return {RECOMPUTED: -recompute.peak_drop(profile, plan.recompute, gradients_of(profile, plan))}
+    def host_bytes(self, profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
+        return {RECOMPUTED: -recompute.peak_drop(profile, plan.recompute, gradients_of(profile, plan))}
+
+    def cost_s(self, profile: Profile, plan: Plan) -> float:
+        """Each chosen block's forward once more."""
+        return recompute.cost_s(profile, plan.recompute)
 
 
 def gradients_of(profile: Profile, plan: Plan) -> Held:
@@ -32,11 +38,3 @@ def gradients_of(profile: Profile, plan: Plan) -> Held:
     gone = frozenset(x.name for x in profile.layers
                      if x.params and all(tier.get(name) == "nvme" for name in x.param_names()))
     return Held(gone_grads=gone, step=True)
-
-
-def cost_s(profile: Profile, plan: Plan) -> float:
-    """Each chosen block's forward once more."""
-    return recompute.cost_s(profile, plan.recompute)
-
-
-SECTION = Section(name="recompute", phase="draft", solve=solve, host_bytes=host_entries, cost_s=cost_s)

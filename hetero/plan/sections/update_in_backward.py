@@ -12,16 +12,18 @@ from hetero.units import SIZE
 GRADS_FREED = "gradients freed in backward"  # its host-memory account entry (hetero.plan.footprint)
 
 
-def solve(step: Step) -> UpdateInBackward | None:
-    """Only for the script's own optimizer: hetero's places its updates itself."""
-    wanted = "in_backward" in step.levers and step.draft.optimizer is None
-    return section(step.ctx.profile) if wanted else None
+class UpdatesInBackward(Section):
+    name = "update_in_backward"
 
+    def solve(self, step: Step) -> UpdateInBackward | None:
+        """Only for the script's own optimizer: hetero's places its updates itself."""
+        wanted = "in_backward" in step.levers and step.draft.optimizer is None
+        return section(step.ctx.profile) if wanted else None
 
-def host_entries(profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
-    if plan.update_in_backward is None:
-        return {}
-    return {GRADS_FREED: -grads_freed_in_backward(profile)}
+    def host_bytes(self, profile: Profile, plan: Plan, _: HostPeak) -> dict[str, int]:
+        if plan.update_in_backward is None:
+            return {}
+        return {GRADS_FREED: -grads_freed_in_backward(profile)}
 
 
 def section(profile: Profile) -> UpdateInBackward:
@@ -32,6 +34,3 @@ def section(profile: Profile) -> UpdateInBackward:
         f"final and frees it: the process holds {SIZE.format_short(freed)} less at its peak, for no time (the same "
         "updates, earlier); the profile saw one backward per step and no clipping, and the script must not read "
         "`.grad` between backward and step (it is None then)"))
-
-
-SECTION = Section(name="update_in_backward", phase="draft", solve=solve, host_bytes=host_entries)
