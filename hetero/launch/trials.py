@@ -96,7 +96,7 @@ def plan(profile: Profile, options: solve.PlanOptions, say: Callable[[str], None
     if new:
         say(_said(trials[-1], policy))
     while True:
-        chosen = solve.plan(profile, replace(options, trials=tuple(trials)))
+        chosen = solve.plan(profile, replace(options, trials=tuple(trials), measuring=command is not None))
         if not fit.wants_trial(profile, options, chosen, trials, policy):
             return chosen
         if command is None:

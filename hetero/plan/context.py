@@ -29,6 +29,7 @@ class PlanOptions:
     stay_time_s: float = 1e-3
     previous: Plan | None = None  # --from: its pinned entries are kept
     trials: tuple[Trial, ...] = ()  # what `hetero plan` measured of candidates under a DRAM budget (hetero.plan.fit)
+    measuring: bool = False  # `hetero plan` tries the plan it chooses: where none is predicted to fit, the least is
 
 
 @dataclass(kw_only=True, slots=True)

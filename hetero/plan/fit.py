@@ -59,18 +59,31 @@ class Candidate:
     predicted_bytes: int
     iteration_s: float  # predicted, or measured by its trial
     trial: Trial | None = None  # what `hetero plan` measured of it, if it was tried
+    margin_bytes: int = 0  # untried: what trials of plans with the same malloc settings measured above prediction
 
     @property
     def held_bytes(self) -> int:
-        """The most its process is taken to hold: measured with the trial's margins, else as predicted."""
-        return POLICY.held_bytes(self.trial) if self.trial is not None else self.predicted_bytes
+        """The most its process is taken to hold: measured with the trial's margins, else as predicted with what
+        trials measured beyond their predictions."""
+        return POLICY.held_bytes(self.trial) if self.trial is not None else self.predicted_bytes + self.margin_bytes
 
-    def fits(self, budget_bytes: int, beside_bytes: int) -> bool:
-        """Whether it keeps `budget_bytes`: as its trial verified, or, untried, as predicted with `beside_bytes`
-        (what trials so far measured beside their peaks) under it."""
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether it keeps `budget_bytes`: as its trial verified, or, untried, as predicted with the margin."""
         if self.trial is not None:
             return POLICY.fits(self.trial, budget_bytes)
-        return self.predicted_bytes + beside_bytes <= budget_bytes
+        return self.held_bytes <= budget_bytes
+
+
+def margins(trials: list[Trial]) -> dict[bool, int]:
+    """What trials measured above their plans' predictions (their margins included), by whether the plan returns
+    freed memory (malloc's settings move the peak most): the most of each, a lower bound where a trial reached the
+    budget; where no trial has those settings, the most file pages any trial used beside its peak."""
+    beside = max((t.mapped_bytes for t in trials), default=0)
+    out = {}
+    for returning in (False, True):
+        errors = [POLICY.held_bytes(t) - t.predicted_bytes for t in trials if ("allocator" in t.levers) == returning]
+        out[returning] = max(errors, default=beside)
+    return out
 
 
 def applies(profile, gpu, budget_source: str | None) -> bool:
@@ -140,27 +153,34 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     fewer = [_candidate(frozenset(t.levers), solve(frozenset(t.levers), blocks=t.blocks), host, trials)
              for t in trials if t.blocks is not None and frozenset(t.levers) in seen
              and not _same(t, frozenset(t.levers), seen[frozenset(t.levers)].plan)]
-    budget, beside = ctx.dram_budget_bytes, max((t.mapped_bytes for t in trials), default=0)
-    pool = [c for c in [*seen.values(), *fewer] if c.trial is not None or len(trials) < POLICY.max_trials]
-    fitting = [c for c in pool if c.fits(budget, beside)]
+    budget, every = ctx.dram_budget_bytes, [*seen.values(), *fewer]
+    pool = [c for c in every if c.trial is not None or len(trials) < POLICY.max_trials]
+    fitting = [c for c in pool if c.fits(budget)]
     if not fitting:
-        raise _floor(ctx, [*seen.values(), *fewer], host, unusable)
+        untried = [c for c in pool if c.trial is None]
+        if not (ctx.options.measuring and untried):
+            raise _floor(ctx, every, host, unusable)
+        # `hetero plan` measures before it writes: the least predicted is tried, rather than the floor predicted
+        least = min(untried, key=lambda c: c.held_bytes)
+        why = f"{_why(ctx, least, seen, 0)}; predicted over the budget, tried before written" + _unusable_text(unusable)
+        return replace(least.plan, budget=replace(least.plan.budget, why=why, trials=trials))
     # the script as it is wherever it fits (DESIGN: a mechanism only where the budget needs it); else the fastest,
     # and of equally fast ones, one that evicts activations last (the disk's workers take their share of the cores,
     # which the simulator hides behind compute: TIERING_LEFT_OUT), then one that keeps malloc's defaults
     base = seen[forced]
     best = base if base in fitting else min(fitting, key=lambda c: (
         c.iteration_s, "tiering" in c.levers, c.plan.allocator is not None, len(c.levers), c.held_bytes))
-    best = _fewest_blocks(ctx, solve, best, host, trials, beside)
+    best = _fewest_blocks(ctx, solve, best, host, trials)
     why = _why(ctx, best, seen, len(fitting)) + _unusable_text(unusable)
     return _as_tried(replace(best.plan, budget=replace(best.plan.budget, why=why, trials=trials)), best, host)
 
 
 def _candidate(levers: frozenset[str], plan: Plan, host: str, trials: list[Trial]) -> Candidate:
-    """`plan` as a candidate, with the trial that measured it, if any."""
+    """`plan` as a candidate, with the trial that measured it, if any, else the margin trials so far showed."""
     trial = next((t for t in trials if _same(t, levers, plan)), None)
     iteration = trial.step_s if trial is not None and trial.step_s is not None else plan.predicted.iteration_s
-    return Candidate(levers, plan, plan.predicted.peak_bytes[host], iteration, trial)
+    margin = margins(trials)[plan.allocator is not None] if trial is None else 0
+    return Candidate(levers, plan, plan.predicted.peak_bytes[host], iteration, trial, margin)
 
 
 def _same(trial: Trial, levers: frozenset[str], plan: Plan) -> bool:
@@ -176,26 +196,20 @@ def recompute_levers(ctx) -> frozenset[str]:
     return frozenset({"recompute", "allocator"} if returned else {"recompute"})
 
 
-def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial],
-                   beside: int) -> Candidate:
-    """With recomputation chosen and not yet tried, the fewest blocks predicted to keep the budget (each one more
-    costs its forward), the error a trial of the same levers showed added to each prediction."""
+def _fewest_blocks(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial]) -> Candidate:
+    """With recomputation chosen and not yet tried, the fewest blocks taken to keep the budget (each one more costs
+    its forward): as tried where a trial measured that many, else as predicted with the trials' margin."""
     if best.trial is not None or "recompute" not in best.levers or ctx.options.recompute:
         return best
     units, _ = recompute.units(ctx.profile)
-    error = max((POLICY.held_bytes(t) - t.predicted_bytes for t in trials if frozenset(t.levers) == best.levers),
-                default=beside)
-    plans: dict[int, Plan] = {len(units): best.plan}
+    candidates: dict[int, Candidate] = {len(units): best}
 
     def fits(k: int) -> bool:
-        plans.setdefault(k, solve(best.levers, blocks=k))
-        tried = next((t for t in trials if _same(t, best.levers, plans[k])), None)
-        if tried is not None:
-            return POLICY.fits(tried, ctx.dram_budget_bytes)
-        return plans[k].predicted.peak_bytes[host] + error <= ctx.dram_budget_bytes
+        if k not in candidates:
+            candidates[k] = _candidate(best.levers, solve(best.levers, blocks=k), host, trials)
+        return candidates[k].fits(ctx.dram_budget_bytes)
 
-    k = recompute.fewest(fits, len(units))
-    return _candidate(best.levers, plans[k], host, trials)
+    return candidates[recompute.fewest(fits, len(units))]
 
 
 def _as_tried(plan: Plan, best: Candidate, host: str) -> Plan:

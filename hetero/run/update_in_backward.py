@@ -9,8 +9,9 @@ finds no gradient left and changes nothing; its step hooks and LR schedulers run
 
 What this cannot train the same way is refused rather than trained differently: a second backward into the same
 parameter before `step()` (gradient accumulation, a GAN's generator reached by the discriminator's loss), gradient
-clipping or unscaling (torch's functions refuse), a gradient set again before `step()`, several ranks. A script that reads `.grad` between backward and step finds None: the planner writes this
-section only for scripts whose profile saw one backward per step and no clipping, and says so.
+clipping or unscaling (torch's functions refuse), a gradient set again before `step()`, several ranks. A script
+that reads `.grad` between backward and step finds None: the planner writes this section only for scripts whose
+profile saw one backward per step and no change to a gradient after backward, and says so.
 """
 
 from __future__ import annotations
