@@ -22,13 +22,12 @@ from itertools import combinations
 
 from hetero.errors import USAGE, HeteroError
 from hetero.plan.model import GPU
+from hetero.plan.policy import POLICY
 from hetero.schema.plan import Plan
 from hetero.units import SIZE, short_time
 
 LEVERS = ("offload", "host_grads", "tiering")
 NEEDS = {"host_grads": "offload"}
-# A predicted peak keeps this far under the budget, where the prediction is not plain training's own measured peak.
-HEADROOM = 0.03
 REFITS = 4  # searches of a candidate's layers, each for a budget tighter by the last one's overshoot
 TIE = 0.02  # a lever must shorten the predicted iteration by more than this share to be worth its risk
 NAMES = {"offload": "the optimizer's states and updates off the GPU",
@@ -119,8 +118,8 @@ def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[st
 
 def room_bytes(c: Candidate, budget: int) -> int:
     """The most a candidate's predicted peak may be: plain training's measured peak is what it is; a prediction
-    keeps HEADROOM under the budget."""
-    return budget if not c.levers else int(budget * (1 - HEADROOM))
+    keeps the policy's GPU headroom under the budget."""
+    return budget if not c.levers else int(budget * (1 - POLICY.gpu_headroom))
 
 
 def _too_small(ctx, seen: dict[frozenset[str], Candidate], unusable: dict[str, str]) -> HeteroError:
@@ -130,7 +129,7 @@ def _too_small(ctx, seen: dict[frozenset[str], Candidate], unusable: dict[str, s
         return HeteroError(next(iter(seen.values())).refusal, exit_code=USAGE,
                            hint="raise --gpu-memory, or train a smaller model or batch")
     least = min(planned, key=lambda c: c.peak_bytes)
-    need = least.peak_bytes if not least.levers else least.peak_bytes / (1 - HEADROOM)
+    need = least.peak_bytes if not least.levers else least.peak_bytes / (1 - POLICY.gpu_headroom)
     return HeteroError(
         f"the GPU budget {SIZE.format_short(ctx.gpu_budget_bytes, 4)} ({source}) is below what any plan reaches: the "
         f"least is {SIZE.format_short(least.peak_bytes, 4)} predicted, with {_names(least.levers) or 'nothing moved'}"

@@ -38,6 +38,7 @@ class MemoryPolicy:
     poll_s: float = 0.002  # how often a trial process reads its resident memory to stop itself at the budget
     profile_headroom: float = 0.03  # the profile's own room under a budget: for its estimates' error ...
     profile_mapped_bytes: int = 16 << 20  # ... and the file pages a process under a limit keeps using
+    gpu_headroom: float = 0.03  # a GPU plan's predicted peak keeps this far under a GPU budget (untried on a GPU)
 
     def held_bytes(self, trial: Trial) -> int:
         """The most a process running the trial's plan is taken to hold: its highest measured peak, the trial's

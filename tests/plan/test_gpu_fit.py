@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import gpu_fit, plain
+from hetero.plan import plain
 from hetero.plan.model import GPU
+from hetero.plan.policy import POLICY
 from hetero.plan.sections import plain_of
 from hetero.plan.solve import PlanOptions, plan, predict, predicted_of
 from hetero.schema import files
@@ -52,7 +53,7 @@ def test_a_gpu_budget_plain_training_exceeds_moves_what_it_must_and_keeps_under_
     p = plan(profile, PlanOptions(gpu_memory_bytes=budget))
     assert p.optimizer is not None and p.optimizer.device == "host"
     peak = p.predicted.peak_bytes[GPU]
-    assert peak <= budget * (1 - gpu_fit.HEADROOM)
+    assert peak <= budget * (1 - POLICY.gpu_headroom)
     assert sum(p.predicted.gpu.values()) - sum(p.predicted.gpu_saved.values()) == peak
     assert p.predicted.gpu[plain.PLAIN_MEASURED] == reserved
     assert p.predicted.gpu_saved[plain.OWN_STATES] == plain.own_gpu_states(profile)

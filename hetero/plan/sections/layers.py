@@ -8,9 +8,10 @@ from dataclasses import replace
 from typing import Any
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import gpu_fit, gpu_layers, gradient_offload, plain
+from hetero.plan import gpu_layers, gradient_offload, plain
 from hetero.plan.context import Context
 from hetero.plan.model import LayerCosts
+from hetero.plan.policy import POLICY
 from hetero.plan.section import Section, Step, Translation
 from hetero.schema.plan import GradPlace, LayerGrad, LayerMode, LayerPlan, Mode, Plan
 from hetero.schema.profile import Profile
@@ -34,7 +35,7 @@ class Layers(Section):
             step.omitted["layers"] = ON_GPU
             return []
         bare = step.plain_of(draft)
-        counted = plain.counted_budget_bytes(ctx.profile, bare, int(ctx.gpu_budget_bytes * (1 - gpu_fit.HEADROOM)),
+        counted = plain.counted_budget_bytes(ctx.profile, bare, int(ctx.gpu_budget_bytes * (1 - POLICY.gpu_headroom)),
                                              step.predict(bare))
         reserve = ctx.options.reserve if "host_grads" in step.levers else 1.0
         return gpu_layers.layer_modes(ctx, draft, step.pinned("layers") or {}, step.build, reserve, counted)
