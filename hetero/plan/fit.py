@@ -261,7 +261,8 @@ def describe(levers: frozenset[str]) -> str:
 
 def _floor(ctx, candidates: list[Candidate], host: str, unusable: dict[str, str]) -> HeteroError:
     """The refusal below the floor: the least any candidate needs (measured where it was tried)."""
-    least = min(candidates, key=lambda c: c.held_bytes)
+    # a trial that stopped at the budget only bounds its need from below: the floor is a need measured or predicted
+    least = min(candidates, key=lambda c: (c.trial is not None and c.trial.stopped > 0, c.held_bytes))
     budget, trial = ctx.dram_budget_bytes, least.trial
     how = "predicted" if trial is None else "measured in fresh processes" if not trial.stopped else \
         f"more: {trial.stopped} of its trial's processes reached it"
