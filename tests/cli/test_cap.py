@@ -120,6 +120,6 @@ def test_the_runner_reports_the_exit_the_limit_and_the_peak_and_leaves_no_cgroup
 def test_without_root_one_line_says_what_to_run_instead(monkeypatch):
     monkeypatch.setattr(cgroup.os, "geteuid", lambda: 1000)
     line = cgroup.unavailable()
-    assert line.startswith("cannot create a memory cgroup (not root") and "\n" not in line
-    with pytest.raises(RuntimeError, match="systemd-run --scope -p MemoryMax="):
+    assert "root" in line and "systemd-run" in line and "\n" not in line  # why not, and what to run instead
+    with pytest.raises(RuntimeError, match="systemd-run"):
         cgroup.run(["true"], 2**30)

@@ -26,8 +26,9 @@ def test_prints_predicted_against_measured_with_warnings(tmp_path, capfd):
     assert main(["report", str(write_run(tmp_path, slower=1.25))]) == 0
     out = capfd.readouterr().out
     assert "iteration" in out and "+25%" in out and "bp h.1.attn.c_attn" in out and "short layers, summed" in out
-    assert "warning: iteration: measured " in out and "(more than 15% off)" in out
-    assert "layer times under 1% of the predicted iteration each" in out and "fp h.0.ln_1 " not in out
+    warned = [x for x in out.splitlines() if x.startswith("warning: ")]
+    assert len(warned) == 1 and warned[0].startswith("warning: iteration") and "+25%" in warned[0], out
+    assert "fp h.0.ln_1 " not in out  # under 1% of the iteration: summed into one row
 
 
 def test_draws_memory_per_tier_as_png(tmp_path, capfd):
@@ -40,8 +41,8 @@ def test_draws_memory_per_tier_as_png(tmp_path, capfd):
 def test_without_matplotlib_says_how_to_install_it(tmp_path, capfd, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     assert main(["report", str(write_run(tmp_path)), "--png", str(tmp_path / "m.png")]) == 2
-    err = capfd.readouterr().err
-    assert "error: --png needs matplotlib, which is not installed" in err and "pip install matplotlib" in err
+    error, hint = capfd.readouterr().err.splitlines()
+    assert error.startswith("error: --png") and hint.startswith("hint: ") and "pip install matplotlib" in hint
 
 
 def test_a_missing_plan_or_another_models_plan_is_refused(tmp_path, capfd, repo):
@@ -52,12 +53,14 @@ def test_a_missing_plan_or_another_models_plan_is_refused(tmp_path, capfd, repo)
     other = replace(other, source=replace(other.source, model_fingerprint="sha256:" + "0" * 64))
     files.save(other, tmp_path / "other.yaml")
     assert main(["report", str(run), "--plan", str(tmp_path / "other.yaml")]) == 2
-    assert "was made for another model" in capfd.readouterr().err
+    error, hint = capfd.readouterr().err.splitlines()
+    assert error.startswith(f"error: {tmp_path / 'other.yaml'}") and "--plan" in hint
 
 
 def test_a_plan_file_is_not_a_run(capfd, repo):
     assert main(["report", str(repo / "plans/gpt-tiny-cpu.plan.yaml")]) == 3
-    assert "plan.yaml:4:7: kind: kind 'Plan', expected Run" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "plan.yaml:4:7: kind: " in err and "Run" in err  # at the kind's value, naming the kind expected
 
 
 def test_leads_with_iteration_and_peak_groups_layer_warnings_and_says_how_to_replan(tmp_path, capfd):
@@ -69,5 +72,6 @@ def test_leads_with_iteration_and_peak_groups_layer_warnings_and_says_how_to_rep
     assert lines[1].startswith("peak dram: ")
     assert not any(line.startswith(("warning: fp ", "warning: bp ")) for line in lines)  # folded into one line
     assert sum("layer times: " in line for line in lines) == 1
-    assert f"hint: plan again with the times this run measured: hetero plan --from-run {run}" in out.replace("\n", "")
+    hint = out[out.index("hint: "):].replace("\n", "")
+    assert f"hetero plan --from-run {run}" in hint  # the command to plan again with what this run measured
     assert max(len(line) for line in lines) <= 100

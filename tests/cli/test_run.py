@@ -1,6 +1,7 @@
 """`hetero run`: exit codes, tracebacks, Ctrl-C, stale plans, and arguments that belong to the script."""
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -52,7 +53,9 @@ def test_runs_the_script_with_the_offloaded_optimizer(workdir, capfd):
     assert main(["run", "--skip-profile-check", script, "3"]) == 0
     out, err = capfd.readouterr()
     assert "done hetero.run.offloaded_adam" in out  # the Adam the script built is hetero's
-    assert "optimizer states: 26.1KiB on emulated AXDIMM (2 channels), 1.5KiB on NVMe" in err
+    # 16 B per parameter on the channels (master, m, v, gradient) and head.weight's 12 on NVMe (master, m, v)
+    states = next(x for x in err.splitlines() if "optimizer states: " in x)
+    assert re.findall(r"[0-9.]+[KMG]?i?B\b", states) == ["26.1KiB", "1.5KiB"] and "AXDIMM" in states, states
     assert "hetero: dram peak " in err  # no profile beside the plan: no plain figure to compare with
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
 
@@ -80,23 +83,24 @@ def test_a_stale_profile_is_refused_with_exit_4(workdir, capfd, repo):
     (workdir / "profile.yaml").write_text((repo / "plans/gpt-tiny-cpu.profile.yaml").read_text())
     script = scripts.write(workdir, TRAIN)
     assert main(["run", "--skip-profile-check", script]) == 4
-    err = capfd.readouterr().err
-    assert "error: plan.yaml is stale: profile.yaml changed since the plan was made" in err
-    assert "--allow-stale" in err
+    error, hint = capfd.readouterr().err.splitlines()[-2:]
+    assert error.startswith("error: plan.yaml") and "profile.yaml" in error and "--allow-stale" in hint
     assert main(["run", "--skip-profile-check", "--allow-stale", script, "2"]) == 0
 
 
 def test_another_model_is_refused_with_exit_4(workdir, capfd):
     script = scripts.write(workdir, TRAIN.replace("model = Net()", "model = Net(width=48)"))
     assert main(["run", "--skip-profile-check", script]) == 4
-    assert "is not the one the plan was made for" in capfd.readouterr().err
+    planned = files.load("plan.yaml").source.model_fingerprint
+    assert planned[:19] in capfd.readouterr().err  # names the model the plan was made for
 
 
 def test_without_a_plan_says_what_to_do(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--skip-profile-check", scripts.write(tmp_path, TRAIN)]) == 2
-    err = capfd.readouterr().err
-    assert "error: no plan at plan.yaml" in err and "hint: make one: hetero profile SCRIPT, then hetero plan" in err
+    error, hint = capfd.readouterr().err.splitlines()
+    assert error.startswith("error: ") and "plan.yaml" in error
+    assert hint.startswith("hint: ") and "hetero profile" in hint and "hetero plan" in hint  # the commands to run
 
 
 def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
@@ -106,7 +110,7 @@ def test_ctrl_c_exits_130_and_leaves_no_files(workdir):
     result = subprocess.run([sys.executable, "-m", "hetero", "run", "--skip-profile-check", script, "50"], cwd=workdir,
                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 130, result.stderr
-    assert result.stderr.rstrip().endswith("error: interrupted")
+    assert result.stderr.rstrip().splitlines()[-1].startswith("error: ")
     assert not (workdir / "nvme").exists() or os.listdir(workdir / "nvme") == []
 
 
@@ -174,7 +178,8 @@ def test_a_separator_after_the_script_reaches_it_as_python_would_pass_it(workdir
 def test_a_script_that_never_steps_says_the_plan_was_never_applied(workdir, capfd):
     script = scripts.write(workdir, "print('no training')\n")
     assert main(["run", "--skip-profile-check", script]) == 0
-    assert "warning: the plan was never applied" in capfd.readouterr().err
+    warned = [x for x in capfd.readouterr().err.splitlines() if x.startswith("hetero: warning: ") and script in x]
+    assert len(warned) == 1 and "never applied" in warned[0], warned  # the warning names the script
 
 
 def test_an_unreadable_script_is_one_line_with_exit_2(workdir, capfd, monkeypatch):
@@ -189,5 +194,6 @@ def test_an_unreadable_script_is_one_line_with_exit_2(workdir, capfd, monkeypatc
     monkeypatch.setattr(Path, "open", denied)  # root reads any file: a chmod cannot make one unreadable here
     assert main(["run", "--skip-profile-check", script]) == 2
     err = capfd.readouterr().err
-    assert err.splitlines()[0] == f"error: cannot read the script {script}: Permission denied"
+    error = err.splitlines()[0]
+    assert error.startswith("error: ") and script in error and error.endswith("Permission denied")
     assert "Traceback" not in err

@@ -4,6 +4,7 @@ wrote carried out, and an NVMe directory left empty after a normal end, an excep
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from hetero.cli.main import main
 from hetero.harness.script import run_script
 from hetero.run.runtime import Runtime
-from hetero.run.tiering import ActivationTiering
+from hetero.run.tiering import ACTIVATIONS, ActivationTiering
 from hetero.schema import files
 from tests.cli.test_run import net
 from tests.profile import scripts
@@ -57,8 +58,10 @@ def test_prints_the_saved_bytes_with_and_without_tiering(workdir, capfd):
     assert main(["run", "--skip-profile-check", scripts.write(workdir, TRAIN), "5", "plain"]) == 0
     out, err = capfd.readouterr()
     assert "done 5" in out
-    assert "hetero: dram saved activations: average " in err and " with tiering" in err
-    assert " evictions to nvme0 (" in err and "late prefetch" in err
+    saved = next(x for x in err.splitlines() if x.startswith(f"hetero: dram {ACTIVATIONS}: "))
+    assert len(re.findall(r"[0-9.]+[KMG]?i?B\b", saved)) == 4  # average and peak, without tiering and with it
+    evictions = re.search(r"(\d+) evictions to nvme0", err)
+    assert evictions and int(evictions[1]) > 0 and "late prefetch" in err
     assert no_files(workdir)
 
 
@@ -75,7 +78,7 @@ def test_ctrl_c_exits_130_and_leaves_no_file(workdir):
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert result.returncode == 130, result.stderr
-    assert result.stderr.rstrip().endswith("error: interrupted")
+    assert result.stderr.rstrip().splitlines()[-1].startswith("error: ")
     assert no_files(workdir)
 
 
@@ -95,7 +98,7 @@ def test_a_plan_directory_that_cannot_be_used_is_exit_3_at_its_line(tmp_path, mo
     assert main(["run", "--skip-profile-check", script, "3", "plain"]) == 3
     err = [x for x in capfd.readouterr().err.splitlines() if not x.startswith("hetero: warning")]
     assert err[0].startswith(f"error: plan.yaml:{line}: ") and "not a directory" in err[0].lower(), err
-    assert err[1].startswith("hint: set it to a directory you own") and "--nvme" not in err[1]
+    assert err[1].startswith("hint: ") and "--nvme" not in err[1]  # a plan's path is fixed in the plan
     assert sorted(os.listdir(tmp_path)) == ["file", "plan.yaml", "train.py"]
 
 
@@ -105,7 +108,7 @@ def test_an_empty_directory_in_a_plan_is_refused_by_check(tmp_path, capfd, path)
     files.save(tiering_plan(net(), "x", 1 << 20), plan)
     plan.write_text(plan.read_text().replace("slow_path: x", f"slow_path: {path}"))
     assert main(["check", str(plan)]) == 3
-    assert "activations.slow_path: empty path" in capfd.readouterr().err
+    assert "activations.slow_path: " in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("args", [(), ("fp32", "workers=0"), ("scaled", "workers=0")],

@@ -9,12 +9,11 @@ from hetero.units import SIZE, TIME
 
 def test_help_text_drops_python_types_and_keeps_its_columns():
     usage = "Usage: hetero run [OPTIONS] {SCRIPT} [ARGS]..."
-    assert readable(usage) == "Usage: hetero run [OPTIONS] SCRIPT [ARGS]..."
+    assert readable(usage) == usage.replace("{SCRIPT}", "SCRIPT")
     line = "  --steps <int>      Steps to record."
-    assert readable(line) == "  --steps N          Steps to record."
-    assert len(readable(line)) == len(line)
+    assert readable(line) == line.replace("<int>", "N    ")  # the description stays in its column
     args = "  SCRIPT <str>        The training script."
-    assert readable(args) == "  SCRIPT              The training script."
+    assert readable(args) == args.replace("<str>", "     ")
 
 
 def test_a_quantity_is_read_in_its_units_base():
@@ -28,7 +27,7 @@ def test_a_bad_quantity_is_a_usage_error_with_an_example():
         quantity(SIZE, "eight gigs", "--dram-budget")
     assert e.value.exit_code == USAGE
     assert e.value.message.startswith("--dram-budget: ")
-    assert e.value.hint.startswith("write it like --dram-budget ")
+    assert "--dram-budget" in e.value.hint
     assert SIZE.parse(e.value.hint.split()[-1]) > 0  # the example itself parses
 
 

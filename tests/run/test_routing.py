@@ -2,6 +2,7 @@
 with 2 and 3 gloo processes on loopback."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -32,6 +33,17 @@ from hetero.schema.plan import Budget, Plan, Predicted, RoutingPlan, Source
 
 KiB = 1024
 STEPS = 5
+
+
+def figures(line: str) -> list[str]:
+    """The numbers a line says, with their units (`10ms`, `1.11x`, `4`), in order."""
+    return re.findall(r"\d[\d.]*[A-Za-z]*", line)
+
+
+def summarized(line: str) -> tuple[list[str], dict[str, tuple[str, int]]]:
+    """GradientRouting's summary line in numbers: its steps and ranks, and per path the bytes and messages a step."""
+    head, _, paths = line.partition(";")
+    return figures(head), {path: (size, int(n)) for path, size, n in re.findall(r"(\w+) (\S+) in (\d+)", paths)}
 
 
 def routed_plan(model: nn.Module, *, threshold: int = KiB, latency_peer: int = 1, bandwidth_peer: int = 1,
@@ -80,10 +92,13 @@ def test_sync_time_counts_overlapping_collectives_once():
 
 
 def test_drift_from_the_prediction_warns():
-    assert drift(0.010, 4, 0.009)[0] == "routing: sync 10ms per step (median of 4), 1.11x the 9ms the plan predicts"
-    assert len(drift(0.010, 4, 0.009)) == 1
-    assert drift(0.030, 4, 0.010)[1].startswith("warning: gradient sync drifted 3.00x from the plan")
-    assert "predicts no sync time" in drift(0.010, 4, None)[0]
+    (close,) = drift(0.010, 4, 0.009)  # the median sync time, of how many steps, against the plan's
+    assert close.startswith("routing: sync ") and figures(close) == ["10ms", "4", "1.11x", "9ms"]
+    far, warning = drift(0.030, 4, 0.010)
+    assert figures(far) == ["30ms", "4", "3.00x", "10ms"]
+    assert warning.startswith("warning: ") and "3.00x" in warning and "hetero profile" in warning
+    (alone,) = drift(0.010, 4, None)  # no prediction: nothing to compare with
+    assert figures(alone) == ["10ms", "4"]
 
 
 def test_the_prediction_is_the_plans():
@@ -105,8 +120,9 @@ def test_a_plan_naming_a_rank_that_does_not_exist_is_refused(one_rank):
     with Runtime(routed_plan(model, bandwidth_peer=1), script=__file__), pytest.raises(StopScript) as stop:
         DDP(model)
     assert stop.value.error.exit_code == 4
-    assert stop.value.error.message == ("the plan's routing.latency_peer is rank 1, but this run has 1 rank(s) "
-                                        "(0 to 0)")
+    message = stop.value.error.message  # the field, the rank it names, the ranks this run has (0 to 0)
+    assert "routing.latency_peer" in message and figures(message) == ["1", "1", "0", "0"]
+    assert "--nproc-per-node" in stop.value.error.hint
 
 
 class Net(nn.Module):
@@ -167,8 +183,8 @@ def test_routed_ranks_train_as_plain_ddp(tmp_path, world, peers):
         # the small tensors packed, one message per bucket; the other weights sharded
         assert result["moved"] == {PRIORITY: [8192 + 256, 3], LATENCY: [4 * (8 + 64 + 64 + 64), 2],
                                    BANDWIDTH: [16384 + 2048, 4 + 1]}
-        assert result["summary"][0] == (f"routing: 5 step(s) over {world} ranks; per step priority 8.25KiB in 3, "
-                                        "latency 800B in 2, bandwidth 18KiB in 5 message(s)")
+        assert summarized(result["summary"][0]) == (["5", str(world)], {PRIORITY: ("8.25KiB", 3),
+                                                                        LATENCY: ("800B", 2), BANDWIDTH: ("18KiB", 5)})
     for other in results[1:]:
         for name, (param, _) in results[0]["routed"].items():
             assert torch.equal(other["routed"][name][0], param), name  # the ranks stay in step, bit for bit
