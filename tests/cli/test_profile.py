@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hetero.run import process_memory
 from hetero.run.devices import workdir
 from hetero.schema import files
 from hetero.schema.profile import Profile
-from hetero.units import SIZE
+from hetero.units import COUNT, SIZE
 from tests.conftest import SMALL_GPT
 from tests.profile import scripts
 
@@ -50,7 +51,8 @@ def test_profile_of_the_example_is_valid(profiled, capsys):
     assert profile.memory.default_step_s > 0
     assert profile.machine.memory_limit_bytes == process_memory.memory_limit_bytes()
     summary = (out / "summary.txt").read_text()  # plain's peak: the number a user needs to choose --dram-budget
-    assert f"plain peak │ {SIZE.format_short(profile.memory.dram_peak_bytes)} resident" in " ".join(summary.split())
+    row = next(x for x in summary.splitlines() if "plain peak" in x)
+    assert SIZE.format_short(profile.memory.dram_peak_bytes) in row
 
 
 def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_path, cuda_reported, bundled_machine):
@@ -59,7 +61,7 @@ def test_a_budget_is_profiled_under_with_freed_memory_returned_and_says_so(tmp_p
                  "20GiB", "-o", str(out), *SMALL_GPT]) == 0
     memory = files.load(out, expect=Profile).memory
     assert memory.dram_peak_estimated and memory.dram_peak_returned_bytes == memory.dram_peak_bytes
-    assert memory.profiled_under == "freed memory returned from the start, under --dram-budget 20GiB"
+    assert memory.profiled_under.endswith("--dram-budget 20GiB") and "NVMe" not in memory.profiled_under
     assert memory.returned_step_s is None and memory.default_step_s is None  # not run a second time: no room
 
 
@@ -89,8 +91,8 @@ def test_a_crashing_script_exits_1_with_its_own_traceback(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert f'File "{path}", line' in err and "in train_step" in err
     assert "hetero/" not in err.split("RuntimeError")[0]
-    assert err.splitlines()[-1] == ("error: the script exited with code 1 after 0 optimizer steps; "
-                                   "no profile written")
+    last = err.splitlines()[-1]
+    assert last.startswith("error: ") and re.findall(r"\d+", last) == ["1", "0"]  # its exit code, after 0 steps
     assert not (tmp_path / "p.yaml").exists()
 
 
@@ -120,7 +122,7 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     memory, n = profile.memory, profile.model.num_params
     assert profile.training.optimizer == "adamw"  # the script's, though hetero's stood in for it while profiling
     assert memory.dram_peak_estimated and memory.dram_peak_returned_bytes == memory.dram_peak_bytes
-    assert memory.profiled_under.startswith("Adam states, fp32 master copies and gradients of ")
+    assert f"{COUNT.format_short(n)} parameters on NVMe" in memory.profiled_under  # all of them moved
     measured = SIZE.parse(memory.profiled_under.rsplit("the peak measured that way: ", 1)[1].split(";")[0])
     # plain's estimate: the measured peak, less the staging the moved optimizer held, plus plain's 12 B/param
     held = memory.dram_peak_bytes - measured - conservative.PLAIN_BYTES_PER_PARAM * n
@@ -182,4 +184,4 @@ def test_a_machine_of_another_host_is_refused_before_the_script_runs(profiled, t
     assert main(["profile", "--machine", str(other), script]) == 2
     out_, err = capfd.readouterr()
     assert "the script ran" not in out_ and "Traceback" not in err
-    assert err.startswith(f"error: --machine {other} was measured on another machine: host 0badcafe, here ")
+    assert err.startswith(f"error: --machine {other}") and "0badcafe" in err and workdir.host() in err
