@@ -178,8 +178,8 @@ def test_every_bench_script_has_a_smoke_run():
 
 def test_step_refuses_a_profile_of_another_model():
     done = bench("step.py", *TINY_GPT, "--profile", TINY_PROFILE)  # the profile is of TINY_PLAN_GPT's sizes
-    assert (done.returncode, done.stderr) == (1, f"bench/step.py: {TINY_PROFILE} is a profile of another model than "
-                                                 "these sizes of examples/train_gpt.py\n")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr  # one line, naming the profile
+    assert done.stderr.startswith("bench/step.py: ") and TINY_PROFILE in done.stderr
 
 
 def test_gpu_all_lists_its_pieces_without_cuda():
@@ -211,14 +211,14 @@ def test_cgroup_keeps_a_command_under_its_limit_or_says_why_not():
     grow = "b = bytearray({} * 2**20); b[::4096] = b'x' * len(b[::4096])"
     fits = bench("cgroup.py", "--limit", "256MiB", "--", sys.executable, "-c", grow.format(64), timeout=60)
     if fits.returncode == 2:
-        assert re.fullmatch(r"bench/cgroup.py: cannot create a memory cgroup \(.*\): .*\n", fits.stderr)
+        assert fits.stderr.startswith("bench/cgroup.py: ") and fits.stderr.count("\n") == 1, fits.stderr
         return
     assert fits.returncode == 0, fits.stderr
     peak = re.search(r"exit 0, peak ([0-9.]+)MiB of 256MiB", fits.stderr)
     assert peak and float(peak.group(1)) >= 64, fits.stderr
     over = bench("cgroup.py", "--limit", "64MiB", "--", sys.executable, "-c", grow.format(256), timeout=60)
     assert over.returncode == 137, over.stderr
-    assert "exit 137 (killed by the memory limit)" in over.stderr
+    assert re.search(r"exit 137\b.*killed", over.stderr), over.stderr  # the kernel's killer, said
 
 
 def test_gpu_e2e_says_whether_plain_differs_from_itself_when_the_default_plan_differs(capsys, monkeypatch):
@@ -233,9 +233,9 @@ def test_gpu_e2e_says_whether_plain_differs_from_itself_when_the_default_plan_di
         return module.Outcome(name, True, 1.0, 10.0, 1.0, weights, 1, 1, None)
 
     plain, other = run("plain-0", 1.0), run("hetero-0", 2.0)
-    for rows, said in (([plain, other], "whether plain's own runs differ is not known"),
-                       ([plain, other, run("plain-1", 1.0)], "hetero's run is not plain's"),
-                       ([plain, other, run("plain-1", 3.0)], "plain's two runs differ too"),
+    for rows, said in (([plain, other], "not known"),  # one plain run: nothing to tell noise by
+                       ([plain, other, run("plain-1", 1.0)], "not plain's"),  # plain repeats itself: hetero differs
+                       ([plain, other, run("plain-1", 3.0)], "differ too"),  # plain's own runs differ: noise
                        ([plain, run("hetero-0", 1.0)], ": equal")):
         module.checks(rows, {}, 10.0)
         assert said in capsys.readouterr().out
