@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/cap.py [--limits 768MiB 1GiB 1536MiB] [--n-embd 768 --batch-size 1 --seq-len 128]
                                        [--steps 4] [--repeats 3] [--max-layers 48] [--profile-uncapped]
-                                       [--script gpt|heldout] [--vocab N] [--machine PROFILE]
+                                       [--script gpt|heldout] [--vocab N] [--machine PROFILE] [--at LAYERS]
 
 The script is examples/train_gpt.py, or with `--script heldout` bench/heldout_lm.py (a GPT-style LM written apart
 from it: pre-norm blocks with F.scaled_dot_product_attention, SwiGLU, an untied head, AdamW with two parameter
@@ -255,10 +255,13 @@ def bench_limit(shape: Shape, limit: int, start: int, args: argparse.Namespace) 
     """One limit's table row and notes, and plain's largest size (the next limit's starting point)."""
     bench = Bench(shape, limit, args.profile_uncapped, args.machine)
     try:
-        most = {"plain": bench.largest("plain", start, args.max_layers)}
-        for config in ("checkpoint", "hetero"):
-            most[config] = bench.largest(config, max(1, most["plain"]), args.max_layers)
-        common = min(most.values())
+        if args.at:  # no search: each configuration at the one size, timed where it trains
+            most = {c: args.at if bench.trial(c, args.at).ok else 0 for c in CONFIGS}
+        else:
+            most = {"plain": bench.largest("plain", start, args.max_layers)}
+            for config in ("checkpoint", "hetero"):
+                most[config] = bench.largest(config, max(1, most["plain"]), args.max_layers)
+        common = args.at or min(most.values())
         runs = timing(bench, common, args.repeats) if common else {c: [] for c in CONFIGS}
     finally:
         bench.cleanup()
@@ -315,6 +318,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of every run (the profile measures 1+2)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds at the largest common size")
     p.add_argument("--max-layers", type=int, default=48)
+    p.add_argument("--at", type=int, default=0, metavar="LAYERS",
+                   help="no search: try and time every configuration at this many layers")
     p.add_argument("--profile-uncapped", action="store_true",
                    help="profile outside the cgroup and plan with --dram-budget LIMIT (a diagnostic)")
     p.add_argument("--machine", default=None, metavar="PROFILE",
