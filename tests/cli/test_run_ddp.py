@@ -21,7 +21,8 @@ from hetero.schema.profile import Profile
 from tests.cli.test_run import net
 from tests.machines import this_machine
 from tests.profile import scripts
-from tests.run.test_routing import figures, routed_plan, summarized
+from tests.figures import figures
+from tests.run.test_routing import routed_plan, summarized
 
 DDP_TRAIN = """
 import torch.distributed as dist

@@ -30,14 +30,10 @@ from hetero.run.routing import (
 )
 from hetero.run.runtime import Runtime
 from hetero.schema.plan import Budget, Plan, Predicted, RoutingPlan, Source
+from tests.figures import figures
 
 KiB = 1024
 STEPS = 5
-
-
-def figures(line: str) -> list[str]:
-    """The numbers a line says, with their units (`10ms`, `1.11x`, `4`), in order."""
-    return re.findall(r"\d[\d.]*[A-Za-z]*", line)
 
 
 def summarized(line: str) -> tuple[list[str], dict[str, tuple[str, int]]]:
