@@ -2,11 +2,13 @@
 
 import pytest
 
-from hetero.errors import HeteroError
+from hetero.errors import USAGE, HeteroError
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
 from hetero.schema.plan import ActivationPlan
 from hetero.schema.profile import Memory, Profile
+from hetero.units import SIZE
+from tests.figures import figures
 from tests.plan.synthetic import GiB, gpu_profile
 
 MiB = 2**20
@@ -45,8 +47,10 @@ def test_the_emulated_axdimm_is_opt_in_and_counted_in_host_memory(cpu):
     added = 8 * params(cpu)  # master, m, v and the gradient buffer on its channels, less the script's m and v
     assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK + added
     assert "host DRAM" in p.optimizer.why
-    with pytest.raises(HeteroError, match="--emulate axdimm, but --optimizer-device is host"):
+    with pytest.raises(HeteroError) as e:
         plan(cpu, PlanOptions(emulate=True, optimizer_device="host"))
+    assert e.value.exit_code == USAGE and "--emulate axdimm" in e.value.message  # and the option it conflicts with
+    assert "--optimizer-device" in e.value.message and e.value.hint is not None
 
 
 def test_evicting_from_host_memory_leaves_the_predicted_process_peak_at_plains(cpu):
@@ -62,8 +66,10 @@ def test_evicting_from_host_memory_leaves_the_predicted_process_peak_at_plains(c
 
 def test_a_dram_budget_plain_training_fits_keeps_plain_and_one_it_does_not_is_refused(cpu):
     assert plan(cpu, PlanOptions(dram_budget_bytes=2 * GiB)).activations is None
-    with pytest.raises(HeteroError, match="below the floor: no plan keeps the budget"):  # evictions do not lower it
+    with pytest.raises(HeteroError) as e:  # evictions do not lower it
         plan(cpu, PlanOptions(dram_budget_bytes=PLAIN_PEAK // 2))
+    assert e.value.exit_code == USAGE  # the floor, and the budget that would reach it
+    assert "--dram-budget" in e.value.hint and SIZE.parse(figures(e.value.hint)[0]) > PLAIN_PEAK // 2
 
 
 def test_with_a_gpu_host_memory_gains_what_the_plan_moves_there():

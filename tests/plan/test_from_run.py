@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from hetero.cli.main import main
-from hetero.errors import HeteroError
+from hetero.errors import USAGE, HeteroError
 from hetero.launch.preflight import check_plan
 from hetero.plan.from_run import _layer, measured_profile
 from hetero.plan.model import costs
@@ -43,8 +43,9 @@ def test_another_models_run_is_refused():
     plan, profile = shipped()
     run = synthetic_run(plan, profile)
     run = replace(run, source=replace(run.source, model_fingerprint="sha256:" + "1" * 64))
-    with pytest.raises(HeteroError, match="the run's model is not the profile's"):
+    with pytest.raises(HeteroError) as e:
         measured_profile(profile, plan, run)
+    assert e.value.exit_code == USAGE and e.value.hint is not None
 
 
 def test_plan_from_run_writes_a_plan_hetero_run_accepts(tmp_path, capfd):

@@ -3,7 +3,7 @@
 import pytest
 
 from hetero.plan import routing
-from hetero.plan.solve import PlanOptions, plan
+from hetero.plan.solve import ONE_PROCESS, PlanOptions, plan
 from hetero.schema.profile import CurvePoint
 from tests.figures import figures
 from tests.plan.synthetic import SIZES, gpu_profile
@@ -47,13 +47,14 @@ def test_route_picks_the_latency_and_bandwidth_peers():
     assert r.threshold_bytes == pytest.approx(100_000, abs=1)
     assert figures(r.why)[:7] == ['1', '5.82us', '2', '20GB/s', '25us', '97.7KiB', '16MiB']
     same = routing.route([routing.Link(peer=1, curve=BW)], 2, 1000, 1e-3, 1e-3)
-    assert (same.threshold_bytes, same.why[:31]) == (0, "rank 1 is best at every size; s")
+    assert (same.threshold_bytes, same.latency_peer, same.bandwidth_peer) == (0, 1, 1)
+    assert figures(same.why)[0] == "1"  # one rank for every size: no crossing to cite
 
 
 def test_plans_route_only_multi_process_profiles():
     one = plan(gpu_profile(3, seed=1), PlanOptions())
     assert one.routing is None
-    assert one.omitted["routing"] == "the profile has one process: no gradient synchronization to route"
+    assert one.omitted["routing"] == ONE_PROCESS
     many = plan(gpu_profile(3, seed=1, peers=3), PlanOptions())
     assert (many.routing.latency_peer, many.routing.bandwidth_peer) == (1, 2)
     assert "routing" not in many.omitted

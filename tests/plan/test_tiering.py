@@ -50,7 +50,8 @@ def test_paper_rule_worked_by_hand():
     assert figures(d["A"].why) == ['9ms', '1.5ms', '1ms', '6', '1.91MiB', '1ms']
     assert figures(d["B"].why)[:5] == ['4ms', '6ms', '7.63MiB', '1ms', '7']
     assert figures(d["C"].why) == ['500us', '750us', '977KiB', '1ms', '7']
-    assert "prefetcher busy until 6ms: 1.91MiB fits before 7ms (Eq. 10)" in d["D"].why
+    # busy until 6 ms, so 1.91MiB fits before 7 ms (Eq. 10)
+    assert figures(d["D"].why) == ['6.5ms', '3ms', '1ms', '6', '6ms', '1.91MiB', '7ms', '10', '1.91MiB', '1ms']
 
 
 def test_packed_rule_uses_the_idle_prefetcher_before_a_later_request():
@@ -74,7 +75,8 @@ def test_the_eviction_queue_cuts_what_would_still_be_in_flight():
     d = tiering.schedule(windows, rate, rate, 0.0, 1, rule="paper")
     assert [x.evict_bytes for x in d] == [2_000_000, 2_000_000, 500_000]
     assert d[2].outcome == "queued" and d[2].prefetch_at_s == pytest.approx(5.5 * MS)
-    assert "evictions queue: it starts at 5ms, so 488KiB still stays 0s before prefetch" in d[2].why
+    # its eviction starts at 5 ms: 488KiB stays 0s before its prefetch, which takes 500us
+    assert figures(d[2].why) == ['5ms', '4ms', '0s', '6', '5ms', '488KiB', '0s', '488KiB', '500us']
 
 
 def test_pinned_entries_are_kept_and_hold_the_prefetcher():
