@@ -11,6 +11,7 @@ from hetero.errors import HeteroError
 from hetero.kernels.adam import AdamKernel, Hyperparameters, adam_reference
 from hetero.run.devices import axdimm
 from hetero.run.devices.axdimm import Allocation, ArbiterError, AxdimmDevice, EmulatedAxdimm, Mode
+from tests.figures import figures
 
 HP = Hyperparameters(lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True)
 
@@ -44,8 +45,10 @@ def test_malloc_free_and_capacity(device):
     parts = [device.malloc(1 << 14, channel=1) for _ in range(4)]
     spans = sorted((a.offset, a.offset + a.nbytes) for a in parts)
     assert all(end <= nxt for (_, end), (nxt, _) in pairwise(spans))  # no overlap
-    with pytest.raises(HeteroError, match=r"channel 1 has no room for 1 bytes: 0 of 65536 bytes free"):
+    with pytest.raises(HeteroError) as e:
         device.malloc(1, channel=1)
+    # the channel, the bytes asked for, those free of its capacity, the largest free block
+    assert figures(e.value.message) == ["1", "1", "0", "65536", "0"] and e.value.hint is not None
     device.malloc(1 << 16, channel=0)  # the other channel is independent
     for a in parts:
         device.free(a)
@@ -80,12 +83,12 @@ def test_the_arbiter_modes_are_exclusive(device):
     a = device.malloc(64, channel=0)
     other = device.malloc(64, channel=1)
     buffers = [device.malloc(64, channel=0) for _ in range(4)]
-    with pytest.raises(ArbiterError, match="channel 0 is in normal mode, so the kernel may not"):
+    with pytest.raises(ArbiterError, match="channel 0 .*normal"):
         device.run_adam_async(*buffers, hyperparameters=HP, step=1, channel=0)
     device.set_arbiter(0, "acceleration")
     for attempt in (lambda: device.memcpy(a, torch.zeros(16), 64), lambda: device.memcpy(torch.zeros(16), a, 64),
                     lambda: device.view(a), lambda: device.free(a)):
-        with pytest.raises(ArbiterError, match="channel 0 is in acceleration mode, so the host may not"):
+        with pytest.raises(ArbiterError, match="channel 0 .*acceleration"):
             attempt()
     device.memcpy(other, torch.ones(16), 64)  # channel 1 stays the host's meanwhile
     with pytest.raises(ValueError, match="'turbo'"):
@@ -168,7 +171,7 @@ def test_kernel_errors_surface_at_wait_and_bad_buffers_at_launch(device):
     device.set_arbiter(0, "acceleration")
     with pytest.raises(HeteroError, match="step 0"):
         device.run_adam_async(*bufs, hyperparameters=HP, step=0, channel=0).wait()
-    with pytest.raises(ValueError, match="not a 64-byte buffer on channel 0"):
+    with pytest.raises(ValueError, match="64-byte .*channel 0"):
         device.run_adam_async(*bufs[:3], elsewhere, hyperparameters=HP, step=1, channel=0)
     with pytest.raises(ValueError, match="not allocated"):
         device.run_adam_async(*bufs[:3], Allocation(0, 4096, 64), hyperparameters=HP, step=1, channel=0)

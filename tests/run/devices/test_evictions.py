@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from hetero.errors import HeteroError
+from hetero.errors import FAILURE, HeteroError
 from hetero.run.devices.evictions import BACK, EVICTED, RESIDENT, WRITING, Mover, Record, Worker
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier
@@ -87,8 +87,9 @@ def test_a_prefetch_before_the_write_starts_calls_the_eviction_off(tmp_path):
 def test_a_lost_file_raises_instead_of_returning_a_buffer(mover):
     r = evicted(mover, torch.randn(1000), 4000)
     mover.tier.delete(r.key)
-    with pytest.raises(HeteroError, match="could not bring a saved activation back"):
+    with pytest.raises(HeteroError) as e:
         mover.data(r)
+    assert e.value.exit_code == FAILURE and mover.tier.name in e.value.message and e.value.hint is not None
 
 
 def test_a_record_freed_while_evicted_deletes_its_file(mover):
