@@ -42,9 +42,9 @@ GRAD_BYTES_PER_PARAM = 4
 PLAIN_BYTES_PER_PARAM = GRAD_BYTES_PER_PARAM + ADAM_STATE_BYTES_PER_PARAM
 STEP_SLACK_BYTES_PER_PARAM = 4
 # Plain training's need as `bind` estimates it under this share of the budget: the limit binds nothing (a container's
-# limit near the machine's memory), and the profile measures as without one (hetero.profile.profiler). A quarter:
-# the estimate sees backward's start only, and at a half a limit that kills plain training was taken as binding
-# nothing.
+# limit near the machine's memory), and the profile measures as without one (hetero.profile.returned.Budget). A
+# quarter: the estimate sees backward's start only, and at a half a limit that kills plain training was taken as
+# binding nothing.
 AMPLE_SHARE = 0.25
 
 

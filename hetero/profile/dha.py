@@ -26,6 +26,7 @@ from hetero.harness import hooks
 from hetero.harness.layer_timing import CpuClock, CudaClock
 from hetero.harness.layers import LayerSpec, select_layers, tensors
 from hetero.kernels.dha import CudaDevice, Device, carve, map_host, offsets, pinned_host
+from hetero.profile.instruments import Instrument
 from hetero.run.grad_offload import HostGrads
 from hetero.schema.profile import Layer
 from hetero.units import measured
@@ -60,7 +61,7 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-class RootInputs:
+class RootInputs(Instrument):
     """The model's latest training call, kept to replay one forward once the script has stopped."""
 
     def __init__(self, model: nn.Module):

@@ -1,19 +1,20 @@
 """`hetero profile`: run the user's script for warm-up plus measured steps, then measure the machine.
 
-Phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without a torch.optim
-optimizer: at the end of its first backward call, and its steps are counted from backward calls); run the warm-up
-steps untouched; attach the layer profiler for the measured steps; on a machine without a GPU, time the disk for a
-few more steps as the runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine
-(or, with `--machine`, take an earlier profile's: hetero.profile.same_machine); assemble the Profile.
+The script runs under the profile's instruments (hetero.profile.instruments: each measurement behind one seam),
+walked through named phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without
+a torch.optim optimizer: at the end of its first backward call, and its steps are counted from backward calls) and
+bind the instruments to it; run the warm-up steps untouched; time the layers over the measured steps; on a machine
+without a GPU, a few more steps with freed memory returned (hetero.profile.returned), then the disk timed as the
+runtime's tiering drives it (hetero.profile.tier_steps); stop the script; read what each instrument measured;
+measure the machine (or, with `--machine`, take an earlier profile's: hetero.profile.same_machine); assemble the
+Profile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import os
-import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -23,21 +24,19 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hetero.errors import FAILURE, USAGE, HeteroError
-from hetero.harness import capture, hooks, watch
+from hetero.harness import capture
 from hetero.harness.capture import Capture, fingerprint
-from hetero.harness.grads import GradEdits, after_closure, closure_of
-from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, LayerProfiler, Summary, summarize
-from hetero.harness.layers import select_layers, sharded, tensors, unique_storages
+from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, Summary
+from hetero.harness.layers import sharded
 from hetero.harness.models import names, part_name, part_of, roots
-from hetero.harness.script import StopScript, run_script
+from hetero.harness.script import ScriptResult, StopScript, run_script
 from hetero.profile import dha, machine, peers, phases, recompute, returned, same_machine, tier_steps
-from hetero.profile.conservative import Conservative
-from hetero.profile.pressure import UnderPressure
+from hetero.profile.instruments import EditedGrads, Instrument, LayerTimer, OutputBytes, StepClock
 from hetero.run import allocator, process_memory
 from hetero.run.devices import places, workdir
+from hetero.run.torch_optim import TORCH_ADAM
 from hetero.schema import files
 from hetero.schema.profile import (
     Block,
@@ -55,7 +54,6 @@ from hetero.units import SIZE, measured
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 WARMUP_CPU, WARMUP_GPU = 2, 6  # default warm-up steps; on a GPU the last 5 time plain training's own step
-RETURNED_STEPS = "freed memory returned"  # the progress phase of returned.ReturnedSteps
 MACHINE_REMEMBERED = "machine as measured before on this host"  # the progress phase of a remembered machine
 
 
@@ -159,68 +157,11 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
                    progress: Progress | None = None) -> ScriptMeasurement:
     """Run the script for warm-up plus measured steps and measure its layers."""
     options.check()
-    session = _Session(options, progress or (lambda *a: None))
-    session.cwd = os.getcwd()  # before the script can change it
-    session.capture = Capture(session.found, script, options.model_name)
-    budget = session.budget = returned.budget_of(options.dram_budget_bytes)
-    session.budgeted = returned.Budgeted(budget) if budget is not None else None
+    session = _Session(script, options, progress or (lambda *a: None))
     try:
-        try:
-            with _watch_grad_edits(session.capture) as edits, session.capture:  # its hook first: the capture's removes itself
-                if budget is not None:
-                    session.conservative = Conservative(budget[0], options.nvme_dir or tempfile.gettempdir(),
-                                                        session.progress)
-                    session.conservative.install(session.capture.resolve,
-                                                 session.capture.every_optimizer_has_a_model)
-                    session.pressure = UnderPressure(budget[0], session.progress)
-                try:
-                    result = run_script(script, args)
-                finally:  # before the clipping watch is undone: the optimizer's patches wrap it
-                    if session.conservative is not None:
-                        session.conservative.close()
-        finally:
-            disk_beside = session.close()
-        return _measured(script, args, options, session, result, edits, session.budget, disk_beside)
+        return session.measured(args, session.run(args))
     finally:  # after the blocks' check, whose forward the overrides keep under the budget too
-        if session.pressure is not None:
-            session.pressure.close()
-
-
-def _measured(script: str, args: list[str], options: ProfileOptions, session: _Session, result, edits,
-              budget: tuple[int, str] | None, disk_beside: tier_steps.DiskBeside | None) -> ScriptMeasurement:
-    """What the stopped script's session measured; the fresh processes, where they run."""
-    if not result.stopped and (result.exit_code != 0 or session.summary is None):
-        if result.exit_code == 0 and session.model is None:
-            raise capture.no_training()
-        raise _ended_early(result.exit_code, session.steps_done, options.warmup_on(session.device), options.steps)
-    summary = session.summary  # set once the measured steps ended, which the check above ensures
-    layers = dha.measure_layers(session.model, session.replay, summary.layers, options.granularity) \
-        if session.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
-    if session.pressure is not None and session.pressure.engaged:  # measured in parts: the rest from twins
-        moved = session.conservative is not None and session.conservative.moved_params > 0
-        layers, added = session.pressure.fill(layers, session.output_bytes, grads_gone=moved)
-        memory = session.memory
-        memory.dram_peak_bytes += added
-        memory.dram_peak_returned_bytes = memory.dram_peak_bytes
-        memory.profiled_under = f"{memory.profiled_under}; {session.pressure.described(added)}"
-    layers = [replace(x, model=part_of(session.model, x.name)) for x in layers]
-    if session.pressure is not None:
-        session.pressure.least()  # the check's forward under the budget too
-    model_info = _model_info(session.model, session.optimizers, script, args, session.cwd)
-    _release_training(session.model, session.optimizers)  # the check needs the weights only
-    blocks = recompute.check(session.model, session.recompute)  # one more forward: after every profiler hook
-    out = ScriptMeasurement(model=model_info, training=session.training(summary, edits_grads=edits["edited"] > 0),
-                            layers=layers, device=session.device, disk_beside=disk_beside, memory=session.memory,
-                            compiled=session.compiled, budget_bytes=budget[0] if budget is not None else None,
-                            moved_tensors=session.conservative.moved_tensors if session.conservative else 0,
-                            blocks=blocks)
-    _release(session.model)  # before the machine is measured: it must not come on top of it
-    found = session.returned.result if session.returned is not None else None
-    if found is not None:  # plain training's peak and step with freed memory returned, against the measured steps'
-        session.memory.dram_peak_returned_bytes, step_s = found
-        session.memory.returned_step_s = measured(step_s)
-        session.memory.default_step_s = out.training.iteration_s
-    return out
+        session.budget.end()
 
 
 def _release(model: nn.Module) -> None:
@@ -248,265 +189,213 @@ def _release_training(model: nn.Module, optimizers: list[torch.optim.Optimizer])
     allocator.trim()
 
 
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """The script's model(s) and optimizer(s) as found at its first step, and the instruments bound to them."""
+
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]  # the models' optimizers, the first to step first
+    described: list[ScriptOptimizer]  # the same, as the profile writes them
+    device: torch.device
+    compiled: bool  # the script calls the model through torch.compile
+    clock: StepClock
+    layers: LayerTimer
+    output: OutputBytes | None  # None where compiled: the hook would be traced into its graph (COMPILED)
+    replay: dha.RootInputs | None  # on CUDA: the model's last call, for the DHA measurements
+    blocks: dha.RootInputs | None  # the model's last call, to check its blocks' recomputation
+
+    def instruments(self) -> list[Instrument]:
+        return [x for x in (self.clock, self.layers, self.output, self.replay, self.blocks) if x is not None]
+
+
 class _Session:
-    """The hooks that follow the script's steps and switch the layer profiler on and off."""
+    """The script run under the profile's instruments, walked through its phases (`_walk`)."""
 
-    def __init__(self, options: ProfileOptions, progress: Progress):
-        self.options, self.progress = options, progress
-        self.model: nn.Module | None = None
-        self.optimizers: list[torch.optim.Optimizer] = []  # the models' optimizers, the first to step first
-        self.optimizer_names: list[str] = []
-        self.profiler: LayerProfiler | None = None
-        self.replay: dha.RootInputs | None = None  # on CUDA: the model's last call, for the DHA measurements
-        self.recompute: dha.RootInputs | None = None  # the model's last call, to check its blocks' recomputation
-        self.device = torch.device("cpu")
-        self.steps_done = 0
+    def __init__(self, script: str, options: ProfileOptions, progress: Progress):
+        self.script, self.options, self.progress = script, options, progress
+        self.cwd = os.getcwd()  # before the script can change it
+        self.nvme_dir = options.nvme_dir or tempfile.gettempdir()
+        self.capture = Capture(self._found, script, options.model_name)
+        self.budget = returned.Budget(options.dram_budget_bytes, self.nvme_dir, progress)  # returning memory now
+        self.edits = EditedGrads(self.capture.optimizers)  # before the capture's hooks: its step hook removes itself
+        # closed in reverse: the budget's patches of the optimizer wrap the edits' watch of GradScaler.unscale_
+        self.instruments: list[Instrument] = [self.edits, self.budget]
+        self.found: _Found | None = None
+        self.walk: Iterator[None] = iter(())
+        self.memory: Memory | None = None  # the process's peaks, from the end of the warm-up steps
         self.summary: Summary | None = None  # the measured steps', once they are all done
-        self.memory: Memory | None = None  # the process's peaks once the warm-up steps are done
-        self.tier_steps: tier_steps.TierSteps | None = None
-        self.returned: returned.ReturnedSteps | None = None  # the steps with freed memory returned, once started
-        self.budget: tuple[int, str] | None = None  # the budget the profile keeps, and where it came from
-        self.budgeted: returned.Budgeted | None = None  # the whole profile under a budget
-        self.conservative: Conservative | None = None  # under a budget: the optimizer, moved if plain won't fit
-        self.pressure: UnderPressure | None = None  # under a budget: blocks recomputed near it
-        self.others: capture.OtherOptimizers | None = None
-        self.capture: Capture | None = None
-        self.compiled = False  # the script calls the model through torch.compile
-        self.kept: dict[int, str] = {}  # optimizer id -> why hetero's Adam cannot take its place
-        self.step_marks: list[tuple] = []  # (end, previous step's end, [(start, end) of each optimizer step])
-        self.spans: list[tuple] = []  # this step's optimizer steps so far
-        self.handles: list = []
-        self.warm_ends: list = []  # clock tokens at the end of each warm-up step (no profiler hooks then)
-        self.output_bytes = 0  # the most the model's training forward returned with gradients
-        self.warmup = options.warmup_on(torch.device("cpu"))  # set for the model's device once it is found
-        self._start = self._previous_end = None
-        self.cwd = ""  # where the script started
+        self.returned: returned.ReturnedSteps | None = None
+        self.disk: tier_steps.TierSteps | None = None
 
-    def _unbudgeted(self) -> None:
-        """The memory cgroup's limit binds nothing (Conservative.ample): the rest of the profile measures as without
-        one, plain training's peak in fresh processes included. The optimizer stays torch's. (`--dram-budget` is kept
-        however ample: the user asked for it.)"""
-        self.budget = None
-        self.budgeted.close()
-        self.budgeted = None
-        self.pressure.close()
-        self.pressure = None
+    def run(self, args: list[str]) -> ScriptResult:
+        """The script, until the walk stops it or it ends; every instrument closed however it ended."""
+        try:
+            with self.capture:
+                self.budget.install(self.capture)
+                return run_script(self.script, args)
+        finally:
+            for instrument in reversed(self.instruments):
+                instrument.close()
 
-    @property
-    def steps_from(self) -> str:
-        return "optimizer" if self.optimizers or self.model is None else "backward"
-
-    def found(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        if self.conservative is not None:
-            self.conservative.bind(model)
-            if self.conservative.ample and self.options.dram_budget_bytes is None and not self.pressure.engaged:
-                self._unbudgeted()
-        self.model, self.optimizers = model, optimizers
-        self.optimizer_names = names(optimizers, self.capture.script)  # now: the script's frames are alive
-        self.device = next(model.parameters()).device
-        self.warmup = self.options.warmup_on(self.device)
-        self.replay = dha.RootInputs(model) if self.device.type == "cuda" and len(roots(model)) == 1 else None
-        clock = CudaClock() if self.device.type == "cuda" else CpuClock()
-        self.compiled = capture.compiled(model, self.capture.roots)
-        if not self.compiled:  # a compiled model would trace the hook into its graph (layer_timing.COMPILED)
-            self.handles.append(hooks.forward(model, self._returned))
-        self.recompute = None if self.compiled else recompute.watch(model)
-        self.profiler = LayerProfiler(model, select_layers(model, self.options.granularity), clock,
-                                      compiled=self.compiled)
-        if self.compiled and peers.rank() == 0:
+    def _found(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The model is known: bind the budget, make and bind the instruments that measure the model, start the
+        walk (without an optimizer, this backward call ended the first step)."""
+        self.budget.bind(model)
+        device = next(model.parameters()).device
+        compiled = capture.compiled(model, self.capture.roots)
+        clock = CudaClock() if device.type == "cuda" else CpuClock()
+        if compiled and peers.rank() == 0:
             print(f"hetero: note: {COMPILED}; the plan leaves activations in place", file=sys.stderr)
-        for opt in optimizers:
-            self.handles += [opt.register_step_pre_hook(self._step_start), opt.register_step_post_hook(self._step_end)]
-            kept = capture.offloadable(opt, model)
-            if kept is not None:
-                self.kept[id(opt)] = kept
-                if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and peers.rank() == 0:
-                    print(f"hetero: note: {kept}: the plan leaves the optimizer to the script", file=sys.stderr)
-        # an optimizer of no model found now stepping ends the profile
-        self.others = capture.OtherOptimizers(optimizers, model, chosen=self.options.model_name is not None)
-        if not optimizers:  # steps are backward calls; this one was the first
-            self.handles.append(watch.backward_calls(self._step_ended))
-            self._step_ended()
-
-    def _returned(self, module: nn.Module, args, output) -> None:
-        if torch.is_grad_enabled():
-            returned_bytes = sum(t.untyped_storage().nbytes() for t in unique_storages(tensors(output))
-                                 if t.requires_grad)
-            self.output_bytes = max(self.output_bytes, returned_bytes)
-
-    def _step_start(self, optimizer, args, kwargs):
-        if closure_of(args, kwargs) is not None:  # the step's own work starts once its forward and backward ran
-            self._start = None
-            return after_closure(args, kwargs, self._mark_start)
-        self._mark_start()
-        return None
-
-    def _mark_start(self) -> None:
-        self._start = self.profiler.clock.mark()
-
-    def _step_end(self, optimizer, args, kwargs) -> None:
-        if self._start is not None:  # None: the model was found inside this step's closure
-            self.spans.append((self._start, self.profiler.clock.mark()))
-        self._start = None
-        if optimizer is self.optimizers[0]:
+        self.found = found = _Found(
+            model=model, optimizers=optimizers, described=_described(model, optimizers, self.capture.script),
+            device=device, compiled=compiled,
+            clock=StepClock(clock, optimizers, self.options.warmup_on(device), self.options.steps,
+                            self._step_ended, chosen=self.options.model_name is not None),
+            layers=LayerTimer(model, self.options.granularity, clock, compiled),
+            output=None if compiled else OutputBytes(),
+            replay=dha.RootInputs(model) if device.type == "cuda" and len(roots(model)) == 1 else None,
+            blocks=None if compiled else recompute.watch(model))
+        for instrument in found.instruments():
+            self.instruments.append(instrument)
+            instrument.bind(model)
+        self.walk = self._walk(found)
+        next(self.walk)
+        if not optimizers:
             self._step_ended()
 
     def _step_ended(self) -> None:
-        if self.tier_steps is not None:
-            done = self.tier_steps.step_ended()
-            self.progress("disk beside training", self.tier_steps.steps, tier_steps.STEPS)
-            if done:
-                raise StopScript()
-            return
-        if self.returned is not None and self.returned.result is None:
-            if self.returned.step_ended():
-                self.returned.close()  # malloc's defaults again for the disk's steps
-                self._start_tier_steps() or self._stop()
-            self.progress(RETURNED_STEPS, len(self.returned.ends), self.returned.STEPS)
-            return
-        self.steps_done += 1
-        end = self.profiler.clock.mark()
-        warmup, total = self.warmup, self.warmup + self.options.steps
-        if self.steps_done <= warmup:
-            self.warm_ends.append(end)
-        else:
-            self.step_marks.append((end, self._previous_end, self.spans))
-        self._previous_end, self.spans = end, []
-        self.progress(phases.WARMUP if self.steps_done <= warmup else phases.MEASURED,
-                      min(self.steps_done, warmup) if self.steps_done <= warmup else self.steps_done - warmup,
-                      warmup if self.steps_done <= warmup else self.options.steps)
-        if self.steps_done == warmup:
-            # the warm-up steps ran untouched: plain's own peaks
-            self.memory = _memory(self.device, self.budgeted, self.conservative)
-            self.profiler.attach()
-        elif self.steps_done == total:
-            self.profiler.detach()
-            if self.device.type == "cpu":
-                # the measured steps count too: a process goes on growing after its first steps (malloc's heap,
-                # first NVMe updates under a budget), and on a CPU the hooks' records are small beside a step's
-                self.memory = _memory(self.device, self.budgeted, self.conservative)
-            self.summary = summarize(self.profiler)
-            self._start_returned_steps() or self._start_tier_steps() or self._stop()
+        next(self.walk, None)  # a step after the walk stopped the script (in its `finally`) counts for nothing
 
-    def _start_tier_steps(self) -> bool:
-        """Time the disk beside training where the planner needs it: the CPU computes (a GPU's kernels share no
-        cores with the disk's workers), some layer saves a storage the runtime would move, and the budget leaves
-        room for the store beside the training (`tier_steps.room_beside`)."""
-        if self.device.type != "cpu" or not tier_steps.room_beside(self.budget):
-            return False
-        steps = tier_steps.TierSteps(self.summary.layers, self.options.nvme_dir or tempfile.gettempdir(),
-                                     machine.NVME_TIER, self._iteration_s())
-        if not steps.useful:
-            return False
-        self.tier_steps = steps
-        steps.start(self.model)
-        self.progress("disk beside training", 0, tier_steps.STEPS)
-        return True
-
-    def _start_returned_steps(self) -> bool:
-        """Right after the measured steps, the steps with freed memory returned, where they measure what a plan
-        would pay for it: the CPU trains plainly in one process (under a budget the profile returned memory
-        throughout: its peak is that one)."""
-        if self.device.type != "cpu" or self.budgeted is not None or os.environ.get("WORLD_SIZE", "1") != "1":
-            return False
-        steps = returned.ReturnedSteps()
-        if not steps.start():
-            return False
-        self.returned = steps
-        self.progress(RETURNED_STEPS, 0, steps.STEPS)
-        return True
-
-    @staticmethod
-    def _stop() -> None:
+    def _walk(self, found: _Found) -> Iterator[None]:
+        """The script's steps, phase by phase: each `yield` waits for the next one to end."""
+        yield from self._steps(phases.WARMUP, found.clock.warmup, found.clock)
+        self.memory = self.budget.memory(found.device)  # the warm-up steps ran untouched: plain's own peaks
+        found.layers.attach()
+        yield from self._steps(phases.MEASURED, self.options.steps, found.clock)
+        found.layers.close()
+        if found.device.type == "cpu":
+            # the measured steps count too: a process goes on growing after its first steps (malloc's heap, first
+            # NVMe updates under a budget), and on a CPU the hooks' records are small beside a step's
+            self.memory = self.budget.memory(found.device)
+        self.summary = found.layers.summary()
+        if (steps := self._returned_steps(found)) is not None:
+            self.returned = steps
+            yield from self._after(found, steps, steps.STEPS)
+            steps.close()  # malloc's defaults again for the disk's steps
+        if (disk := self._disk_steps(found)) is not None:
+            self.disk = disk
+            yield from self._after(found, disk, tier_steps.STEPS)
         raise StopScript()
 
-    def close(self) -> tier_steps.DiskBeside | None:
-        """Unbind the disk timing, if it ran; what it measured (None if the script ended first)."""
-        if self.budgeted is not None:
-            self.budgeted.close()
-        if self.returned is not None:
-            self.returned.close()
-        if self.recompute is not None and self.summary is None:  # ended early: nothing will check the blocks
-            self.recompute.close()
-        if self.others is not None:
-            self.others.close()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        if self.profiler is not None:  # a script that ended inside the measured steps leaves no hook behind
-            self.profiler.detach()
-        if self.tier_steps is None:
+    def _steps(self, phase: str, total: int, instrument: Instrument) -> Iterator[None]:
+        """The steps of `phase` as each ends, counted by `instrument` and said to `progress`, until it is done."""
+        for done in itertools.count(1):
+            yield
+            finished = instrument.step_ended()
+            self.progress(phase, done, total)
+            if finished:
+                return
+
+    def _after(self, found: _Found, steps: returned.ReturnedSteps | tier_steps.TierSteps, total: int
+               ) -> Iterator[None]:
+        """A phase after the measured steps: its instrument bound (closed with the others), its start said."""
+        self.instruments.append(steps)
+        steps.bind(found.model)
+        self.progress(steps.PHASE, 0, total)
+        yield from self._steps(steps.PHASE, total, steps)
+
+    def _returned_steps(self, found: _Found) -> returned.ReturnedSteps | None:
+        """Started right after the measured steps where they measure what a plan would pay for returning freed
+        memory: the CPU trains plainly in one process (under a budget the profile returned memory throughout: its
+        peak is that one)."""
+        if found.device.type != "cpu" or self.budget.kept is not None or os.environ.get("WORLD_SIZE", "1") != "1":
             return None
-        self.tier_steps.close()
-        return self.tier_steps.measured()
+        steps = returned.ReturnedSteps()
+        return steps if steps.start() else None
 
-    def _iteration_s(self) -> float:
-        """The measured steps' mean, from one step's end to the next one's."""
-        clock = self.profiler.clock
-        return sum(clock.seconds(prev, end) for end, prev, _ in self.step_marks) / len(self.step_marks)
+    def _disk_steps(self, found: _Found) -> tier_steps.TierSteps | None:
+        """Where the planner needs the disk timed beside training: the CPU computes (a GPU's kernels share no cores
+        with the disk's workers), some layer saves a storage the runtime would move, and the budget leaves room for
+        the store beside the training (`tier_steps.room_beside`)."""
+        if found.device.type != "cpu" or not tier_steps.room_beside(self.budget.kept):
+            return None
+        steps = tier_steps.TierSteps(self.summary.layers, self.nvme_dir, machine.NVME_TIER, found.clock.iteration_s())
+        return steps if steps.useful else None
 
-    def training(self, summary: Summary, edits_grads: bool) -> Training:
-        clock, steps, iteration = self.profiler.clock, len(self.step_marks), self._iteration_s()
-        micro = summary.micro_batches / steps
-        backwards = self.profiler.backward_calls / steps or micro  # several models: forwards outnumber them
-        step_s = sum(clock.seconds(s, e) for _, _, spans in self.step_marks for s, e in spans) / steps
-        return Training(
-            optimizer=self._kind(), grad_accumulation=max(1, round(backwards)),
-            edits_grads=edits_grads, warmup_steps=self.warmup, steps_measured=steps,
-            granularity=self.options.granularity, iteration_s=measured(iteration),
-            forward_s=measured(summary.forward_s * micro), backward_s=measured(summary.backward_s * micro),
-            optimizer_step_s=measured(step_s), overhead=round(self.profiler.hook_s / (iteration * steps), 4),
-            steps_from=self.steps_from, updates_wait=self._updates_wait(), optimizers=self._optimizers(),
-            plain_iteration_s=self._plain_iteration_s(), output_bytes=self.output_bytes)
-
-    def _updates_wait(self) -> str | None:
-        if len(self.optimizers) > 1:
-            return (f"the script steps {len(self.optimizers)} optimizers, and each model's gradients also "
-                    "accumulate in the backward of another's loss")
-        if self.others.others_stepped:
-            return ("another model's optimizer steps too, and the backward of its loss also reaches this model's "
-                    "gradients")
-        return None
-
-    def _kind(self) -> str:
-        """`none`; `other` where hetero's Adam can take no optimizer's place; else the first such one's class."""
-        if not self.optimizers:
-            return "none"
-        placed = [opt for opt in self.optimizers if id(opt) not in self.kept]
-        return _optimizer_kind(placed[0]) if placed else "other"
-
-    def _optimizers(self) -> list[ScriptOptimizer]:
-        out = []
-        for opt, name in zip(self.optimizers, self.optimizer_names):
-            params = [p for g in opt.param_groups for p in g["params"]]
-            part = next((x for x in roots(self.model) if any(p is q for q in x.parameters() for p in params[:1])),
-                        self.model)
-            out.append(ScriptOptimizer(name=name, kind=_optimizer_kind(opt), model=part_name(self.model, part),
-                                       num_params=sum(p.numel() for p in params), kept=self.kept.get(id(opt))))
+    def measured(self, args: list[str], result: ScriptResult) -> ScriptMeasurement:
+        """What the stopped script's instruments measured."""
+        found, summary, memory = self.found, self.summary, self.memory
+        if not result.stopped and (result.exit_code != 0 or summary is None):
+            if result.exit_code == 0 and found is None:
+                raise capture.no_training()
+            done, warmup = (len(found.clock.ends), found.clock.warmup) if found is not None else \
+                (0, self.options.warmup_on(torch.device("cpu")))
+            raise _ended_early(result.exit_code, done, warmup, self.options.steps)
+        layers = dha.measure_layers(found.model, found.replay, summary.layers, self.options.granularity) \
+            if found.replay is not None else summary.layers  # T_FP^H, T_BP^H, T_GBP: each layer replayed alone
+        output_bytes = found.output.most if found.output is not None else 0
+        layers = self.budget.filled(layers, output_bytes, memory)  # blocks measured in parts: the rest from twins
+        layers = [replace(x, model=part_of(found.model, x.name)) for x in layers]
+        self.budget.least()  # the check's forward under the budget too
+        model_info = _model_info(found.model, found.optimizers, self.script, args, self.cwd)
+        _release_training(found.model, found.optimizers)  # the check needs the weights only
+        blocks = recompute.check(found.model, found.blocks)  # one more forward: after every profiler hook
+        out = ScriptMeasurement(model=model_info, training=self._training(found, summary, output_bytes),
+                                layers=layers, device=found.device,
+                                disk_beside=self.disk.measured() if self.disk is not None else None, memory=memory,
+                                compiled=found.compiled, budget_bytes=self.budget.budget_bytes,
+                                moved_tensors=self.budget.moved_tensors, blocks=blocks)
+        _release(found.model)  # before the machine is measured: it must not come on top of it
+        if self.returned is not None and self.returned.result is not None:
+            # plain training's peak and step with freed memory returned, against the measured steps'
+            memory.dram_peak_returned_bytes, step_s = self.returned.result
+            memory.returned_step_s = measured(step_s)
+            memory.default_step_s = out.training.iteration_s
         return out
 
-    def _plain_iteration_s(self) -> float | None:
-        """On a GPU, the median of the warm-up steps after the first, end to end, without the profiler's hooks:
-        what an iteration of plain training costs (the hooked steps' layer times include the hooks' launch gaps).
-        None on a CPU, whose hooks cost little against its kernels, or with a single warm-up step."""
-        if self.device.type != "cuda" or len(self.warm_ends) < 2:
-            return None
-        clock = self.profiler.clock
-        return measured(statistics.median(clock.seconds(a, b) for a, b in itertools.pairwise(self.warm_ends)))
+    def _training(self, found: _Found, summary: Summary, output_bytes: int) -> Training:
+        clock, profiler, steps = found.clock, found.layers.profiler, self.options.steps
+        iteration, micro = clock.iteration_s(), summary.micro_batches / steps
+        backwards = profiler.backward_calls / steps or micro  # several models: forwards outnumber them
+        # On a GPU, plain training's iteration from the warm-up steps (the hooked steps' layer times include the
+        # hooks' launch gaps); on a CPU the hooks cost little against its kernels
+        plain = clock.warm_median_s() if found.device.type == "cuda" else None
+        placed = [opt for opt in found.described if opt.kept is None]  # hetero's Adam can take their place
+        return Training(
+            optimizer=(placed[0].kind if placed else "other") if found.optimizers else "none",
+            grad_accumulation=max(1, round(backwards)), edits_grads=self.edits.steps > 0,
+            warmup_steps=clock.warmup, steps_measured=steps, granularity=self.options.granularity,
+            iteration_s=measured(iteration), forward_s=measured(summary.forward_s * micro),
+            backward_s=measured(summary.backward_s * micro), optimizer_step_s=measured(clock.optimizer_step_s()),
+            overhead=round(profiler.hook_s / (iteration * steps), 4),
+            steps_from="optimizer" if found.optimizers else "backward", updates_wait=_updates_wait(found),
+            optimizers=found.described, plain_iteration_s=measured(plain) if plain is not None else None,
+            output_bytes=output_bytes)
 
 
-def _memory(device: torch.device, budgeted: returned.Budgeted | None, conservative: Conservative | None) -> Memory:
-    gpu = process_memory.gpu_peak(device)
-    measured_peak = process_memory.dram_peak_bytes()
-    moved = conservative is not None and conservative.moved_params > 0
-    peak = conservative.plain_estimate(measured_peak) if moved else measured_peak
-    estimated = (budgeted is not None and budgeted.applied) or moved
-    under = budgeted.profiled_under if budgeted is not None else None
-    if moved:
-        under = f"{conservative.described()}; {under}; the peak measured that way: {SIZE.format_short(measured_peak)}"
-    return Memory(dram_peak_bytes=peak, gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
-                  gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None, dram_peak_estimated=estimated,
-                  dram_peak_returned_bytes=peak if estimated else None, profiled_under=under)
+def _updates_wait(found: _Found) -> str | None:
+    if len(found.optimizers) > 1:
+        return (f"the script steps {len(found.optimizers)} optimizers, and each model's gradients also "
+                "accumulate in the backward of another's loss")
+    if found.clock.others.others_stepped:
+        return ("another model's optimizer steps too, and the backward of its loss also reaches this model's "
+                "gradients")
+    return None
+
+
+def _described(model: nn.Module, optimizers: list[torch.optim.Optimizer], script: str) -> list[ScriptOptimizer]:
+    """Each optimizer as the profile writes it; named now, while the script's frames are alive. One whose place
+    hetero's Adam cannot take is said so."""
+    out = []
+    for opt, name in zip(optimizers, names(optimizers, script)):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        part = next((x for x in roots(model) if any(p is q for q in x.parameters() for p in params[:1])), model)
+        kept = capture.offloadable(opt, model)
+        if kept is not None and isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and peers.rank() == 0:
+            print(f"hetero: note: {kept}: the plan leaves the optimizer to the script", file=sys.stderr)
+        out.append(ScriptOptimizer(name=name, kind=_optimizer_kind(opt), model=part_name(model, part),
+                                   num_params=sum(p.numel() for p in params), kept=kept))
+    return out
 
 
 def _plain_step(training: Training, tensors: int, params: int, measured_machine: Machine) -> Training:
@@ -532,36 +421,10 @@ def _model_info(model: nn.Module, optimizers: list[torch.optim.Optimizer], scrip
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """Of the torch class the script built (hetero's profile may have stood in for it, see Conservative)."""
+    """Of the torch class the script built (hetero's profile may stand in for it, see Conservative: torch's own
+    classes as they were before)."""
     built = getattr(optimizer, "replaces", None) or type(optimizer)
-    return {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(built, "other")
-
-
-@contextlib.contextmanager
-def _watch_grad_edits(capture: Capture) -> Iterator[Counter]:
-    """Count the optimizer steps whose gradients the script changed after backward (clipping, unscaling, any
-    in-place op: hetero.harness.grads) while it runs: an update overlapped with backward, or run in it, would have
-    used the gradients before the change."""
-    steps: Counter = Counter()
-    edits = GradEdits(lambda: (p for opt in capture.optimizers() for group in opt.param_groups
-                               for p in group["params"]), by_value=True)
-
-    def check(optimizer: torch.optim.Optimizer) -> None:
-        if edits.edited(p for group in optimizer.param_groups for p in group["params"]):
-            steps["edited"] += 1
-
-    def step_pre(optimizer, args, kwargs):
-        if closure_of(args, kwargs) is not None:  # its backward runs inside step(): check once it returned
-            return after_closure(args, kwargs, lambda: check(optimizer))
-        check(optimizer)
-        return None
-
-    handle = register_optimizer_step_pre_hook(step_pre)
-    try:
-        yield steps
-    finally:
-        handle.remove()
-        edits.close()
+    return {TORCH_ADAM["Adam"]: "adam", TORCH_ADAM["AdamW"]: "adamw"}.get(built, "other")
 
 
 def _ended_early(exit_code: int, steps: int, warmup: int, measured_steps: int) -> HeteroError:

@@ -8,17 +8,27 @@ profile keeps a budget it runs under.
   a little above a fresh process's; `hetero plan` measures the plan it chooses under a budget in fresh processes:
   hetero.launch.trials).
 - Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
-  profile must not die of it: `Budgeted` returns freed memory from before the script's first allocation, the most
-  memory-saving setting hetero can apply to a script it does not yet drive. Plain's own peak is then not measured:
-  the profile writes the measured one as an estimate and says so.
+  profile must not die of it: `Budget` returns freed memory from before the script's first allocation, the most
+  memory-saving setting hetero can apply to a script it does not yet drive, and moves what else it can
+  (hetero.profile.conservative, hetero.profile.pressure). Plain's own peak is then not measured: the profile writes
+  the measured one as an estimate and says so.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import torch
+from torch import nn
+
+from hetero.harness.capture import Capture
+from hetero.profile.conservative import Conservative
+from hetero.profile.instruments import Instrument
+from hetero.profile.pressure import UnderPressure
 from hetero.run import allocator, process_memory
 from hetero.schema.plan import AllocatorPlan
+from hetero.schema.profile import Layer, Memory
 from hetero.units import SIZE
 
 TIMED_STEPS = 2  # the steps with freed memory returned that are timed, after the one that pays the switch
@@ -34,11 +44,12 @@ def restore() -> None:
     allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
 
 
-class ReturnedSteps:
+class ReturnedSteps(Instrument):
     """A few of the script's steps after the others with glibc returning the memory freed tensors leave (the plan's
     `allocator`), in the profile's own process: from a trimmed heap, with the kernel's high-water mark started
     again, the peak they reach and their step time (the first step pays the switch and is not timed)."""
 
+    PHASE = "freed memory returned"  # the profile's progress phase
     STEPS = 1 + TIMED_STEPS
 
     def __init__(self):
@@ -69,28 +80,103 @@ class ReturnedSteps:
             self.applied = False
 
 
-def budget_of(option_bytes: int | None) -> tuple[int, str] | None:
-    """The budget the profile keeps: `--dram-budget`, else the memory cgroup's limit; None: none."""
-    if option_bytes is not None:
-        return option_bytes, f"--dram-budget {SIZE.format_short(option_bytes)}"
-    limit = process_memory.memory_limit_bytes()
-    return (limit, f"the {SIZE.format_short(limit)} memory cgroup") if limit is not None else None
+class Budget(Instrument):
+    """The budget the profile keeps: `--dram-budget` (`asked_bytes`), else the memory cgroup's limit; with none,
+    every call is a no-op. Made before the script runs, it returns freed memory from then on; `install`, inside the
+    script's capture, moves the script's optimizer where plain training would not fit (Conservative) and recomputes
+    its blocks near the budget (UnderPressure). Where the cgroup's limit binds nothing (`Conservative.ample`, known
+    at `bind`), the rest of the profile measures as without one; the optimizer stays torch's (`--dram-budget` is kept
+    however ample: the user asked for it). `close` leaves the blocks' overrides to `end`: the profile's own forward
+    that checks the blocks keeps under the budget too."""
 
-
-class Budgeted:
-    """The whole profile under a budget, freed memory returned from the start."""
-
-    def __init__(self, budget: tuple[int, str]):
-        self.budget_bytes, self.source = budget
-        self.applied = returning()
+    def __init__(self, asked_bytes: int | None, nvme_dir: str, progress: Callable[[str, int, int], None]):
+        self.asked = asked_bytes is not None
+        if asked_bytes is not None:
+            self.kept: tuple[int, str] | None = asked_bytes, f"--dram-budget {SIZE.format_short(asked_bytes)}"
+        else:
+            limit = process_memory.memory_limit_bytes()
+            self.kept = (limit, f"the {SIZE.format_short(limit)} memory cgroup") if limit is not None else None
+        self.applied = self.kept is not None and returning()
+        self.nvme_dir, self.progress = nvme_dir, progress
+        self.conservative: Conservative | None = None
+        self.pressure: UnderPressure | None = None
 
     @property
-    def profiled_under(self) -> str:
-        how = "freed memory returned from the start" if self.applied else \
-            "nothing could be moved (malloc is not glibc)"
-        return f"{how}, under {self.source}"
+    def budget_bytes(self) -> int | None:
+        return self.kept[0] if self.kept is not None else None
+
+    @property
+    def moved_tensors(self) -> int:
+        """Parameters whose optimizer the profile kept on NVMe: its step is not plain training's."""
+        return self.conservative.moved_tensors if self.conservative is not None else 0
+
+    @property
+    def moved(self) -> bool:
+        """The optimizer's states and gradients are on NVMe."""
+        return self.conservative is not None and self.conservative.moved_params > 0
+
+    def install(self, capture: Capture) -> None:
+        if self.kept is None:
+            return
+        self.conservative = Conservative(self.kept[0], self.nvme_dir, self.progress)
+        self.conservative.install(capture.resolve, capture.every_optimizer_has_a_model)
+        self.pressure = UnderPressure(self.kept[0], self.progress)
+
+    def bind(self, model: nn.Module) -> None:
+        if self.conservative is None:
+            return
+        self.conservative.bind(model)
+        if self.conservative.ample and not self.asked and not self.pressure.engaged:
+            self.kept = None
+            self._restore()
+            self.end()
+
+    def memory(self, device: torch.device) -> Memory:
+        """The whole process's peaks so far; plain training's, estimated, where the profile moved the optimizer."""
+        gpu = process_memory.gpu_peak(device)
+        measured_peak = process_memory.dram_peak_bytes()
+        peak = self.conservative.plain_estimate(measured_peak) if self.moved else measured_peak
+        estimated = self.applied or self.moved
+        under = None
+        if self.kept is not None:
+            how = "freed memory returned from the start" if self.applied else \
+                "nothing could be moved (malloc is not glibc)"
+            under = f"{how}, under {self.kept[1]}"
+        if self.moved:
+            under = (f"{self.conservative.described()}; {under}; the peak measured that way: "
+                     f"{SIZE.format_short(measured_peak)}")
+        return Memory(dram_peak_bytes=peak, gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
+                      gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None, dram_peak_estimated=estimated,
+                      dram_peak_returned_bytes=peak if estimated else None, profiled_under=under)
+
+    def filled(self, layers: list[Layer], output_bytes: int, memory: Memory) -> list[Layer]:
+        """`layers`, those of blocks recomputed near the budget given their twins' (UnderPressure.fill), and plain
+        training's estimated peak in `memory` raised by what recomputing them took off."""
+        if self.pressure is None or not self.pressure.engaged:
+            return layers
+        layers, added = self.pressure.fill(layers, output_bytes, grads_gone=self.moved)
+        memory.dram_peak_bytes += added
+        memory.dram_peak_returned_bytes = memory.dram_peak_bytes
+        memory.profiled_under = f"{memory.profiled_under}; {self.pressure.described(added)}"
+        return layers
+
+    def least(self) -> None:
+        """Every block recomputed from now on (the profile's own forward that checks them)."""
+        if self.pressure is not None:
+            self.pressure.least()
 
     def close(self) -> None:
+        if self.conservative is not None:
+            self.conservative.close()
+        self._restore()
+
+    def _restore(self) -> None:
         if self.applied:
             restore()
             self.applied = False
+
+    def end(self) -> None:
+        """After the profile's check of the blocks: their overrides taken back."""
+        if self.pressure is not None:
+            self.pressure.close()
+            self.pressure = None

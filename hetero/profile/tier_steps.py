@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from hetero.plan.policy import POLICY
+from hetero.profile.instruments import Instrument
 from hetero.run import process_memory, spans
 from hetero.run.tiering import ActivationTiering
 from hetero.schema.plan import ActivationPlan, Eviction
@@ -55,9 +56,11 @@ def room_beside(budget: tuple[int, str] | None) -> bool:
     return process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= POLICY.room_of(budget[0])
 
 
-class TierSteps:
+class TierSteps(Instrument):
     """Tiering bound to the script's model for STEPS optimizer steps; `measured` reads what the timed ones showed.
     `clean_step_s`: the measured steps' mean time, from one step's end to the next one's."""
+
+    PHASE = "disk beside training"  # the profile's progress phase
 
     def __init__(self, layers: list[Layer], directory: str, tier: str, clean_step_s: float):
         plan = ActivationPlan(fast="dram", slow=tier, slow_path=directory, stay_time_s=0.0,
@@ -74,7 +77,7 @@ class TierSteps:
         """Some layer saves a storage the runtime would move."""
         return bool(self.tiering.plan.schedule)
 
-    def start(self, model: nn.Module) -> None:
+    def bind(self, model: nn.Module) -> None:
         self._previous, spans.active = spans.active, self.sink
         self.tiering.bind(model)
 

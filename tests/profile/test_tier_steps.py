@@ -46,8 +46,8 @@ def settled(steps: tier_steps.TierSteps, model: nn.Module) -> None:
 class Settled(tier_steps.TierSteps):
     """TierSteps that `settled` each model it starts on."""
 
-    def start(self, model: nn.Module) -> None:
-        super().start(model)
+    def bind(self, model: nn.Module) -> None:
+        super().bind(model)
         settled(self, model)
 
 
@@ -82,7 +82,7 @@ def test_timed_steps_train_exactly_as_plain_steps_and_leave_no_files(tmp_path):
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 4))
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         if steps is not None:
-            steps.start(model)
+            steps.bind(model)
             settled(steps, model)
         losses = []
         for _ in range(tier_steps.STEPS):
@@ -130,7 +130,7 @@ def test_the_disk_is_timed_beside_training_only_where_the_budget_leaves_room_for
     monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: 400 * MiB)
     assert tier_steps.room_beside(None)  # no budget
     assert tier_steps.room_beside((2 * 400 * MiB, "the memory cgroup"))
-    budget = 512 * MiB  # train_gpt 7 x 768's least training peaked at 510 MiB under it
+    budget = 512 * MiB
     monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: POLICY.room_of(budget) - buffers + 1)
     assert not tier_steps.room_beside((budget, "the 512MiB memory cgroup"))
     monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: POLICY.room_of(budget) - buffers)
