@@ -18,6 +18,7 @@ from hetero.run.budget_watch import Blame, BudgetWatch, blame, warning_line
 from hetero.run.runtime import Runtime, mechanisms
 from hetero.schema.plan import AllocatorPlan, Predicted
 from hetero.units import SIZE
+from tests.figures import figures
 from tests.run.plans import optimizer_plan
 from tests.run.test_nvme_states import model, train
 
@@ -81,8 +82,10 @@ def test_the_watch_warns_once_near_the_budget_naming_the_largest_contributors():
     near.check()
     near.check()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 1 and "within 5% of the plan's" in lines[0]
-    assert "plain training 3GiB, hetero optimizer 1GiB, staging 1MiB" in lines[0]
+    assert lines == [f"hetero: warning: {near.warned}"] and near.over is None  # said once, near and not over
+    named = near.warned.split("; ")[-1]  # the plan's largest entries, largest first, with their sizes
+    assert figures(named) == ["3GiB", "1GiB", "1MiB"]
+    assert named.index("plain training") < named.index("hetero optimizer") < named.index("staging")
 
 
 def test_a_budget_in_the_plan_starts_the_watch_and_none_does_not():
@@ -103,12 +106,13 @@ def test_passing_the_budget_is_said_at_once_with_the_peak_and_the_entry_most_to_
     watch.check()
     watch.check()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 1 and "is over the plan's" in lines[0] and "most to blame by the plan's account: plain " \
-        "training" in lines[0]
-    assert watch.summary()[0].startswith(f"the DRAM budget {SIZE.format_short(now // 2)} was not kept")
+    assert lines == [f"hetero: warning: {watch.over}"] and watch.warned is None  # said once, at once
+    assert "plain training" in watch.over.split("; ")[-1]  # the entry most to blame: the plan's only one
+    assert figures(watch.summary()[0])[0] == SIZE.format_short(now // 2) and "not kept" in watch.summary()[0]
     kept = BudgetWatch(replace(plan.budget, dram_budget_bytes=4 * now), plan.predicted, out=out)
     kept.check()
-    assert kept.summary()[0].startswith(f"the DRAM budget {SIZE.format_short(4 * now)} was kept")
+    assert kept.over is None and figures(kept.summary()[0])[0] == SIZE.format_short(4 * now)
+    assert "kept" in kept.summary()[0] and "not kept" not in kept.summary()[0]
 
 
 def test_the_entry_most_to_blame_is_the_one_measured_furthest_over_its_prediction():
