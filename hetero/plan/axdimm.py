@@ -19,7 +19,7 @@ from hetero.plan import tiering
 from hetero.plan.model import Curve, Update
 from hetero.schema.plan import NvmeOverflow, StatePlacement
 from hetero.schema.profile import Profile, Tier
-from hetero.units import COUNT, PARAM_RATE, SIZE, TIME
+from hetero.units import PARAM_RATE, SIZE, TIME
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master copy, gradient, Adam m and v: the four inputs of each update
 NVME_BYTES_PER_PARAM = 12  # read back and written out per update: master copy, m and v (the gradient is fresh)
@@ -218,7 +218,3 @@ def rate_text(rates: Rates) -> str:
     each = " each" if len(rates.lanes) > 1 else ""
     launch = f" + {TIME.format_short(rates.launch_s)} per update" if rates.launch_s else ""
     return f"{PARAM_RATE.format_short(rates.adam_params_per_s)}{each}{launch}"
-
-
-def count_text(params: list[Param]) -> str:
-    return COUNT.format_short(sum(p.num_params for p in params))

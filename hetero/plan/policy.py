@@ -11,8 +11,7 @@ from constants fitted to one machine:
   mean);
 - **mapped files**: a memory limit also charges the file pages a process keeps using (its libraries' code and data
   touched every step), which a trial measures as the file pages its processes referenced in their timed steps;
-- **steps**: a trial times its steps; a candidate is taken as faster than another only by more than the range of
-  their processes' step times.
+- **steps**: a trial times its steps, and a plan it verified predicts that step.
 
 The profile, which must survive the budget it runs in before any of this is known, keeps the room `room_of` leaves
 (`profile_headroom` and `profile_mapped_bytes` below the budget). Pure: no torch, no I/O.
@@ -55,12 +54,6 @@ class MemoryPolicy:
     def room_of(self, budget_bytes: int) -> int:
         """The most the profile lets its own training hold under `budget_bytes`."""
         return int(budget_bytes * (1 - self.profile_headroom)) - self.profile_mapped_bytes
-
-    def faster(self, a: Trial, b: Trial) -> bool:
-        """Whether trial `a`'s plan is faster than `b`'s by more than their processes' spread of step times."""
-        if a.step_s is None or b.step_s is None:
-            return False
-        return a.step_s + max(a.step_range_s, b.step_range_s) < b.step_s
 
 
 def spread_bytes(trial: Trial) -> int:
