@@ -17,8 +17,9 @@ def test_a_misspelt_parameter_is_found_with_its_path_and_the_likely_name():
     plan, profile = files.load(PLAN, expect=Plan), files.load(PROFILE, expect=Profile)
     real = plan.optimizer.states[2].param
     plan.optimizer.states[2].param = real[:-1]
-    assert unknown_names(plan, profile) == [
-        ("optimizer.states[2].param", f"no parameter {real[:-1]!r} in the profile (did you mean {real!r}?)")]
+    [(path, message)] = unknown_names(plan, profile)
+    assert path == "optimizer.states[2].param"
+    assert message.index(repr(real[:-1])) < message.index(repr(real))  # the name given, then the one meant
 
 
 def test_a_layer_name_is_not_a_parameter_name():
@@ -26,4 +27,4 @@ def test_a_layer_name_is_not_a_parameter_name():
     plan.optimizer.states[0].param = profile.layers[0].name  # a layer, not one of its parameters
     [(path, message)] = unknown_names(plan, profile)
     assert path == "optimizer.states[0].param"
-    assert message.startswith(f"no parameter {profile.layers[0].name!r} in the profile")
+    assert repr(profile.layers[0].name) in message

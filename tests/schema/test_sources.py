@@ -50,7 +50,7 @@ def test_a_missing_profile_says_what_needed_it(copied: Path):
     (copied.parent / PROFILE.name).unlink()
     with pytest.raises(HeteroError) as e:
         profile_of(files.load(copied, expect=Plan), copied, "to simulate it")
-    assert e.value.message.endswith("which does not exist here; to simulate it")
+    assert PROFILE.name in e.value.message and e.value.message.endswith("to simulate it")  # and what needed it
     assert "hetero plan --profile" in e.value.hint
 
 
@@ -67,7 +67,7 @@ def test_a_parameter_without_a_placement_is_refused_and_an_extra_entry_only_warn
     plan.optimizer.states += [dropped, dataclasses.replace(dropped, param="no.such.param")]
     [finding] = against_profile(plan, profile)
     assert finding.path == f"optimizer.states[{len(plan.optimizer.states) - 1}].param" and not finding.error
-    assert finding.message.endswith("hetero run ignores this entry")
+    assert "'no.such.param'" in finding.message
 
 
 def test_gpu_entries_are_refused_on_a_profile_without_a_gpu():
