@@ -78,7 +78,8 @@ def test_the_runner_records_each_outcome_with_its_output():
 
 def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path, cuda_hidden):
     path = tmp_path / "gpu-results.md"
-    path.write_text("# GPU results\n\nHow to run it.\n")
+    head = "# GPU results\n\nHow to run it.\n"  # the user's, above the generated section
+    path.write_text(head)
     env = gpu_all.environment()  # asking a GPU its name starts CUDA: this test stays on the CPU
     assert env["device"] == "none (no CUDA device)"
     assert env["torch"] == torch.__version__ and set(env) == {"device", "driver", "torch", "CUDA (torch's)", "date"}
@@ -87,7 +88,7 @@ def test_the_results_file_keeps_its_text_and_replaces_the_last_section(tmp_path,
     gpu_all.write(path, gpu_all.section(env, [first]))
     gpu_all.write(path, gpu_all.section(env, [gpu_all.Outcome(piece, "ok", 2.0, "second")]))
     text = path.read_text()
-    assert text.startswith("# GPU results\n\nHow to run it.\n")
+    assert text.startswith(head)
     assert text.count(gpu_all.BEGIN) == 1 and "second" in text and "first" not in text
     assert f"| torch | {torch.__version__} |" in text and "### A table" in text and "`ok`: ok, 2 s" in text
 

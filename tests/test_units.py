@@ -28,20 +28,21 @@ def test_parse(unit, text, value):
 
 
 @pytest.mark.parametrize(
-    "unit, raw, message",
+    "unit, raw, named",  # what the error names: the value as written, a unit it does not know, the likely one
     [
-        (SIZE, "12Mb", "bad size '12Mb': unknown unit 'Mb' (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB, KB); "
-                       "did you mean '12MB'?"),
-        (SIZE, "-4MiB", "negative size '-4MiB' (a size is >= 0)"),
-        (SIZE, -1, "negative size -1 (a size is >= 0)"),
-        (TIME, "fast", "bad time 'fast' (write a number with a unit, e.g. 12.5ms)"),
-        (TIME, True, "expected a time, got true"),
+        (SIZE, "12Mb", ("'12Mb'", "'Mb'", "'12MB'")),
+        (SIZE, "-4MiB", ("'-4MiB'",)),
+        (SIZE, -1, ("-1",)),
+        (TIME, "fast", ("'fast'",)),
+        (TIME, True, ("true",)),
     ],
 )
-def test_parse_errors(unit, raw, message):
+def test_parse_errors(unit, raw, named):
     with pytest.raises(ValueError) as e:
         unit.parse(raw)
-    assert str(e.value) == message
+    said = str(e.value)
+    assert "\n" not in said and [x for x in named if x not in said] == [], said
+    assert unit.name in said  # what was expected: a size, a time
 
 
 @pytest.mark.parametrize(

@@ -79,10 +79,8 @@ def test_parents_made_for_two_bases_under_one_new_directory_are_all_removed(tmp_
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("field, named", [("optimizer.nvme.path", "set optimizer.nvme.path in the plan"),
-                                          ("activations.slow_path", "set activations.slow_path in the plan"),
-                                          ("--nvme", "point --nvme elsewhere")])
-def test_a_full_disk_names_what_the_user_can_change(tmp_path, monkeypatch, field, named):
+@pytest.mark.parametrize("field", ["optimizer.nvme.path", "activations.slow_path", "--nvme"])
+def test_a_full_disk_names_what_the_user_can_change(tmp_path, monkeypatch, field):
     store = NvmeStore.private(str(tmp_path), "states", field, workers=1)
 
     def full(fd, buffers, offset):
@@ -95,7 +93,7 @@ def test_a_full_disk_names_what_the_user_can_change(tmp_path, monkeypatch, field
     finally:
         monkeypatch.undo()
         store.close()
-    assert named in e.value.hint
+    assert field in e.value.hint  # the plan's field, or the option, that moves the directory
     assert field == "--nvme" or "--nvme" not in e.value.hint  # `hetero run` has no such option
 
 

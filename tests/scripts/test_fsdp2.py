@@ -66,7 +66,7 @@ def test_a_plan_that_offloads_an_fsdp2_models_optimizer_is_refused_with_exit_5(t
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     code, _ = harness.run("fsdp2", harness.forced(profile, tiering=False), tmp_path / "forced.pt")
     err = capfd.readouterr().err
-    assert code == UNSUPPORTED_SCRIPT and "FSDP2 shards the model's parameters" in err and "Traceback" not in err
+    assert code == UNSUPPORTED_SCRIPT and "FSDP2" in err and "Traceback" not in err  # refused, naming why
     if torch.distributed.is_initialized():  # the refused run stopped the script before it destroyed its group
         torch.distributed.destroy_process_group()
 

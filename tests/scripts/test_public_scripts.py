@@ -17,6 +17,7 @@ from hetero.profile.profiler import ProfileOptions, measure_script
 from hetero.schema import files
 from hetero.schema.profile import Profile
 from tests.conftest import REPO
+from tests.figures import figures
 from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
@@ -92,7 +93,7 @@ def test_amsgrad_stays_the_scripts_optimizer_and_a_plan_that_offloads_it_is_refu
     files.save(prof, profile)
     code, _ = harness.run("amsgrad", harness.forced(profile, tiering=False), workdir / "forced.pt")
     err = capfd.readouterr().err
-    assert code == UNSUPPORTED_SCRIPT and "amsgrad=True is not supported" in err and "Traceback" not in err
+    assert code == UNSUPPORTED_SCRIPT and "amsgrad" in err and "Traceback" not in err  # refused, naming why
 
 
 def test_a_gan_profiles_under_a_budget_though_its_first_gradient_comes_before_its_generators_first_call(workdir):
@@ -126,7 +127,8 @@ def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed
     err = capfd.readouterr().err
     assert code == 0, err
     assert_trains_as_plain(result, reference)
-    assert "optimizer states: 72KiB on host" in err  # both Adams: 4 fp32 buffers for each of the 4,608 parameters
+    states = next(x for x in err.splitlines() if "optimizer states: " in x)
+    assert figures(states)[:2] == ["72KiB", "0B"]  # both Adams: 4 fp32 buffers for each of the 4,608 parameters
     hosted = harness.plan(profile, "--optimizer-device", "host")  # what the planner writes for two optimizers
     assert not hosted.optimizer.overlap_backward and "steps 2 optimizers" in hosted.optimizer.why
 
@@ -153,16 +155,17 @@ def test_a_gans_adam_with_amsgrad_stays_the_scripts_while_the_other_adams_states
     [d, g] = prof.training.optimizers
     assert (d.name, d.kept, g.name) == ("optimizerD", None, "optimizerG") and "amsgrad" in g.kept
     default = harness.plan(profile)
-    assert "optimizerG stays the script's (amsgrad" in default.omitted["optimizer"]
+    assert "optimizerG" in default.omitted["optimizer"] and g.kept in default.omitted["optimizer"]  # and why
     planned = harness.plan(profile, "--optimizer-device", "host")
     assert {s.param.split(".")[0] for s in planned.optimizer.states} == {"netD"}
-    assert "optimizerG stays the script's (amsgrad" in planned.optimizer.why
+    assert "optimizerG" in planned.optimizer.why and g.kept in planned.optimizer.why
     reference = harness.plain("gan", workdir / "plain.pt", amsgrad)
     code, result = harness.run("gan", workdir / "plan.yaml", workdir / "planned.pt", args=amsgrad)
     err = capfd.readouterr().err
     assert code == 0, err
     assert_trains_as_plain(result, reference)
-    assert "optimizer states: 35.5KiB on host" in err  # netD's 2,272 parameters only
+    states = next(x for x in err.splitlines() if "optimizer states: " in x)
+    assert figures(states)[:2] == ["35.5KiB", "0B"]  # netD's 2,272 parameters only
 
 
 def test_model_option_profiles_one_of_a_gans_models_and_the_other_optimizer_stays_torchs(workdir, capfd):
@@ -197,7 +200,7 @@ def test_a_hand_written_sgd_loop_gets_activation_tiering_and_counts_steps_from_b
     assert (t.optimizer, t.steps_from, t.steps_measured, t.optimizer_step_s, t.optimizers) == \
         ("none", "backward", 2, 0.0, [])
     planned = harness.plan(profile)
-    assert planned.optimizer is None and "without a torch.optim optimizer" in planned.omitted["optimizer"]
+    assert planned.optimizer is None and "torch.optim" in planned.omitted["optimizer"]  # there is none to replace
     reference = harness.plain("manual_sgd", workdir / "plain.pt")
     code, result = harness.run("manual_sgd", workdir / "plan.yaml", workdir / "planned.pt")
     assert code == 0, capfd.readouterr().err
@@ -214,7 +217,7 @@ def test_a_script_that_never_trains_is_refused_at_profile_time_with_one_line(wor
                                      "with torch.no_grad():\n    model(torch.randn(3, 4))\n")
     assert main(["profile", str(workdir / "eval.py")]) == UNSUPPORTED_SCRIPT
     err = capfd.readouterr().err.strip().splitlines()
-    assert err[0].startswith("error: the script ended without training") and err[1].startswith("hint: ")
+    assert err[0].startswith("error: ") and err[1].startswith("hint: ")
     assert len(err) == 2 and not (workdir / "profile.yaml").exists()
 
 
@@ -227,7 +230,9 @@ def test_an_optimizer_stepping_after_a_hand_written_update_is_refused(workdir):
         "    if step >= 1:\n        opt.step()\n")
     with pytest.raises(HeteroError) as e:
         measure_script(str(workdir / "late.py"), [], ProfileOptions(steps=2, warmup=1))
-    assert e.value.exit_code == UNSUPPORTED_SCRIPT and "after updating its parameters by hand" in e.value.message
+    # the optimizer and how many values it steps, and what to do instead
+    assert e.value.exit_code == UNSUPPORTED_SCRIPT and "SGD" in e.value.message and figures(e.value.message) == ["10"]
+    assert e.value.hint is not None
 
 
 def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd, cuda_hidden):
@@ -239,4 +244,4 @@ def test_a_plan_for_another_model_is_not_called_stale(workdir, capfd, cuda_hidde
     (workdir / "profile.yaml").write_text((harness.REPO / "plans/gpt-tiny-cpu.profile.yaml").read_text())
     code, _ = harness.run("mha_save", workdir / "a/plan.yaml", workdir / "out.pt")
     err = capfd.readouterr().err
-    assert code == 4 and "is not the one the plan was made for" in err and "changed" not in err
+    assert code == 4 and plan.source.model_fingerprint[:19] in err and "changed" not in err  # another model
