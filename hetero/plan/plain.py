@@ -12,7 +12,7 @@ is the prediction, the script's own Adam states included.
 
 from __future__ import annotations
 
-from hetero.plan.backward import Held, peak_bytes
+from hetero.plan.backward import ADAM_TEMPORARIES, Held, peak_bytes
 from hetero.plan.model import GPU
 from hetero.plan.simulate import Result
 from hetero.schema.plan import LayerGrad, LayerMode, Plan
@@ -21,6 +21,7 @@ from hetero.schema.profile import Profile
 PLAIN_MEASURED = "plain training (measured reserved peak)"
 PLAIN_COUNTED = "plain training (counted: parameters, gradients, activations, adam states)"
 OWN_STATES = "script's adam states moved off the gpu"
+OWN_SCRATCH = "script's adam step scratch moved off the gpu"
 HETERO_STATES = "hetero's adam states on the gpu"
 PARAMS = "parameters read from host memory (dha)"
 GRADS = "gradients written to host memory"
@@ -36,6 +37,31 @@ def own_gpu_states(profile: Profile) -> int:
     return 2 * sum(x.params_bytes for x in profile.layers)
 
 
+def own_gpu_scratch(profile: Profile) -> int:
+    """Bytes the script's own Adam(W) steps make on the GPU beside its states, by how torch steps it
+    (`ScriptOptimizer.implementation`): a foreach step's scratch the size of every parameter it updates, a single
+    tensor's temporaries the size of the largest, a fused step's none. Where plain's measured peak is its step, that
+    scratch is in it, and a plan that moves the optimizer off the GPU takes it away."""
+    if profile.machine.gpu is None:
+        return 0
+    out = 0
+    for o in profile.training.optimizers or [None]:
+        if o is not None and (o.kind == "other" or o.kept):
+            continue
+        params = [b for x in profile.layers if o is None or x.model in (None, o.model) for b in x.params.values()]
+        implementation = o.implementation if o is not None else "single"
+        out += {"foreach": sum(params), "fused": 0}.get(implementation, ADAM_TEMPORARIES * max(params, default=0))
+    return out
+
+
+def _scratch_at_peak(profile: Profile) -> int:
+    """What the script's Adam step scratch adds to plain training's peak: its step holds every gradient and the
+    scratch, backward its saved activations and the gradients made so far; the scratch counts only above backward."""
+    grads = sum(x.params_bytes for x in profile.layers)
+    backward = backward_peak_bytes(profile, set())
+    return max(backward, grads + own_gpu_scratch(profile)) - max(backward, grads)
+
+
 def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result,
                      hetero_states_bytes: int) -> dict[str, int]:
     """The predicted GPU peak by what makes it up (its sum is the prediction; negative items are what the plan
@@ -47,6 +73,7 @@ def gpu_contributors(profile: Profile, plan: Plan, result: Result, plain: Result
     opt = plan.optimizer
     if opt is not None:
         out[OWN_STATES] = -own
+        out[OWN_SCRATCH] = -_scratch_at_peak(profile) if measured and opt.device != "gpu" else 0
         out[HETERO_STATES] = hetero_states_bytes
     offloaded = opt is not None and opt.device != "gpu"
     by_name = {x.name: x.params_bytes for x in profile.layers}

@@ -394,8 +394,21 @@ def _described(model: nn.Module, optimizers: list[torch.optim.Optimizer], script
         if kept is not None and isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and peers.rank() == 0:
             print(f"hetero: note: {kept}: the plan leaves the optimizer to the script", file=sys.stderr)
         out.append(ScriptOptimizer(name=name, kind=_optimizer_kind(opt), model=part_name(model, part),
-                                   num_params=sum(p.numel() for p in params), kept=kept))
+                                   num_params=sum(p.numel() for p in params), kept=kept,
+                                   implementation=_implementation(opt)))
     return out
+
+
+def _implementation(optimizer: torch.optim.Optimizer) -> str:
+    """How torch steps `optimizer`'s parameters (`ScriptOptimizer.implementation`), as its arguments decide, and
+    where they leave it to torch, as torch does: foreach where every parameter is a CUDA tensor, else one tensor at
+    a time."""
+    groups = optimizer.param_groups
+    if any(g.get("fused") for g in groups):
+        return "fused"
+    default = all(g.get("foreach") is None and not g.get("differentiable") for g in groups) and \
+        all(p.is_cuda for g in groups for p in g["params"])
+    return "foreach" if default or any(g.get("foreach") for g in groups) else "single"
 
 
 def _plain_step(training: Training, tensors: int, params: int, measured_machine: Machine) -> Training:

@@ -29,6 +29,7 @@ TierKind = Literal["hbm", "dram", "numa", "cxl", "nvme"]
 Backend = Literal["emulated", "hardware"]
 CommBackend = Literal["gloo", "nccl"]
 OptimizerKind = Literal["adam", "adamw", "other", "none"]
+AdamImplementation = Literal["single", "foreach", "fused"]
 StepsFrom = Literal["optimizer", "backward"]
 ROOT_LAYER = "(model)"  # the layer of parameters the model's root module owns directly
 
@@ -82,6 +83,10 @@ class ScriptOptimizer:
     num_params: int = doc("Parameters it updates.", unit=COUNT)
     kept: str | None = doc("Why hetero's Adam cannot take its place, so that it stays the script's; null: it can.",
                            default=None)
+    implementation: AdamImplementation = doc(
+        "How torch steps it: `single` (tensor by tensor: temporaries the size of one parameter), `foreach` (a group "
+        "at once: scratch the size of every parameter it updates; torch's default on a GPU) or `fused` (none).",
+        default="single", added=True)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -122,3 +122,11 @@ def test_a_script_ending_early_says_how_many_steps_it_saw(tmp_path):
 def test_warmup_of_zero_is_refused(tmp_path):
     with pytest.raises(HeteroError, match="need at least 1 warm-up step"):
         measure_script(scripts.write(tmp_path, scripts.LOOP), [], ProfileOptions(steps=1, warmup=0))
+
+
+@pytest.mark.parametrize("flags, implementation", [("", "single"), ("foreach=True", "foreach"),
+                                                   ("fused=True", "fused")])
+def test_how_torch_steps_the_scripts_adam_is_recorded(tmp_path, flags, implementation):
+    path = scripts.write(tmp_path, scripts.LOOP.replace("lr=1e-3)", f"lr=1e-3, {flags})" if flags else "lr=1e-3)"))
+    run = measure_script(path, ["--steps", "4"], ONE_STEP)
+    assert [o.implementation for o in run.training.optimizers] == [implementation]  # on a CPU: single by default

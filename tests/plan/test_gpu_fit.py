@@ -13,7 +13,7 @@ from hetero.plan.policy import POLICY
 from hetero.plan.sections import plain_of
 from hetero.plan.solve import PlanOptions, plan, predict, predicted_of
 from hetero.schema import files
-from hetero.schema.profile import Memory, Profile
+from hetero.schema.profile import Memory, Profile, ScriptOptimizer
 from hetero.units import SIZE, TIME, short_time
 from tests.figures import figures
 from tests.plan.synthetic import GiB, MiB, gpu_profile
@@ -156,3 +156,27 @@ def test_on_a_gpu_every_prefetch_is_keyed_to_backward_progress_not_the_clock(pro
     assert moved and all(e.prefetch_after is not None for e in moved)
     starts = {x.name: x.bp_start_s for x in profile.layers}
     assert all(starts[e.prefetch_after] <= max(e.prefetch_at_s, min(starts.values())) for e in moved)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "single"])
+def test_the_scripts_adam_step_scratch_leaves_the_gpu_with_its_optimizer_whatever_torch_steps_it_by(implementation):
+    """Plain training's measured peak holds the step's scratch of the script's Adam (foreach: the size of every
+    parameter; one tensor at a time: two of the largest; fused: none) where the step is the peak: a plan that moves
+    the optimizer off the GPU predicts the same peak whichever the script used."""
+    base = gpu_profile(12, seed=3)
+    for x in base.layers:  # the step, not backward, is plain's peak
+        x.saved_bytes //= 1000
+    params = [b for x in base.layers for b in x.params.values()]
+    base.training.optimizers = [ScriptOptimizer(name="opt", kind="adamw", model="Net", num_params=sum(params) // 4,
+                                                implementation=implementation)]
+    scratch = {"foreach": sum(params), "fused": 0, "single": 2 * max(params)}[implementation]
+    assert plain.own_gpu_scratch(base) == scratch
+    profile = measured(base)
+    at_peak = plan(profile, PlanOptions(optimizer_device="host")).predicted.gpu_saved.get(plain.OWN_SCRATCH, 0)
+    assert (at_peak > 0) == (scratch > 0) and at_peak <= scratch  # above backward's peak only
+    profile.memory.gpu_reserved_peak_bytes += at_peak  # what torch reserved for it
+    offloaded = plan(profile, PlanOptions(optimizer_device="host"))
+    without = measured(dataclasses.replace(base, training=dataclasses.replace(
+        base.training, optimizers=[dataclasses.replace(base.training.optimizers[0], implementation="fused")])))
+    assert offloaded.predicted.peak_bytes[GPU] == plan(without, PlanOptions(optimizer_device="host")
+                                                        ).predicted.peak_bytes[GPU]
