@@ -101,10 +101,8 @@ class Capture:
     def __init__(self, on_found: Callable[[nn.Module, list[torch.optim.Optimizer]], None], script: str,
                  model_name: str | None = None, fingerprint: str | None = None,
                  parts: list[tuple[str, str]] | None = None):
-        self.on_found = on_found
+        self.on_found, self.model_name, self.fingerprint = on_found, model_name, fingerprint
         self.script = os.path.abspath(script)
-        self.model_name = model_name
-        self.fingerprint = fingerprint
         self.parts = parts or []
         self.checked: set[int] = set()  # roots whose fingerprint was compared already
         self.roots: list[nn.Module] = []  # modules called at depth 0, in order of first call
@@ -117,11 +115,9 @@ class Capture:
         # torch warns that global hooks fire once more for a compiled wrapper: ours do, and `unwrap` sees through it.
         # The warning would name no culprit the user can act on.
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
-        self.handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre),
-            nn.modules.module.register_module_forward_hook(self._post, always_call=True),
-            register_optimizer_step_pre_hook(self._step),
-        ]
+        self.handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
+                        nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+                        register_optimizer_step_pre_hook(self._step)]
         if self.fingerprint is None:
             self.handles += [watch.optimizers_built(self._built), watch.backward_calls(self._backward_ended)]
         return self
@@ -194,10 +190,7 @@ class Capture:
         its parameters by hand, and its models are known now."""
         if self.found:
             return
-        graded = []
-        for root in map(unwrap, self.roots):
-            if any(p.grad is not None for p in root.parameters()) and not any(root is g for g in graded):
-                graded.append(root)
+        graded = self._roots_where(lambda root: any(p.grad is not None for p in root.parameters()))
         owned = {id(p) for opt in self.optimizers() for group in opt.param_groups for p in group["params"]}
         if graded and not any(id(p) in owned for root in graded for p in root.parameters()):
             self._found(lambda: (self._named([self.chosen(graded)] if self.model_name else graded), []))
@@ -231,10 +224,7 @@ class Capture:
                 owners.append((opt, candidates[0]))
         if self.model_name is not None:
             owners = [(opt, m) for opt, m in owners if m is owners[0][1]]
-        parts: list[nn.Module] = []
-        for root in map(unwrap, self.roots):  # in the order the script first called them
-            if any(m is root for _, m in owners) and not any(root is p for p in parts):
-                parts.append(root)
+        parts = self._roots_where(lambda root: any(m is root for _, m in owners))
         return self._named(parts), [opt for opt, _ in owners]
 
     def _named(self, parts: list[nn.Module]) -> nn.Module:
@@ -248,9 +238,13 @@ class Capture:
     def candidates(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:
         """The roots seen so far (unwrapped) that own parameters `optimizer` updates, in order of first call."""
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return self._roots_where(lambda root: any(id(p) in owned for p in root.parameters()))
+
+    def _roots_where(self, keep: Callable[[nn.Module], bool]) -> list[nn.Module]:
+        """The roots seen so far (unwrapped, each once) that `keep` accepts, in order of first call."""
         out: list[nn.Module] = []
         for root in map(unwrap, self.roots):
-            if any(id(p) in owned for p in root.parameters()) and not any(root is c for c in out):
+            if keep(root) and not any(root is o for o in out):
                 out.append(root)
         return out
 
@@ -273,8 +267,7 @@ class Capture:
         found = names(candidates, self.script, unwrap)
         chosen = [c for c, n in zip(candidates, found) if self.model_name in (n, type(c).__name__)]
         if len(chosen) != 1:
-            raise _error(f"--model {self.model_name} matches {len(chosen)} of the candidates", candidates,
-                         self.script)
+            raise _error(f"--model {self.model_name} matches {len(chosen)} of the candidates", candidates, self.script)
         return chosen[0]
 
 

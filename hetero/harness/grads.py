@@ -26,8 +26,7 @@ Mark = tuple[weakref.ref, int] | None  # the gradient tensor (weakly: the script
 
 class GradEdits:
     """Marks the gradients of `params()` each time a backward call returns, until `close()`; `edited` names the
-    parameters whose gradient has changed since. `by_value`: until the first `edited` call, values are compared
-    too."""
+    parameters whose gradient has changed since. `by_value`: until the first `edited` call, values are compared too."""
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]], by_value: bool = False):
         self.params, self.by_value = params, by_value

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hetero.harness import hooks, watch
-from hetero.harness.layers import LayerSpec, adopt_unseen, sharded, storages, tensors
+from hetero.harness.layers import LayerSpec, adopt_unseen, before_backward, sharded, storages
 from hetero.harness.models import roots
 from hetero.schema.profile import Layer
 from hetero.units import measured
@@ -192,8 +192,7 @@ class LayerProfiler:
         self.last_ended = i
         if self.stack:
             self.stack[-1][3] = i
-        for grad_fn in {o.grad_fn for o in tensors(output) if o.grad_fn is not None}:
-            grad_fn.register_prehook(self._grad_ready_hook(mb, i))
+        before_backward(output, self._grad_ready_hook(mb, i))
         self.hook_s += time.perf_counter() - t
 
     # -- saved tensors and backward ----------------------------------------------------------------------------
@@ -298,8 +297,7 @@ def summarize(profiler: LayerProfiler) -> Summary:
             fp_s=measured(mean("fp", i)) if t == i else 0.0, bp_s=measured(mean("bp", i)) if t == i else 0.0,
             fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
             saved_bytes=round(mean("saved", i)), saved_storages_bytes=ran[i][-1].storages[i],
-            fp_end_s=measured(mean("fp_end", t)),
-            bp_start_s=measured(mean("bp_start", t))))
+            fp_end_s=measured(mean("fp_end", t)), bp_start_s=measured(mean("bp_start", t))))
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
 
 

@@ -1,11 +1,10 @@
-"""The moments, besides `optimizer.step()`, at which a script we did not write reveals how it trains: an
-optimizer being built, a backward call returning, and a GradScaler unscaling an optimizer's gradients.
+"""The moments, besides `optimizer.step()`, at which a script we did not write reveals how it trains: an optimizer being
+built, a backward call returning, and a GradScaler unscaling an optimizer's gradients.
 
-torch has global hooks for module calls and optimizer steps, none for these. Every torch.optim optimizer's
-constructor runs `torch.optim.Optimizer.__init__`, `loss.backward()` runs `torch.autograd.backward`, and
-`GradScaler.step` calls `unscale_` through its class (each looked up at each call), so each is wrapped while someone
-listens: the wrapper is installed with the first listener and removed with the last, and torch is untouched
-otherwise.
+torch has global hooks for module calls and optimizer steps, none for these. Every torch.optim optimizer's constructor
+runs `torch.optim.Optimizer.__init__`, `loss.backward()` runs `torch.autograd.backward`, and `GradScaler.step` calls
+`unscale_` through its class (each looked up at each call), so each is wrapped while someone listens: the wrapper is
+installed with the first listener and removed with the last, and torch is untouched otherwise.
 """
 
 from __future__ import annotations

@@ -45,13 +45,11 @@ class Hyperparameters:
 
     def __post_init__(self) -> None:
         # Same bounds torch.optim.Adam checks, reported the hetero way.
-        checks = [
-            ("lr", self.lr, self.lr >= 0, "lr must be >= 0"),
-            ("eps", self.eps, self.eps >= 0, "eps must be >= 0"),
-            ("beta1", self.betas[0], 0 <= self.betas[0] < 1, "betas must lie in [0, 1)"),
-            ("beta2", self.betas[1], 0 <= self.betas[1] < 1, "betas must lie in [0, 1)"),
-            ("weight_decay", self.weight_decay, self.weight_decay >= 0, "weight_decay must be >= 0"),
-        ]
+        checks = [("lr", self.lr, self.lr >= 0, "lr must be >= 0"),
+                  ("eps", self.eps, self.eps >= 0, "eps must be >= 0"),
+                  ("beta1", self.betas[0], 0 <= self.betas[0] < 1, "betas must lie in [0, 1)"),
+                  ("beta2", self.betas[1], 0 <= self.betas[1] < 1, "betas must lie in [0, 1)"),
+                  ("weight_decay", self.weight_decay, self.weight_decay >= 0, "weight_decay must be >= 0")]
         for name, value, ok, rule in checks:
             if not ok:
                 raise HeteroError(f"invalid Adam {name} {value!r}", hint=rule)
@@ -60,19 +58,14 @@ class Hyperparameters:
     def from_param_group(cls, group: Mapping[str, Any]) -> Hyperparameters:
         """The constants of a `torch.optim.Adam`/`AdamW` param group (AdamW groups carry decoupled_weight_decay)."""
         if group.get("amsgrad", False):
-            raise HeteroError(
-                "amsgrad=True is not supported by hetero's offloaded Adam",
-                hint="construct the optimizer with amsgrad=False, or run without an offloaded optimizer",
-            )
+            raise HeteroError("amsgrad=True is not supported by hetero's offloaded Adam",
+                              hint="construct the optimizer with amsgrad=False, or run without an offloaded optimizer")
         beta1, beta2 = group["betas"]
-        return cls(
-            lr=float(group["lr"]),  # a tensor lr (capturable setups) becomes the float the CPU op takes
-            betas=(float(beta1), float(beta2)),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-            maximize=bool(group.get("maximize", False)),
-        )
+        return cls(lr=float(group["lr"]),  # a tensor lr (capturable setups) becomes the float the CPU op takes
+                   betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+                   weight_decay=float(group["weight_decay"]),
+                   decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+                   maximize=bool(group.get("maximize", False)))
 
 
 class AdamKernel:
@@ -101,29 +94,14 @@ class AdamKernel:
         update(params, grads, exp_avgs, exp_avg_sqs, [], state_steps, fused=True, amsgrad=False, lr=hp.lr,
                beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps, maximize=hp.maximize)
 
-    def __call__(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        *,
-        hyperparameters: Hyperparameters,
-        step: int,
-    ) -> None:
+    def __call__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                 hyperparameters: Hyperparameters, step: int) -> None:
         """Update param, exp_avg and exp_avg_sq in place. Views into larger flat buffers are updated in place."""
         self.many([param], [grad], [exp_avg], [exp_avg_sq], hyperparameters=hyperparameters, steps=[step])
 
 
-def adam_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    hyperparameters: Hyperparameters,
-    step: int,
-) -> None:
+def adam_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                   hyperparameters: Hyperparameters, step: int) -> None:
     """torch.optim.Adam(W)'s single-tensor algorithm (non-capturable branch), in place. The spec, not the fast path."""
     hp = hyperparameters
     beta1, beta2 = hp.betas
@@ -147,11 +125,8 @@ def _check_buffers(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         raise HeteroError(f"Adam step {step} is not a 1-based update number", hint="the first update uses step=1")
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.shape != param.shape or t.device != param.device:
-            raise HeteroError(
-                f"Adam {name} has shape {tuple(t.shape)} on {t.device}, param has {tuple(param.shape)} on "
-                f"{param.device}",
-                hint="pass four buffers of the same shape on the same device",
-            )
+            raise HeteroError(f"Adam {name} has shape {tuple(t.shape)} on {t.device}, param has {tuple(param.shape)} "
+                              f"on {param.device}", hint="pass four buffers of the same shape on the same device")
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32:
             raise HeteroError(f"Adam {name} is {t.dtype}", hint="the kernel updates fp32 buffers; convert to float32")

@@ -1,20 +1,19 @@
 """Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU device the
-shadow model and the optimizer's gradient copies drive, found through `devices` (the one seam through which
-another implementation of `Devices` and `Device`, such as the tests' CPU stand-in, takes the GPU's place).
-Memory is handled as flat bytes; `carve` views a parameter in them.
+shadow model and the optimizer's gradient copies drive, found through `devices` (the one seam through which another
+implementation of `Devices` and `Device`, such as the tests' CPU stand-in, takes the GPU's place). Memory is handled as
+flat bytes; `carve` views a parameter in them.
 
 The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
 `torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` would cost a
-slow first build and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to
-the interface object, which owns the host tensor: the host memory lives exactly as long as the last view, autograd's
-saved views included. The device pointer comes from `cudaHostGetDevicePointer`, called through ctypes on the CUDA
-runtime torch already loaded. Where that library cannot be found (a statically linked torch), the host pointer
-itself is used: with unified addressing (every 64-bit process on a device of compute capability >= 2.0) CUDA
-guarantees that the pointer of `cudaHostAlloc` memory, which is what `pin_memory()` returns, is valid on the device.
-A device without unified addressing would need memory allocated with `cudaHostAllocMapped` after
-`cudaSetDeviceFlags(cudaDeviceMapHost)`, before torch creates its context; hetero refuses that case with a clear
-error instead (plan without DHA there). Copies to and from a view are correct too: under unified addressing CUDA
-infers from the pointers where both ends live.
+slow first build and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to the
+interface object, which owns the host tensor: the host memory lives exactly as long as the last view, autograd's saved
+views included. The device pointer comes from `cudaHostGetDevicePointer`, called through ctypes on the CUDA runtime
+torch already loaded. Where that library cannot be found (a statically linked torch), the host pointer itself is used:
+with unified addressing (every 64-bit process on a device of compute capability >= 2.0) CUDA guarantees that the pointer
+of `cudaHostAlloc` memory, which is what `pin_memory()` returns, is valid on the device. A device without unified
+addressing would need memory allocated with `cudaHostAllocMapped` after `cudaSetDeviceFlags(cudaDeviceMapHost)`, before
+torch creates its context; hetero refuses that case with a clear error instead (plan without DHA there). Copies to and
+from a view are correct too: under unified addressing CUDA infers from the pointers where both ends live.
 """
 
 from __future__ import annotations
@@ -248,23 +247,10 @@ class CudaDevice:
                  after: tuple = ()) -> torch.cuda.Event:
         # Not on the compute stream (a driver thread's current stream is the legacy default one, where the script
         # computes): the copy would queue behind every backward kernel issued so far and delay the next ones.
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(ready)
-            for event in after:
-                self.d2h.wait_event(event)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.d2h)
-        return done
+        return _side_copy(self.d2h, dst, src, (ready, *after))
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> torch.cuda.Event:
-        with torch.cuda.stream(self.h2d):
-            for event in after:
-                self.h2d.wait_event(event)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.h2d)
-        return done
+        return _side_copy(self.h2d, dst, src, after)
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
         if t.device != self.device:
@@ -308,6 +294,17 @@ class CudaDevice:
         dst.copy_(src)  # on the compute stream, after the kernel that produced src
 
 
+def _side_copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor, after: tuple) -> torch.cuda.Event:
+    """`dst <- src` on `stream` once the events `after` are done; the event that ends the copy."""
+    with torch.cuda.stream(stream):
+        for event in after:
+            stream.wait_event(event)
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
 class CudaDevices:
     """The GPUs of this process, one `CudaDevice` each, opened when first needed: by the device a model's or a
     parameter's tensors are on, never by the current device at some earlier moment (a torchrun worker calls
@@ -336,9 +333,6 @@ class CudaDevices:
         """The GPU the model's parameters are on (the current one while they are still on the host)."""
         where = next((p.device for p in model.parameters() if p.is_cuda), torch.device("cuda"))
         return self.open(where)
-
-    def is_host(self, t: torch.Tensor) -> bool:
-        return not t.is_cuda
 
 
 class Devices(Protocol):
