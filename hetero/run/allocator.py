@@ -1,22 +1,21 @@
 """The plan's `allocator` section: glibc's malloc told to give freed memory back to the kernel.
 
-By default glibc keeps what freed tensors leave inside its heaps for the next allocation; the process's resident
-memory then stays at its high-water mark, and a memory limit counts it (docs/benchmarks.md, "Why the default plan
-runs plain on a CPU": evicting saved activations lowered nothing). With a low M_MMAP_THRESHOLD each large block is
-mapped on its own and unmapped when freed, and a low M_TRIM_THRESHOLD returns the top of a heap; that costs page
-faults each time a block is mapped again, which `hetero profile` measures and the plan counts (fewer with huge
-pages: hetero.run.huge_pages). Setting either threshold also stops glibc from raising the mmap threshold by itself.
+By default glibc keeps what freed tensors leave inside its heaps for the next allocation; the process's resident memory
+then stays at its high-water mark, and a memory limit counts it (docs/benchmarks.md, "Why the default plan runs plain on
+a CPU": evicting saved activations lowered nothing). With a low M_MMAP_THRESHOLD each large block is mapped on its own
+and unmapped when freed, and a low M_TRIM_THRESHOLD returns the top of a heap; that costs page faults each time a block
+is mapped again, which `hetero profile` measures and the plan counts (fewer with huge pages: hetero.run.huge_pages).
+Setting either threshold also stops glibc from raising the mmap threshold by itself.
 
 The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
-first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the
-free memory inside the heaps is returned at the end of a backward call (malloc_trim), when the freed activations
-leave the most of it, where the process ends the backward holding a `GROWTH_SHARE` of `from_bytes` more than it
-ended any backward before with: the heaps then grow within a bound, not from one iteration to the next, and the
-switch is reached later or never, for the page faults of one refill where they grew, nothing where they do not.
-From the switch on, what was freed inside the heaps is returned every interval until the next backward ends: the
-tensors the switch found live in a heap leave holes there when backward frees them, and only a trim returns those
-(measured: docs/benchmarks.md). Elsewhere than glibc (no `mallopt` symbol) nothing can be set, and the runtime
-says so.
+first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the free
+memory inside the heaps is returned at the end of a backward call (malloc_trim), when the freed activations leave the
+most of it, where the process ends the backward holding a `GROWTH_SHARE` of `from_bytes` more than it ended any backward
+before with: the heaps then grow within a bound, not from one iteration to the next, and the switch is reached later or
+never, for the page faults of one refill where they grew, nothing where they do not. From the switch on, what was freed
+inside the heaps is returned every interval until the next backward ends: the tensors the switch found live in a heap
+leave holes there when backward frees them, and only a trim returns those (measured: docs/benchmarks.md). Elsewhere than
+glibc (no `mallopt` symbol) nothing can be set, and the runtime says so.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def _libc():
 
 def set_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
     """Set glibc's two thresholds; False where the C library is not glibc (nothing set)."""
-    libc = _libc()
-    if libc is None:
+    if (libc := _libc()) is None:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap_bytes))) and \
         bool(libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_bytes)))
@@ -77,8 +75,7 @@ class ReturnFreedMemory(Mechanism):
     `from_bytes`, once a watching thread sees the resident set reach it."""
 
     def __init__(self, plan: AllocatorPlan, interval_s: float = WATCH_INTERVAL_S):
-        self.plan = plan
-        self.interval_s = interval_s
+        self.plan, self.interval_s = plan, interval_s
         self.applied = False  # the thresholds are set now
         self.ever_applied = False  # for the summary, read after `close`
         self.returned_at: int | None = None  # the resident bytes that made it return memory (with `from_bytes`)

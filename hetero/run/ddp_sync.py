@@ -105,8 +105,7 @@ class DdpSync(Mechanism):
             syncs[id(ddp)] = sync
 
         def register_comm_hook(ddp, state, hook) -> None:
-            sync = syncs.get(id(ddp))
-            if sync is None:
+            if (sync := syncs.get(id(ddp))) is None:
                 return register(ddp, state, hook)
             sync.use(state, hook)  # the script's all-reduce, still followed by the listeners
 

@@ -1,21 +1,20 @@
-"""Optimizer states kept in NVMe files between steps (ZeRO-Infinity's optimizer on NVMe; the AXDIMM paper's
-overflow, §5.3), updated inside `optimizer.step()` through two staging slots on the update device.
+"""Optimizer states kept in NVMe files between steps (ZeRO-Infinity's optimizer on NVMe; the AXDIMM paper's overflow,
+§5.3), updated inside `optimizer.step()` through two staging slots on the update device.
 
 While one slot's piece is updated the next one is read into the other, and an updated piece is written out (leaves)
 before its slot takes the next (updated pieces leave first). This is the schedule hetero.plan.simulate predicts; a
 change here changes the plan's predictions. The update device is either an AXDIMM channel (whose memory is reached
 through memcpy, so the reads land in a host bounce buffer first) or host memory (the reads land in the slot itself).
 
-A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements
-(Adam is elementwise, so a piece's update is the same arithmetic as the whole tensor's), so the slots cost the same
-few MiB of host memory whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's
-parameter is staged whole: its gradient comes down in one copy.
+A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements (Adam is
+elementwise, so a piece's update is the same arithmetic as the whole tensor's), so the slots cost the same few MiB of
+host memory whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's parameter is
+staged whole: its gradient comes down in one copy.
 
-With the plan's `nvme.grads`, a host-trained parameter's gradient joins its states in the store as soon as it is
-final (`keep_grad`, from the optimizer's post-accumulate-grad hook), so host memory holds no gradient between
-backward and step; `update_all` reads each piece's gradient with its states, into a fourth buffer of the slot. A
-later micro-batch's gradient is added to the kept one as AccumulateGrad would add it (float addition commutes, so
-the sum is bit-equal).
+With the plan's `nvme.grads`, a host-trained parameter's gradient joins its states in the store as soon as it is final
+(`keep_grad`, from the optimizer's post-accumulate-grad hook), so host memory holds no gradient between backward and
+step; `update_all` reads each piece's gradient with its states, into a fourth buffer of the slot. A later micro-batch's
+gradient is added to the kept one as AccumulateGrad would add it (float addition commutes, so the sum is bit-equal).
 """
 
 from __future__ import annotations
@@ -84,10 +83,6 @@ class NvmeStaging:
             self.store.read(f"{key}.{k}.g", out[a:b])
         self.kept.discard(key)
         return out.view_as(like)
-
-    def drop_grads(self) -> None:
-        """Forget every kept gradient (the script set its gradients to None)."""
-        self.kept.clear()
 
     def add(self, key: str, param: torch.Tensor) -> None:
         self.spans[key] = pieces(param.numel(), on_host(param))

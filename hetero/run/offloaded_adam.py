@@ -117,9 +117,6 @@ class Offloaded:
         """Where its states beyond the device's live on their way to and from NVMe (None: none, or not bound)."""
         return self._homes.staging if self._homes is not None else None
 
-    def _group(self, p: torch.nn.Parameter) -> dict:
-        return self._group_of[p]
-
     def _grad_final(self, p: torch.nn.Parameter) -> None:
         if self._homes is None and not self._own:
             self.config.on_first_use(self)
@@ -174,7 +171,7 @@ class Offloaded:
         slot.step += 1
         slot.launched = True
         bucket = self._buckets[p]
-        update = Update(slot.home, grad, Hyperparameters.from_param_group(self._group(p)), slot.step)
+        update = Update(slot.home, grad, Hyperparameters.from_param_group(self._group_of[p]), slot.step)
         with bucket.lock:  # DDP's buckets may complete on another thread than autograd's
             bucket.waiting.append(update)
             complete = bucket.take() if len(bucket.waiting) == bucket.size else None
@@ -188,10 +185,7 @@ class Offloaded:
                 loss = closure()
         if self._homes is None and not self._own:
             self.config.on_first_use(self)
-        if self._own:
-            torch_step(self.replaces, self)
-        else:
-            self._offloaded_step()
+        torch_step(self.replaces, self) if self._own else self._offloaded_step()
         return loss
 
     @torch.no_grad()
@@ -205,7 +199,7 @@ class Offloaded:
                 continue
             if slot.home is None:
                 slot.step += 1
-                spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group(p)), slot.step))
+                spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group_of[p]), slot.step))
             else:
                 self._launch(p, slot, p.grad)
         for bucket in {id(b): b for b in self._buckets.values()}.values():
@@ -229,8 +223,7 @@ class Offloaded:
         if seen - {self.config.micro_batches}:
             raise StopScript(HeteroError(  # raised inside the script: its `except Exception` must not hide it
                 f"the plan overlaps updates with the backward of micro-batch {self.config.micro_batches} of each "
-                f"step, but "
-                f"this step had {max(seen)} backward pass(es)",
+                f"step, but this step had {max(seen)} backward pass(es)",
                 hint="profile and plan again (the script's gradient accumulation changed), or pass --allow-stale "
                      "with a plan whose optimizer has overlap_backward: false", exit_code=STALE_PLAN))
 
@@ -248,7 +241,7 @@ class Offloaded:
                      "false under optimizer in the plan"))
 
     def _kept(self) -> set[str]:
-        staging = self._homes.staging if self._homes is not None else None
+        staging = self.staging()
         return set(staging.kept) if staging is not None else set()
 
     def state_dict(self) -> dict:
@@ -287,9 +280,8 @@ class Offloaded:
     def _apply_state(self, loaded: dict) -> None:
         self._homes.drain()
         for p, slot in self._params.items():
-            if p not in loaded:
+            if (s := loaded.get(p)) is None:
                 continue
-            s = loaded[p]
             slot.step = int(s["step"])
             master, m, v = (t.detach().reshape(-1).float().cpu() for t in (p.data, s["exp_avg"], s["exp_avg_sq"]))
             if slot.home is None:
@@ -320,6 +312,5 @@ def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bu
         by_module[name.rpartition(".")[0]].append(p)
     out = {}
     for params in by_module.values():
-        bucket = Bucket(len(params), [])
-        out.update(dict.fromkeys(params, bucket))
+        out.update(dict.fromkeys(params, Bucket(len(params), [])))
     return out

@@ -1,5 +1,5 @@
-"""The offloaded Adam(W): the script's own `torch.optim.Adam`/`AdamW`, with its fp32 master weights and states where
-the plan puts them (AXDIMM channels, host memory, NVMe) and its updates run there.
+"""The offloaded Adam(W): the script's own `torch.optim.Adam`/`AdamW`, with its fp32 master weights and states where the
+plan puts them (AXDIMM channels, host memory, NVMe) and its updates run there.
 
 The classes subclass torch's, so argument parsing, defaults, param groups, LR schedulers and `isinstance` checks
 are torch's own; only `step`, `state_dict` and `load_state_dict` differ, and `state_dict()` is torch's format.
@@ -8,17 +8,16 @@ from its post-accumulate-grad hook on the last micro-batch of the step, or, for 
 DDP's bucket holding it has been all-reduced (`DdpSync`), from the averaged gradient. Updates thus run while
 backward continues; the parameters themselves change only in `step()`, as with torch.
 
-A gradient the script changes after backward (clipping, unscaling, an in-place op) but after its overlapped update
-ran stops the run at `step()`, before the updated master weights reach the model (hetero.harness.grads); the profile
-finds such scripts, and their plans do not overlap.
+A gradient the script changes after backward (clipping, unscaling, an in-place op) but after its overlapped update ran
+stops the run at `step()`, before the updated master weights reach the model (hetero.harness.grads); the profile finds
+such scripts, and their plans do not overlap.
 
-With the plan's `nvme.grads`, the same hook sends each NVMe-held parameter's gradient to the store once it is final
-and sets `.grad` to None (hetero.run.nvme_states); `step()` reads it back with the states. What could read
-`.grad` in between is made to find it: torch's gradient clipping and GradScaler's unscale_ bring the kept gradients
-back first, and
+With the plan's `nvme.grads`, the same hook sends each NVMe-held parameter's gradient to the store once it is final and
+sets `.grad` to None (hetero.run.nvme_states); `step()` reads it back with the states. What could read `.grad` in
+between is made to find it: torch's gradient clipping and GradScaler's unscale_ bring the kept gradients back first, and
 `zero_grad` (the optimizer's or a module's) forgets them. A script that keeps gradients across steps without zeroing
-them, or reads `.grad` itself between backward and step, is not trained the same way: such a plan is for scripts
-that zero their gradients each step (the plan says so).
+them, or reads `.grad` itself between backward and step, is not trained the same way: such a plan is for scripts that
+zero their gradients each step (the plan says so).
 """
 
 from __future__ import annotations
@@ -111,21 +110,19 @@ class OptimizerOffload(Mechanism):
         if not placed.params:
             return []
         where = f"emulated AXDIMM ({self.plan.channels} channels)" if self.plan.device == "axdimm" else self.plan.device
-        device, nvme = placed.device, placed.nvme
         grads = ", with the gradients from backward to step" if self._keeps_grads() else ""
         when = ("overlapped with backward (every step's gradients checked unchanged at step())"
                 if self.plan.overlap_backward else "at step()")
-        return [f"optimizer states: {SIZE.format_short(device)} on {where}, {SIZE.format_short(nvme)} on NVMe{grads}; "
-                f"updates {when}, by torch's fused AdamW op (the arithmetic of AdamW(fused=True))"]
+        return [f"optimizer states: {SIZE.format_short(placed.device)} on {where}, {SIZE.format_short(placed.nvme)} "
+                f"on NVMe{grads}; updates {when}, by torch's fused AdamW op (the arithmetic of AdamW(fused=True))"]
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         placed = self._state_bytes()
-        device, nvme = placed.device, placed.nvme
         # An emulated AXDIMM's channels are host memory (the plan counts them there too).
         on = "gpu" if self.plan.device == "gpu" else "host"
         what = "optimizer states (emulated AXDIMM)" if self.plan.device == "axdimm" else "optimizer states"
-        held = {what: device}
+        held = {what: placed.device}
         staging = [s for opt in self.optimizers if (s := opt.staging()) is not None]
         if self.plan.device == "host" and staging:
             held["nvme state staging"] = sum(s.host_bytes() for s in staging)
-        return {on: held, **({"nvme": {"optimizer states": nvme}} if nvme else {})}
+        return {on: held, **({"nvme": {"optimizer states": placed.nvme}} if placed.nvme else {})}

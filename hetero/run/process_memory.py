@@ -163,8 +163,7 @@ def peak_line(measured: int, predicted: int | None, plain: int | None, what: str
 def gpu_peak_line(device, predicted: int | None) -> str | None:
     """`gpu peak reserved 2.4GiB; predicted 2.5GiB, measured -4%; allocated 2.3GiB`, for torch's peaks on
     `device`; None when it is not a CUDA device."""
-    peak = gpu_peak(device)
-    if peak is None:
+    if (peak := gpu_peak(device)) is None:
         return None
     return f"{peak_line(peak.reserved_bytes, predicted, None, 'gpu peak reserved')}; allocated " \
            f"{SIZE.format_short(peak.allocated_bytes)}"
@@ -178,8 +177,7 @@ def memory_limit_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
     there is none (or cgroups cannot be read). cgroup v1: the `memory` controller's line of /proc/self/cgroup names
     a folder under `root`/memory whose memory.stat has `hierarchical_memory_limit` (memory.limit_in_bytes where it
     lacks it); cgroup v2: the `0::` line, and memory.max in that folder and each one above it."""
-    found = _memory_cgroup(proc_cgroup, root)
-    if found is None:
+    if (found := _memory_cgroup(proc_cgroup, root)) is None:
         return None
     version, folders = found
     if version == 1:
@@ -193,8 +191,7 @@ def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
     """The processes the out-of-memory killers of this process's memory cgroup and of every cgroup above it have
     killed so far, summed (compare two readings: whichever limit was hit, the sum grows); None where no count can be
     read (no cgroup, or a v1 kernel before 4.13). v1: `oom_kill` in memory.oom_control; v2: in memory.events."""
-    found = _memory_cgroup(proc_cgroup, root)
-    if found is None:
+    if (found := _memory_cgroup(proc_cgroup, root)) is None:
         return None
     version, folders = found
     name = "memory.oom_control" if version == 1 else "memory.events"

@@ -33,12 +33,13 @@ class Recompute(Mechanism):
         self.recomputed = 0  # forwards of a chosen block run through checkpoint
 
     def bind(self, model: nn.Module) -> None:
-        missing = [name for name in self.plan.blocks if not _has(model, name)]
+        modules = dict(model.named_modules(remove_duplicate=False))
+        missing = [name for name in self.plan.blocks if name not in modules]
         if missing:
             raise HeteroError(f"the plan recomputes {', '.join(missing)}, which the model does not have",
                               hint="profile and plan again", exit_code=STALE_PLAN)
         for name in self.plan.blocks:
-            block = model.get_submodule(name)
+            block = modules[name]
             self.overrides.append(hooks.forward_override(block, functools.partial(self._checkpointed, block.forward)))
 
     def _checkpointed(self, forward, *args, **kwargs):
@@ -57,11 +58,3 @@ class Recompute(Mechanism):
             return []
         return [f"recompute: {len(self.plan.blocks)} blocks kept only their inputs, {self.recomputed} block forwards "
                 "recomputed in backward (torch.utils.checkpoint, use_reentrant=False)"]
-
-
-def _has(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True

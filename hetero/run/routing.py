@@ -54,7 +54,7 @@ from hetero.harness.script import StopScript
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.mechanism import Mechanism, NeedModel
 from hetero.run.spans import span as record_span
-from hetero.schema.plan import Plan, Predicted, RoutingPlan
+from hetero.schema.plan import Predicted, RoutingPlan
 from hetero.units import SIZE, TIME
 
 PRIORITY, LATENCY, BANDWIDTH = "priority", "latency", "bandwidth"
@@ -242,11 +242,9 @@ class Sync:
         if not self.steps:
             return []
         self.clock.finish()
-        out = []
-        for spans in filter(None, self.steps):
-            ref = spans[0][0]
-            out.append(union_s([(self.clock.seconds(ref, s), self.clock.seconds(ref, e)) for s, e in spans]))
-        return out
+        seconds = self.clock.seconds
+        return [union_s([(seconds(spans[0][0], s), seconds(spans[0][0], e)) for s, e in spans])
+                for spans in filter(None, self.steps)]
 
 
 def _checked(fut: torch.futures.Future, buffer: torch.Tensor) -> torch.Tensor:
@@ -300,8 +298,7 @@ class GradientRouting(Mechanism):
         if not self.syncs:
             return lines + ["routing: no DDP model of the planned model was built: gradient sync not routed"]
         sync = self.syncs[0]
-        seconds = sync.step_seconds()
-        if not seconds:
+        if not (seconds := sync.step_seconds()):
             return lines + ["routing: hook registered, but no step synchronized"]
         moved = ", ".join(f"{path} {SIZE.format_short(b)} in {n}" for path, (b, n) in sync.moved.items())
         lines.append(f"routing: {len(seconds)} step(s) over {sync.world} ranks; per step {moved} message(s)")
@@ -320,11 +317,6 @@ def drift(measured_s: float, steps: int, predicted: float | None) -> list[str]:
         out.append(f"warning: gradient sync drifted {ratio:.2f}x from the plan: the links are not what the profile "
                    "measured (COARSE re-profiles periodically): hetero profile --nproc-per-node N, then hetero plan")
     return out
-
-
-def predicted_sync_s(plan: Plan) -> float | None:
-    """What the plan predicts for one step's gradient synchronization (null when it predicts none)."""
-    return plan.predicted.sync_s
 
 
 def check_routing(routing: RoutingPlan, world: int) -> None:

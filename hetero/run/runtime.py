@@ -75,8 +75,7 @@ def mechanisms(plan: Plan, record: Outputs | None = None, table: tuple[Entry, ..
                         ddp=DdpSync(), record=record)
     found: list[Mechanism] = []
     for entry in sorted(table, key=lambda e: e.phase):
-        section = entry.section(plan)
-        if section is None:
+        if (section := entry.section(plan)) is None:
             continue
         given = replace(services, earlier=list(found))
         made = entry.build(section, **{name: getattr(given, name) for name in entry.needs})

@@ -1,13 +1,12 @@
 """Where one parameter's fp32 master copy and Adam states live, and how its update runs there.
 
-A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in the middle
-of backward only enqueues work. Updates go to the drivers in buckets (`launch`: the parameters of one module, once
-the last of their gradients is final): one ready event, one job per driver and, on the host, one fused Adam call for
-the bucket, each parameter's arithmetic exactly as alone. On the AXDIMM each channel has a driver that alone
-switches the channel's arbiter (normal to copy the gradient in, acceleration to run Adam), so the paper's
-exclusivity holds by construction, and while one channel's kernel runs the other channel's driver copies (§5.2). The
-model's parameters change only in `finish`, called from `optimizer.step()`: updates that overlapped backward wait
-there in the master copies.
+A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in the middle of
+backward only enqueues work. Updates go to the drivers in buckets (`launch`: the parameters of one module, once the last
+of their gradients is final): one ready event, one job per driver and, on the host, one fused Adam call for the bucket,
+each parameter's arithmetic exactly as alone. On the AXDIMM each channel has a driver that alone switches the channel's
+arbiter (normal to copy the gradient in, acceleration to run Adam), so the paper's exclusivity holds by construction,
+and while one channel's kernel runs the other channel's driver copies (§5.2). The model's parameters change only in
+`finish`, called from `optimizer.step()`: updates that overlapped backward wait there in the master copies.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ class GradientSource:
 
     def copy_into(self, dst: torch.Tensor, grad: torch.Tensor, ready, waited: bool = False) -> None:
         """dst <- grad, wherever it is; `waited`: the caller waited for `ready` already."""
-        host = self.in_host(grad)
-        if host is None:
+        if (host := self.in_host(grad)) is None:
             self.download(dst, grad, ready)
             return
         if not waited:

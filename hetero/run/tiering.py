@@ -1,30 +1,28 @@
 """Activation tiering: the plan's `activations` schedule carried out with saved-tensor hooks (TierTrain §5-6).
 
-Attribution is the profiler's (hetero.harness.layer_timing), so a planned byte means the same thing here: every
-tensor autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to
-the innermost layer running, or to the last layer that ended inside it since it started (a ReLU its forward calls
-after a child's), or between layers to the last one that ended; a storage saved by several layers belongs to the last
-of them, whose backward needs it first.
+Attribution is the profiler's (hetero.harness.layer_timing), so a planned byte means the same thing here: every tensor
+autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to the
+innermost layer running, or to the last layer that ended inside it since it started (a ReLU its forward calls after a
+child's), or between layers to the last one that ended; a storage saved by several layers belongs to the last of them,
+whose backward needs it first.
 
-Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to
-the planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast
-memory and reassembles it on the way back); storages saved after their layer ended are queued at once, whether or
-not the layer saved a movable storage itself. Storages of
-parameters never move, and tensors whose storage is under `min_tensor` are not even recorded (nor counted in the
-ledger): the pack hook leaves them to autograd after one size check. One writer thread writes evictions in the
-order they were queued (the earliest layers', which wait longest for their backward, first; a later layer's still
-queued when its backward starts is called off, never written), and once a write is complete the fast-tier copy is
-dropped, so the memory is really returned.
+Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to the
+planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast memory and
+reassembles it on the way back); storages saved after their layer ended are queued at once, whether or not the layer
+saved a movable storage itself. Storages of parameters never move, and tensors whose storage is under `min_tensor` are
+not even recorded (nor counted in the ledger): the pack hook leaves them to autograd after one size check. One writer
+thread writes evictions in the order they were queued (the earliest layers', which wait longest for their backward,
+first; a later layer's still queued when its backward starts is called off, never written), and once a write is complete
+the fast-tier copy is dropped, so the memory is really returned.
 
 Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
 tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
-without a trigger are due at their planned time from the forward start, once what their layer saves has been queued
-(a tensor saved now would be another layer's), and all of them at the latest when the backward starts, the latest layer
-first. Within a layer the last saved storage comes back first: what was evicted
-last is prefetched first, in the order backward needs it. One reader thread serves requests in order (TierTrain's
-busy rule; the plan already cut requests to fit). An unpack that finds its bytes not back waits for them, fetching
-them itself if nobody has started, and counts one late prefetch; a buffer is handed out only once its read is
-complete, and a failed read raises.
+without a trigger are due at their planned time from the forward start, once what their layer saves has been queued (a
+tensor saved now would be another layer's), and all of them at the latest when the backward starts, the latest layer
+first. Within a layer the last saved storage comes back first: what was evicted last is prefetched first, in the order
+backward needs it. One reader thread serves requests in order (TierTrain's busy rule; the plan already cut requests to
+fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and counts one
+late prefetch; a buffer is handed out only once its read is complete, and a failed read raises.
 """
 
 from __future__ import annotations
@@ -183,8 +181,7 @@ class ActivationTiering(Mechanism):
         self._raise_failure()
 
     def _layer_start(self, module, args) -> None:
-        mb = self.current
-        if mb is None:
+        if (mb := self.current) is None:
             return
         name = self.names[id(module)]
         self.stack.append(name)
@@ -216,12 +213,8 @@ class ActivationTiering(Mechanism):
         self._raise_failure()
 
     def _saving(self) -> str | None:
-        """The layer a tensor saved now belongs to, by the profiler's rule (hetero.harness.layer_timing): the
-        innermost layer running, or the last layer that ended inside it since it started; between layers, the last
-        one that ended."""
-        if self.stack:
-            return self.inner[-1] or self.stack[-1]
-        return self.last_ended
+        """The layer a tensor saved now belongs to, by the profiler's rule (the module's docstring)."""
+        return (self.inner[-1] or self.stack[-1]) if self.stack else self.last_ended
 
     def _raise_failure(self) -> None:
         if self.mover.failure is not None:
@@ -267,8 +260,7 @@ class ActivationTiering(Mechanism):
 
     def _own(self, mb: TieredPass, record: Record, layer: str) -> None:
         """`layer` saved the record last: it owns it now, and its schedule decides whether the bytes move."""
-        old = record.group
-        if old is not None:
+        if (old := record.group) is not None:
             del old.records[id(record)]
             old.committed -= record.evict_bytes if record.state != RESIDENT else 0
         group = self._group(mb, layer)
@@ -283,10 +275,9 @@ class ActivationTiering(Mechanism):
             self.mover.recall(record)  # evicted for a layer that no longer owns it, and its new owner keeps it
 
     def _group(self, mb: TieredPass, layer: str) -> Group:
-        group = mb.groups.get(layer)
-        if group is None:
-            group = mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
-        return group
+        if layer not in mb.groups:
+            mb.groups[layer] = Group(layer, mb, self.budget.get(layer, 0))
+        return mb.groups[layer]
 
     def _evict(self, group: Group, records: list[Record]) -> None:
         """Queue the planned bytes: whole storages, largest first, then part of the next one (the planner times

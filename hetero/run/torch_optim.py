@@ -101,9 +101,8 @@ def several_ranks() -> bool:
 
 
 def torch_step(base: type, optimizer: torch.optim.Optimizer, closure=None):
-    """torch's own `base.step` on `optimizer`, without the step hooks torch wraps it in (they run once per script
-    step)."""
+    """torch's own `base.step` on `optimizer`, without the step hooks torch wraps it in (they run once per step)."""
     step = base.step
     hooked = getattr(step, "hooked", False)  # torch.optim.Optimizer._patch_step_function's mark
-    return step.__wrapped__(optimizer, closure) if hooked else step(optimizer, closure)
+    return (step.__wrapped__ if hooked else step)(optimizer, closure)
 

@@ -126,10 +126,9 @@ class InBackward:
                 del self.state[view]
 
     def _initial_state(self, p: torch.nn.Parameter, group: dict) -> None:
-        """torch's own first state for `p`, made before its first step so that that step runs in pieces too: what
-        torch makes for a one-element stand-in of p's dtype, each tensor of the stand-in's shape at p's (Adam's
-        state starts at zero: its step count and moments; the stand-in's step, of a zero gradient, moves none but
-        the count)."""
+        """torch's own first state for `p`, made before its first step so that that step runs in pieces too: what torch
+        makes for a one-element stand-in of p's dtype, each tensor of the stand-in's shape at p's (Adam's state starts
+        at zero: its step count and moments; the stand-in's step, of a zero gradient, moves none but the count)."""
         probe = torch.zeros(1, dtype=p.dtype, device=p.device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
         self._step([probe], group)
@@ -170,8 +169,7 @@ class UpdatesInBackward(Mechanism):
     """Carries out the plan's `update_in_backward` (a runtime Mechanism)."""
 
     def __init__(self, plan: InBackwardPlan):
-        self.section = plan.section
-        self.piece_bytes = plan.piece_bytes
+        self.section, self.piece_bytes = plan.section, plan.piece_bytes
         self.optimizers: list[InBackward] = []
         self.model_params: set[int] | None = None  # ids (hetero.run.torch_optim.ids)
 

@@ -24,7 +24,6 @@ from hetero.run.routing import (
     drift,
     first_layers,
     messages,
-    predicted_sync_s,
     ring_through,
     union_s,
 )
@@ -95,13 +94,6 @@ def test_drift_from_the_prediction_warns():
     assert warning.startswith("warning: ") and "3.00x" in warning and "hetero profile" in warning
     (alone,) = drift(0.010, 4, None)  # no prediction: nothing to compare with
     assert figures(alone) == ["10ms", "4"]
-
-
-def test_the_prediction_is_the_plans():
-    plan = routed_plan(nn.Linear(2, 2), threshold=2 * 2**20, latency_peer=1, bandwidth_peer=2, shard=4 * 2**20)
-    assert predicted_sync_s(plan) is None
-    plan.predicted.sync_s = 0.009
-    assert predicted_sync_s(plan) == 0.009
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""AXDIMM: a DIMM whose FPGA runs Adam beside its own DRAM channels (paper §3), behind an interface after the
-paper's runtime API (§4.2: Malloc, Free, Memcpy, SetArbiterAcc, RunAdamOnAxdimmAsync), and an emulated backend.
+"""AXDIMM: a DIMM whose FPGA runs Adam beside its own DRAM channels (paper §3), behind an interface after the paper's
+runtime API (§4.2: Malloc, Free, Memcpy, SetArbiterAcc, RunAdamOnAxdimmAsync), and an emulated backend.
 
 Arbiter rules (§3.2), which the emulation enforces rather than assumes:
 - Each channel is in one of two exclusive modes. `normal`: only the host uses the channel's memory (memcpy, view,
@@ -9,14 +9,13 @@ Arbiter rules (§3.2), which the emulation enforces rather than assumes:
   register (§3.3) before it takes the channel back. Switching to `acceleration` is immediate.
 - Channels are independent: the host may copy to one channel while the other one's kernel runs (§3.2).
 
-The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies gradients into it,
-so the copies can be asynchronous; never otherwise: pinning starts CUDA) and runs the real Adam kernel
-(hetero.kernels.adam) on a worker thread per channel.
-Two channel workers running torch's multi-threaded fused op at once oversubscribe the cores: they gain little total
-rate but finish together, while serialized compute has the first channel's results after about half the time
-(docs/benchmarks.md, "Design figures"). The emulation therefore serializes kernel compute across channels by
-default (`serialize_compute=True`), so that, as in the paper's pipeline (§5.2), the host can use one channel while
-the other one computes. The API is asynchronous either way.
+The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies gradients into it, so
+the copies can be asynchronous; never otherwise: pinning starts CUDA) and runs the real Adam kernel
+(hetero.kernels.adam) on a worker thread per channel. Two channel workers running torch's multi-threaded fused op at
+once oversubscribe the cores: they gain little total rate but finish together, while serialized compute has the first
+channel's results after about half the time (docs/benchmarks.md, "Design figures"). The emulation therefore serializes
+kernel compute across channels by default (`serialize_compute=True`), so that, as in the paper's pipeline (§5.2), the
+host can use one channel while the other one computes. The API is asynchronous either way.
 """
 
 from __future__ import annotations
@@ -148,11 +147,9 @@ class EmulatedAxdimm:
                     return allocation
             free = sum(h for _, h in ch.holes)
             largest = max((h for _, h in ch.holes), default=0)
-        raise HeteroError(
-            f"emulated AXDIMM channel {channel} has no room for {nbytes} bytes: {free} of "
-            f"{self.channel_capacity_bytes} bytes free, largest free block {largest} bytes",
-            hint="raise the channel capacity, spread tensors over the channels, or overflow to NVMe",
-        )
+        raise HeteroError(f"emulated AXDIMM channel {channel} has no room for {nbytes} bytes: {free} of "
+                          f"{self.channel_capacity_bytes} bytes free, largest free block {largest} bytes",
+                          hint="raise the channel capacity, spread tensors over the channels, or overflow to NVMe")
 
     def free(self, allocation: Allocation) -> None:
         ch = self._channel(allocation.channel)

@@ -187,13 +187,11 @@ class Mover:
             self.writer.put(r)
 
     def prefetch(self, records: Iterable[weakref.ref]) -> None:
-        """Bring the records (weakly held: one freed meanwhile needs nothing) back, in this order: evictions not
-        written yet are called off now, the others queued for the reader with the buffers they will land in (hook
-        thread)."""
+        """Bring the records (weakly held: one freed meanwhile needs nothing) back, in this order: evictions not written
+        yet are called off now, the others queued for the reader with the buffers they will land in (hook thread)."""
         claimed = []
         for ref in records:
-            r = ref()
-            if r is None:
+            if (r := ref()) is None:
                 continue
             with self.lock:
                 if self._claim(r):
@@ -292,8 +290,7 @@ class Mover:
     def _prefetch(self, jobs: list[tuple[weakref.ref, Any]]) -> None:
         """Reader thread: bring the claimed records back in order, each into its landing buffer."""
         for ref, landing in jobs:
-            r = ref()
-            if r is None:
+            if (r := ref()) is None:
                 continue  # its landing buffer goes unused: no copy was issued into it
             with spans.timed("prefetch", f"prefetch {_layer(r)}", r.slow):
                 self._fetch(r, landing)

@@ -79,15 +79,11 @@ class HostPool:
         """A uint8 buffer of `nbytes` on pooled memory, and the event of the copy that last used it (None: none),
         which whatever writes the buffer must wait for first."""
         size = size_class(nbytes)
-        after = None
         with self._lock:
             entry = self._free[size].pop() if self._free[size] else None
             if entry is None:
                 self.allocated_bytes += size
-        if entry is None:
-            memory = self._fresh(size)
-        else:
-            memory, after = entry
+        memory, after = entry if entry is not None else (self._fresh(size), None)
         if self.pinned:
             return torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,)), after
         lease = memory.view()  # the storage handed out holds it; it dies with the last view of the buffer

@@ -52,8 +52,7 @@ def check_place(root: Path, field: str) -> None:
                 raise PlanPathError(field, f"{root} leads through {entry}, a link of another user (uid {st.st_uid}): "
                                            "they could point it elsewhere", HINT)
             continue
-        unsafe = _unsafe(st)
-        if unsafe:
+        if unsafe := _unsafe(st):
             raise PlanPathError(field, f"{root} is inside {entry}, which {unsafe}: others could rename what is "
                                        "below it away and put their own directories in its place", HINT)
 
@@ -117,9 +116,8 @@ PSEUDO = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", 
 
 
 def file_system(path: Path) -> str | None:
-    """The type of the file system `path` is on (`ext4`, `proc`), from the mount of its device in
-    /proc/self/mountinfo; None where that cannot be told (no such file: not Linux; a device no mount names, as a
-    btrfs subvolume's)."""
+    """The type of the file system `path` is on (`ext4`, `proc`), from the mount of its device in /proc/self/mountinfo;
+    None where that cannot be told (no such file: not Linux; a device no mount names, as a btrfs subvolume's)."""
     try:
         dev = os.stat(path).st_dev
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
@@ -141,8 +139,7 @@ def _check_base(root: Path, field: str) -> None:
         raise PlanPathError(field, f"cannot use {root}: {e.strerror}", HINT) from None
     if not stat.S_ISDIR(st.st_mode):
         raise PlanPathError(field, f"{root} is not a directory", HINT)
-    unsafe = _unsafe(st)
-    if unsafe:
+    if unsafe := _unsafe(st):
         raise PlanPathError(field, f"{root} {unsafe}: others could replace hetero's files", HINT)
 
 

@@ -116,16 +116,14 @@ class NvmeTier:
 def open_tier(plan: ActivationPlan, gpu: Device | None = None) -> tuple[SlowTier, str | None]:
     """The plan's slow tier, and a note for the run summary when the plan left its place to us. `gpu`: the model's
     device, for a plan that tiers GPU memory (None: no GPU here)."""
-    note = None
     path = plan.slow_path
     if plan.fast == GPU:
         if gpu is None:
             raise HeteroError("the plan tiers activations in GPU memory, and this machine has no CUDA device",
                               hint="profile and plan again on this machine", exit_code=STALE_PLAN)
-        store = _private(path, workers=2) if path is not None else None
-        return PinnedTier(plan.slow, gpu, store), note
-    if path is None:
-        note = f"the plan gives no directory for {plan.slow}: evicted activations go to {tempfile.gettempdir()}"
+        return PinnedTier(plan.slow, gpu, _private(path, workers=2) if path is not None else None), None
+    note = None if path is not None else \
+        f"the plan gives no directory for {plan.slow}: evicted activations go to {tempfile.gettempdir()}"
     # The single writer and reader do their own I/O: the store's pool is never used, no thread starts.
     return NvmeTier(plan.slow, _private(path, workers=1)), note
 
