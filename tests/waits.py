@@ -6,7 +6,7 @@ the test's timeout, so that a failure says what did not happen rather than that 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def until(condition: Callable[[], object], within: float | None = None,

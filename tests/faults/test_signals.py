@@ -54,6 +54,7 @@ def left(workdir: Path) -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "SIGTERM"),
                                              (signal.SIGHUP, 129, "SIGHUP")])
+@pytest.mark.slow
 def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, code, said):
     proc = start(workdir, "run", "--skip-profile-check", scripts.write(workdir, TRAIN), "50", "wait")
     wait_evicted(workdir)
@@ -65,6 +66,7 @@ def test_a_signal_mid_eviction_cleans_up_and_exits_with_its_code(workdir, sig, c
     assert left(workdir) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_runs_files_are_swept_by_the_next_run(workdir):
     script = scripts.write(workdir, TRAIN)
@@ -143,10 +145,11 @@ def start_ddp(workdir: Path) -> tuple[subprocess.Popen, list[int]]:
 
 def wait_gone(workers: list[int], why: str) -> None:
     """Until every worker has ended: within a minute (they would sleep two), else fail naming those alive."""
-    alive = lambda: [pid for pid in workers if not gone(pid)]  # noqa: E731
+    alive = lambda: [pid for pid in workers if not gone(pid)]
     until(lambda: not alive(), within=60, what=lambda: f"workers {alive()} of {workers} still run {why}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_to_hetero_stops_torchrun_and_every_worker(workdir):
     proc, workers = start_ddp(workdir)
@@ -158,6 +161,7 @@ def test_sigterm_to_hetero_stops_torchrun_and_every_worker(workdir):
     wait_gone(workers, "after hetero ended on SIGTERM")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_workers_die_with_a_killed_hetero(workdir):
     proc, workers = start_ddp(workdir)
