@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: test demo docs clean gpu-check
+.PHONY: test test-fast demo docs clean gpu-check
 
 # Where the system Python already imports torch (GPU machines), the venv sees it and keeps it. pip compiles what it
 # installs on one core; compileall on every core makes the same 7600 .pyc files, the venv in 64 s instead of 91 on
@@ -19,17 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
-# Two workers, a test file each (module fixtures stay with their tests): 558 s of tests and 619 s with the venv
-# from a fresh clone on the 2-core VM at 4e32306 (at 268a845, pip compiling: 591 s and 674 s); CI allows 10 minutes.
-# The same suite at 4ff916c on a slower day (`import torch` 3.5 s): 680 s and 751 s; at 31f1af1 (1102 tests) 709 s
-# and 790 s; at b761f3f (1104 tests) 670 s and 747 s, at e9403fb 695 s and 763 s, at c24d7f0 588 s and 649 s (quiet),
-# at 5fdb81e (1105 tests) 532 s and 595 s.
-# The suite is CPU-bound (1144 CPU-seconds at 4e32306; three workers took 726 s against two's 620 at 7ee1e2d): most
-# of it is process starts, `import torch` in each and 2.2 s more where one builds a torch optimizer, which imports
-# torch._dynamo.
-# The 15 slowest tests are listed at the end, so that CI's log shows where the time goes.
+# Two workers (the suite is CPU-bound), a whole file each (`--dist loadfile`): module fixtures stay with their tests.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
+
+# The development loop: the suite less the tests marked `slow` (pyproject.toml), those over ~5 s each: memory
+# cgroups, torchrun jobs, bench and trainer runs, trial processes. `make test` (and CI) runs them all.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow"
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py

@@ -101,6 +101,9 @@ SMOKES = [
            r"final weight sums at 1 layers: plain (\S+); checkpoint \1; hetero \1$"), cgroup=True),
 ]
 SMOKES_BY = {s.script: s for s in SMOKES}
+# Over ~5 s each (`make test-fast` leaves them out); lanes.py reads recorder.py's trace, so it runs that first.
+SLOW = {"cap.py", "routing.py", "tiering.py", "memory.py", "recorder.py", "lanes.py", "predict.py", "gpu_e2e.py",
+        "beside.py"}
 
 
 def bench(name: str, *args: str, timeout: float = 240, temp: Path | None = None) -> subprocess.CompletedProcess:
@@ -149,7 +152,8 @@ def smoke_run(smoke: Smoke, runs: dict, request) -> tuple[subprocess.CompletedPr
     return runs[smoke.script]
 
 
-@pytest.mark.parametrize("smoke", SMOKES, ids=[s.script for s in SMOKES])
+@pytest.mark.parametrize("smoke", [pytest.param(s, id=s.script, marks=[pytest.mark.slow] if s.script in SLOW else [])
+                                   for s in SMOKES])
 def test_bench_runs_at_a_tiny_size(smoke: Smoke, runs, request):
     refused = smoke.cuda and not has_cuda()
     if smoke.cuda and not refused:

@@ -53,6 +53,7 @@ def weights(text: str) -> tuple[float, float]:
     return float(found[-1][0]), float(found[-1][1])
 
 
+@pytest.mark.slow
 @needs_cgroups
 @pytest.mark.timeout(600)  # 45 s here when quiet
 def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
@@ -83,6 +84,7 @@ def test_hetero_trains_under_a_limit_that_kills_plain(tmp_path, cuda_reported):
         assert abs(mine - theirs) <= 1e-6 * abs(theirs), (got, reference)
 
 
+@pytest.mark.slow
 @needs_cgroups
 @pytest.mark.timeout(600)
 def test_plain_training_that_fits_the_limit_is_tried_and_planned_as_plain(tmp_path, cuda_reported):

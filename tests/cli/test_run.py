@@ -130,6 +130,7 @@ def test_the_default_plan_without_a_gpu_runs_plain_and_reports_the_peak_beside_p
     assert "x plain's" in line and "(profiled); predicted" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("theirs", [None, "glibc.malloc.hugetlb=0"])
 def test_a_plan_returning_freed_memory_runs_with_malloc_asked_for_huge_pages_unless_the_user_said_otherwise(
         workdir, theirs):

@@ -93,6 +93,7 @@ def test_workers_of_a_plan_returning_freed_memory_start_with_mallocs_huge_pages_
     assert started[0].env[PLAN_ENV] == str((workdir / "plan.yaml").resolve())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_ddp_training_runs_with_routed_sync(workdir, capfd, monkeypatch):
     script = scripts.write(workdir, DDP_TRAIN)
@@ -116,6 +117,7 @@ def test_ddp_training_runs_with_routed_sync(workdir, capfd, monkeypatch):
     ("raise ValueError('bad batch')", 1, "ValueError: bad batch"),  # the script's own error, on the rank's line
     ("__import__('os')._exit(9)", 9, None),  # leaves no exit file: torchrun's code
 ])
+@pytest.mark.slow
 def test_a_failing_worker_stops_every_worker_and_its_exit_code_and_error_pass_through(workdir, capfd, failure, code,
                                                                                       said):
     # Fast by construction, not by a clock: torchrun watches its workers every 0.1 s and restarts none
@@ -139,6 +141,7 @@ def test_a_plan_naming_a_rank_that_does_not_exist_is_refused_before_any_worker_s
     assert "--nproc-per-node" in hint
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_profile_with_two_workers_measures_the_link_between_them(workdir):
     script = scripts.write(workdir, scripts.LOOP.replace("model = Net()", "import torch.distributed as dist\n"
@@ -155,6 +158,7 @@ def test_profile_with_two_workers_measures_the_link_between_them(workdir):
     assert profile.training.steps_measured == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_profile_with_a_failing_worker_says_which_rank_failed_and_passes_its_code(workdir, capfd):
     script = scripts.write(workdir, scripts.LOOP.replace("model = Net()", "import torch.distributed as dist\n"
@@ -219,6 +223,7 @@ def ddp_adamw(tmp_path_factory):
     return work, script
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("flags", [["--optimizer-device", "host"], ["--emulate", "axdimm"]], ids=["host", "emulated"])
 def test_overlapped_updates_under_ddp_train_every_rank_as_plain_torchrun(ddp_adamw, flags, capfd):

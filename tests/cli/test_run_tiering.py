@@ -71,6 +71,7 @@ def test_an_exception_in_the_script_leaves_no_file(workdir, capfd):
     assert no_files(workdir)
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_and_leaves_no_file(workdir):
     script = scripts.write(workdir, TRAIN)
     result = subprocess.run([sys.executable, "-m", "hetero", "run", "--skip-profile-check", script, "50", "sigint"],
@@ -113,6 +114,7 @@ def test_an_empty_directory_in_a_plan_is_refused_by_check(tmp_path, capfd, path)
 
 @pytest.mark.parametrize("args", [(), ("fp32", "workers=0"), ("scaled", "workers=0")],
                          ids=["bf16-workers", "fp32", "model-is-a-layer"])
+@pytest.mark.slow
 def test_a_conv_script_evicts_every_byte_its_plan_schedules(tmp_path, monkeypatch, capfd, args):
     """Two Conv2d, each followed by a functional ReLU and max-pool, a DataLoader, AdamW under OneCycleLR: the large
     storages of conv1's step (its ReLU's output and the pool's indices) are saved after conv1's forward ended, by

@@ -19,6 +19,7 @@ from tests.run.test_routing import routed_plan
 REPO_PLANS = os.path.join(os.path.dirname(__file__), "..", "..", "plans")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_rank_prints_its_traceback_once_before_the_line_per_rank(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)

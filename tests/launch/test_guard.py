@@ -95,6 +95,7 @@ for step in range(8):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cgroup_unavailable() is not None, reason="needs memory cgroups (root)")
 def test_a_profile_the_limit_kills_in_its_first_step_says_the_floor_and_leaves_nothing(tmp_path):
     (tmp_path / "hog.py").write_text(SCRIPT)

@@ -45,6 +45,7 @@ def test_a_plain_plan_runs_the_script_in_heteros_place(workdir):
     assert len(said) == 1 and "dram peak" in said[0], done.stderr
 
 
+@pytest.mark.slow
 def test_the_planned_model_is_still_checked_and_exit_codes_pass_through(workdir):
     other = scripts.write(workdir, TRAIN.replace("model = Net()", "model = Net(width=48)"))
     refused = hetero(workdir, "run", "--skip-profile-check", other)

@@ -44,6 +44,7 @@ def profiled(tmp_path, monkeypatch) -> Path:
     return tmp_path / "profile.yaml"
 
 
+@pytest.mark.slow
 def test_a_trial_measures_each_process_and_a_budget_too_small_stops_them(profiled):
     profile = files.load(profiled, expect=Profile)
     assert profile.model.args == ["--steps", "40"] and profile.model.cwd == str(profiled.parent)
@@ -57,6 +58,7 @@ def test_a_trial_measures_each_process_and_a_budget_too_small_stops_them(profile
     assert small.stopped == 2 and small.peaks_bytes == [] and small.step_s is None
 
 
+@pytest.mark.slow
 def test_hetero_plan_under_a_budget_runs_the_plan_it_chooses_and_records_what_it_measured(profiled, capfd,
                                                                                           monkeypatch):
     monkeypatch.setattr(trials, "POLICY", TWO)
@@ -72,6 +74,7 @@ def test_hetero_plan_under_a_budget_runs_the_plan_it_chooses_and_records_what_it
     assert files.load(profiled.parent / "plan.yaml", expect=Plan).budget.trials == []
 
 
+@pytest.mark.slow
 def test_a_script_that_fails_under_the_plan_is_said_in_one_line(profiled):
     profile = files.load(profiled, expect=Profile)
     profile.model.args = ["--steps", "not-a-number"]

@@ -209,6 +209,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cell", CELLS, ids=str)

@@ -175,6 +175,7 @@ def _ddp_worker(rank: int, rdzv: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_recomputed_blocks_under_ddp_train_every_rank_as_plain_ddp(tmp_path):
     mp.spawn(_ddp_worker, args=(str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)

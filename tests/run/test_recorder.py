@@ -41,12 +41,14 @@ def _losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"loss ([\d.]+)", stdout)]
 
 
+@pytest.mark.slow
 def test_recording_changes_nothing_the_script_computes(traced):
     *_, result, plain = traced
     assert len(_losses(result.stdout)) == STEPS
     assert _losses(result.stdout) == _losses(plain.stdout)  # printed to 4 decimals: the same numbers
 
 
+@pytest.mark.slow
 def test_the_trace_has_a_lane_per_worker_and_no_overlap_within_a_lane(traced):
     trace, run, *_ = traced
     lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
@@ -68,6 +70,7 @@ def test_the_trace_has_a_lane_per_worker_and_no_overlap_within_a_lane(traced):
     assert trace["otherData"]["iteration_s"] == pytest.approx(run.timing.iteration_s)
 
 
+@pytest.mark.slow
 def test_counters_match_the_runtimes_accounting_when_each_step_ends(traced):
     trace, run, *_ = traced
     counters = defaultdict(list)
@@ -83,6 +86,7 @@ def test_counters_match_the_runtimes_accounting_when_each_step_ends(traced):
     assert run.steps[-1].resident_bytes["dram"] >= 16 * 4_240_896  # optimizer states, 16 B/param
 
 
+@pytest.mark.slow
 def test_run_yaml_has_every_layer_and_the_activation_measurement(traced, repo):
     _, run, *_ = traced
     profile = files.loads((repo / "plans/gpt-tiny-cpu.profile.yaml").read_text())

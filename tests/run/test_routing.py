@@ -157,6 +157,7 @@ def _state(model: nn.Module) -> dict:
     return {name: (p.detach().clone(), p.grad.clone()) for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world, peers", [(2, (1, 1)), (3, (2, 1))])  # 3: the two rings differ, [0, 2, 1], [0, 1, 2]
 def test_routed_ranks_train_as_plain_ddp(tmp_path, world, peers):

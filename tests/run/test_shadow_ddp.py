@@ -87,6 +87,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad, overlap, routed", CONFIGS)
 def test_shadow_model_ranks_train_as_plain_ddp(ranks, grad, overlap, routed):
     for rank, results in enumerate(ranks):

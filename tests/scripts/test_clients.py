@@ -17,6 +17,7 @@ from tests.scripts import harness
 from tests.scripts.harness import assert_trains_as_plain
 
 CLIENTS = {"lightning_module": "pytorch_lightning", "hf_trainer": "transformers", "accelerate_loop": "accelerate"}
+pytestmark = pytest.mark.slow  # each imports its framework and trains it three or four times
 
 
 @pytest.fixture

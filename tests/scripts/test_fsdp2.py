@@ -30,6 +30,7 @@ def _fully_shard() -> bool:
 pytestmark = pytest.mark.skipif(not _fully_shard(), reason="FSDP2 (fully_shard) needs torch 2.4 or later")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fsdp2_trains_as_plain_torchrun_under_its_default_plan_and_with_activations_tiered_under_a_budget(tmp_path):
     profile, plain = tmp_path / "profile.yaml", tmp_path / "plain.pt"

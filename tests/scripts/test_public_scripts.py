@@ -46,6 +46,7 @@ def test_nanogpt_with_groups_accumulation_clipping_and_an_ema_deepcopy(workdir):
     assert not list(workdir.glob("hetero-*"))  # nothing left in the slow tier's directory
 
 
+@pytest.mark.slow
 def test_multihead_attention_parameters_used_functionally_belong_to_their_layer(workdir, capfd):
     profile = harness.profile("mha_save", workdir)
     layers = {x.name: x for x in files.load(profile, expect=Profile).layers}
@@ -106,6 +107,7 @@ def test_a_gan_profiles_under_a_budget_though_its_first_gradient_comes_before_it
     assert run.moved_tensors == 0 and run.memory.dram_peak_estimated
 
 
+@pytest.mark.slow
 def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed(workdir, capfd):
     profile = harness.profile("gan", workdir)
     prof = files.load(profile, expect=Profile)
@@ -133,6 +135,7 @@ def test_a_dcgan_profiles_both_models_and_trains_as_plain_with_both_adams_placed
     assert not hosted.optimizer.overlap_backward and "steps 2 optimizers" in hosted.optimizer.why
 
 
+@pytest.mark.slow
 def test_a_gans_plain_plan_runs_as_python_would_with_both_models_checked_and_plains_iteration(workdir):
     """The default plan of a two-model script runs plain, in a process of its own (hetero.launch.plain), which finds
     both models and checks them against the plan's."""
