@@ -319,9 +319,9 @@ def _why(ctx, best: Candidate, seen: dict, fitting: int) -> str:
         with_it, without = seen.get(best.levers - dependents), seen.get(best.levers - {lever} - dependents)
         with_it = best if lever == "recompute" else with_it  # with the fewest blocks, not every block
         if without is None or with_it is None:
-            parts.append(f"{_NAMES[lever]} (--recompute)" if lever == "recompute" else _NAMES[lever])
+            parts.append(f"{LEVER_NAMES[lever]} (--recompute)" if lever == "recompute" else LEVER_NAMES[lever])
             continue
-        parts.append(f"{_NAMES[lever]} saves {SIZE.format_short(without.predicted_bytes - with_it.predicted_bytes)} "
+        parts.append(f"{LEVER_NAMES[lever]} saves {SIZE.format_short(without.predicted_bytes - with_it.predicted_bytes)} "
                      f"for {short_time(with_it.plan.predicted.iteration_s - without.plan.predicted.iteration_s)} "
                      "per iteration (predicted)")
     return (f"{source}: {'; '.join(parts)}: predicted {SIZE.format_short(best.predicted_bytes)} at "
@@ -329,7 +329,7 @@ def _why(ctx, best: Candidate, seen: dict, fitting: int) -> str:
             f"fit (of {len(seen)} simulated){tried}")
 
 
-_NAMES = {"allocator": "returning freed memory",
+LEVER_NAMES = {"allocator": "returning freed memory",  # what the plan's why calls each lever
           "in_backward": "updating each parameter in backward (for a script that reads no gradient before step)",
           "states": "optimizer states on NVMe",
           "grads": "gradients on NVMe from backward to step (for a script that zeroes them each step)",
@@ -338,8 +338,8 @@ _NAMES = {"allocator": "returning freed memory",
 
 
 def _names(levers: frozenset[str]) -> str:
-    return ", ".join(_NAMES[x] for x in LEVERS if x in levers)
+    return ", ".join(LEVER_NAMES[x] for x in LEVERS if x in levers)
 
 
 def _unusable_text(unusable: dict[str, str]) -> str:
-    return "".join(f"; not {_NAMES[k]}: {v}" for k, v in unusable.items())
+    return "".join(f"; not {LEVER_NAMES[k]}: {v}" for k, v in unusable.items())

@@ -51,13 +51,13 @@ def peak(p) -> int:
 def saving(why: str, lever: str) -> list[str] | None:
     """What a budget's `why` says `lever` saves and costs an iteration, in figures, found by the planner's own name
     for it (the wording around may change); None where it says no saving of it."""
-    said = re.search(re.escape(fit._NAMES[lever]) + r" saves (\S+) for (\S+)", why)
+    said = re.search(re.escape(fit.LEVER_NAMES[lever]) + r" saves (\S+) for (\S+)", why)
     return [said[1], said[2]] if said else None
 
 
 def refused(why: str, lever: str) -> str | None:
     """The reason a budget's `why` gives for leaving `lever` out; None where it gives none."""
-    said = re.search(r"; not " + re.escape(fit._NAMES[lever]) + r": ([^;]*)", why)
+    said = re.search(r"; not " + re.escape(fit.LEVER_NAMES[lever]) + r": ([^;]*)", why)
     return said[1] if said else None
 
 
