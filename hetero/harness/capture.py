@@ -1,12 +1,11 @@
 """Find the model(s) and their optimizers inside a script we did not write.
 
-The model is the root module (one called outside any other module's forward) whose parameters the first
-optimizer to step owns. Roots are seen through global module hooks until that first `optimizer.step()` (or, where
-the script calls its model inside the closure it passes to `step()`, until that closure returns); DDP,
-FSDP and `torch.compile` wrappers are unwrapped. Several candidates for one optimizer are an error that lists them
-by the names the script gives them, so `--model NAME` can choose. Several optimizers each owning one root (a GAN's
-generator and discriminator, each with its Adam) make several models, seen as one (hetero.harness.models). A script
-that builds no optimizer of what it trains (a hand-written update loop) is found at the end of its first backward.
+The model is the root module (one called outside any other module's forward) whose parameters the first optimizer
+to step owns (`Capture` says how several models and a hand-written update loop are found). Roots are seen through
+global module hooks until that first `optimizer.step()` (or, where the script calls its model inside the closure it
+passes to `step()`, until that closure returns); DDP, FSDP and `torch.compile` wrappers are unwrapped. Several
+candidates for one optimizer are an error that lists them by the names the script gives them, so `--model NAME` can
+choose.
 
 What hetero cannot carry out is found here, at profile time, so that `hetero run` never meets it first (exit code
 UNSUPPORTED_SCRIPT): a script that ends without training, or an optimizer stepping that owns parameters of no
@@ -30,7 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hetero.errors import STALE_PLAN, UNSUPPORTED_SCRIPT, USAGE, HeteroError
-from hetero.harness import watch
+from hetero.harness import hooks, watch
 from hetero.harness.grads import after_closure, closure_of
 from hetero.harness.layers import sharded
 from hetero.harness.models import combine, names, roots, script_values
@@ -123,9 +122,7 @@ class Capture:
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self.handles = hooks.removed(self.handles)
         with contextlib.suppress(ValueError):  # already removed (the model was found earlier)
             warnings.filters.remove(("ignore", re.compile(_COMPILE_WARNING, re.I), Warning, None, 0))
 
@@ -165,8 +162,7 @@ class Capture:
             if fingerprint(model) == self.fingerprint:
                 self._found(lambda: (model, []))
         elif any(fingerprint(model) == wanted for _, wanted in self.parts):
-            found = self.planned_parts(model)
-            if found is not None:
+            if (found := self.planned_parts(model)) is not None:
                 self._found(lambda: (combine(found), []))
 
     def planned_parts(self, first: nn.Module | None) -> dict[str, nn.Module] | None:
@@ -335,16 +331,14 @@ class OtherOptimizers:
             f"the script steps an optimizer ({type(optimizer).__name__} over {count:,} values) whose model it had not "
             f"called by its first optimizer step: hetero profiles and runs the models it finds then "
             f"({', '.join(type(o).__name__ for o in self.optimizers)} over {len(self.params):,} tensors)",
-            exit_code=UNSUPPORTED_SCRIPT,
-            hint="call every model the script trains before the first optimizer step, or run this script without "
-                 "hetero"))
+            exit_code=UNSUPPORTED_SCRIPT, hint="call every model the script trains before the first optimizer step, "
+                                               "or run this script without hetero"))
 
     def close(self) -> None:
         self.handle.remove()
 
 
 def compiled(model: nn.Module, called: list[nn.Module]) -> bool:
-    """Whether the script calls `model` (or a part of it) through torch.compile (a compiled wrapper, or
-    `model.compile()`)."""
+    """Whether the script calls `model` (or part of it) through torch.compile (a compiled wrapper, model.compile())."""
     return any(getattr(m, "_compiled_call_impl", None) is not None or
                any(type(r).__name__ == "OptimizedModule" and unwrap(r) is m for r in called) for m in roots(model))

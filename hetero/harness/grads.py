@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from hetero.harness import watch
+from hetero.harness import hooks, watch
 
 Mark = tuple[weakref.ref, int] | None  # the gradient tensor (weakly: the script may free it) and its version
 
@@ -38,7 +38,8 @@ class GradEdits:
     def mark(self) -> None:
         """Every watched gradient as it is now (called when a backward call returns)."""
         params = list(self.params())
-        self.marks = {id(p): _mark(p.grad) for p in params}
+        # The version counter is how torch itself tells a saved tensor was changed in place (autograd's check).
+        self.marks = {id(p): None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in params}
         self.values = _values(params) if self.by_value else {}
         self.unscaled = set()
 
@@ -54,13 +55,7 @@ class GradEdits:
                 or (id(p) in now and not torch.equal(now[id(p)], before[id(p)]))]
 
     def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _mark(grad: torch.Tensor | None) -> Mark:
-    # The version counter is how torch itself tells a saved tensor was changed in place (autograd's check).
-    return None if grad is None else (weakref.ref(grad), grad._version)
+        self.handles = hooks.removed(self.handles)
 
 
 def _values(params: list[torch.Tensor]) -> dict[int, torch.Tensor]:

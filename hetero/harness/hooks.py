@@ -102,6 +102,13 @@ def state_dict_pre(module: nn.Module, hook: Callable) -> Handle:
     return _track(module, module.register_state_dict_pre_hook(hook))
 
 
+def removed(handles: list) -> list:
+    """Remove every handle (hetero's or torch's, hooks or overrides); the empty list the holder keeps instead."""
+    for handle in handles:
+        handle.remove()
+    return []
+
+
 def _track(module: nn.Module, handle) -> Handle:
     with _lock:
         _ids[handle.id] = weakref.ref(module, lambda _, hook_id=handle.id: _forget(hook_id))
@@ -125,12 +132,11 @@ def _getstate(self: nn.Module, original: Callable):
     state = original(self)
     if not isinstance(state, dict):
         return state  # a class's own state of another shape: nothing of hetero's is known to be in it
-    ids = _ids
-    if _overridden.get(id(self)) in ids:
+    if _overridden.get(id(self)) in _ids:
         state.pop("forward", None)
     for key in _HOOK_DICTS:
         hooks = state.get(key)
-        if hooks and any(i in ids for i in hooks):
+        if hooks and any(i in _ids for i in hooks):
             # a new dict of the same type (OrderedDict): the original keeps hetero's hooks
-            state[key] = type(hooks)((i, h) for i, h in hooks.items() if i not in ids)
+            state[key] = type(hooks)((i, h) for i, h in hooks.items() if i not in _ids)
     return state

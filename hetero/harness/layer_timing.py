@@ -68,8 +68,7 @@ class Interval(NamedTuple):
 
 @dataclass(slots=True)
 class PassTokens:
-    """Clock tokens of one micro-batch's forward and backward; layer indices are positions in the profiler's layer
-    list."""
+    """Clock tokens of one micro-batch's forward and backward; layer indices: positions in the profiler's layer list."""
 
     start: Any
     root: int = 0  # which of the model's roots (hetero.harness.models) made it
@@ -139,11 +138,7 @@ class LayerProfiler:
         self.handles.append(watch.backward_calls(self._backward_returned))
 
     def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-    # -- forward ---------------------------------------------------------------------------------------------
+        self.handles = hooks.removed(self.handles)
 
     def _forward_start(self, module, args) -> None:
         if not torch.is_grad_enabled() or self.current is not None:
@@ -168,8 +163,7 @@ class LayerProfiler:
         self.current = None
 
     def _layer_start(self, module, args) -> None:
-        mb = self.current
-        if mb is None:
+        if (mb := self.current) is None:
             return
         t = time.perf_counter()
         i = self.index[id(module)]
@@ -228,8 +222,7 @@ class LayerProfiler:
         return hook
 
     def _grad_accumulated(self, param: nn.Parameter) -> None:
-        last = self.last_of_root.get(self.root_of.get(id(param), 0))
-        if last is not None:
+        if (last := self.last_of_root.get(self.root_of.get(id(param), 0))) is not None:
             last.backward_end = self.clock.mark()
 
     def _backward_returned(self) -> None:
@@ -291,13 +284,12 @@ def summarize(profiler: LayerProfiler) -> Summary:
     for i in order:
         spec, t = profiler.layers[i], timed_as.get(i, i)
         layers.append(Layer(
-            name=spec.name, type=type(spec.module).__name__,
-            num_params=sum(p.numel() for p in params[i].values()),
+            name=spec.name, type=type(spec.module).__name__, num_params=sum(p.numel() for p in params[i].values()),
             params={k: p.numel() * p.element_size() for k, p in params[i].items()},
             fp_s=measured(mean("fp", i)) if t == i else 0.0, bp_s=measured(mean("bp", i)) if t == i else 0.0,
-            fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None,
-            saved_bytes=round(mean("saved", i)), saved_storages_bytes=ran[i][-1].storages[i],
-            fp_end_s=measured(mean("fp_end", t)), bp_start_s=measured(mean("bp_start", t))))
+            fp_dha_s=None, bp_dha_s=None, bp_grad_host_s=None, saved_bytes=round(mean("saved", i)),
+            saved_storages_bytes=ran[i][-1].storages[i], fp_end_s=measured(mean("fp_end", t)),
+            bp_start_s=measured(mean("bp_start", t))))
     return Summary(layers, mean("forward"), mean("backward"), len(per_mb))
 
 

@@ -33,8 +33,7 @@ def select_layers(model: nn.Module, granularity: str) -> list[LayerSpec]:
         elif id(module) in inside:
             continue
         else:
-            local = dict(module.named_parameters(recurse=False))
-            if not local:
+            if not (local := dict(module.named_parameters(recurse=False))):
                 continue
         mine = {k: p for k, p in local.items() if id(p) not in seen}
         seen.update(id(p) for p in local.values())
@@ -115,8 +114,7 @@ def unique_storages(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def before_backward(output: Any, hook) -> None:
-    """Call `hook(grad_outputs)` when backward reaches a module's output: a pre-hook on each distinct grad_fn of the
-    output's tensors."""
+    """Call `hook(grad_outputs)` when backward reaches a module's output (a pre-hook on each distinct grad_fn of it)."""
     for grad_fn in {t.grad_fn for t in tensors(output) if t.grad_fn is not None}:
         grad_fn.register_prehook(hook)
 
@@ -134,8 +132,8 @@ def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dic
     for i, spec in enumerate(specs):
         if i in ran or not spec.params:
             continue
-        parent = max((j for j in ran if _encloses(specs[j].name, spec.name)), key=lambda j: len(specs[j].name),
-                     default=None)
+        parent = max((j for j in ran if specs[j].name == ROOT_LAYER or spec.name.startswith(specs[j].name + ".")),
+                     key=lambda j: len(specs[j].name), default=None)
         if parent is not None:
             path = spec.name if specs[parent].name == ROOT_LAYER else spec.name[len(specs[parent].name) + 1:]
             params[parent].update({f"{path}.{k}": p for k, p in spec.params.items()})
@@ -147,10 +145,6 @@ def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dic
     return order, params, timed_as
 
 
-def _encloses(outer: str, inner: str) -> bool:
-    return outer == ROOT_LAYER or inner.startswith(outer + ".")
-
-
 def _shared(a: str, b: str) -> int:
     n = 0
     for x, y in zip(a.split("."), b.split(".")):
@@ -158,5 +152,3 @@ def _shared(a: str, b: str) -> int:
             break
         n += 1
     return n
-
-

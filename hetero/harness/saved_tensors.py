@@ -78,8 +78,7 @@ class Chain:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         for handler in self.order:
-            packed = handler.pack(tensor)
-            if packed is not None:
+            if (packed := handler.pack(tensor)) is not None:
                 return Packed(handler, packed)
         return tensor.detach()
 

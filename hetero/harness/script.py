@@ -61,10 +61,9 @@ def check_script(script: str) -> Path:
 def run_script(script: str, args: list[str], tracebacks: TextIO | None = None,
                explain: Callable[[BaseException], HeteroError | None] | None = None) -> ScriptResult:
     """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates, and so does a
-    HeteroError raised by hetero's own code inside the script (a damaged state file met in `optimizer.step()`): it
-    is hetero's error, reported as one, not a crash of the script; so does the HeteroError `explain` gives for the
-    script's exception (a budget the run overran), instead of its traceback. The script's traceback goes to
-    `tracebacks` (default: stderr)."""
+    HeteroError raised by hetero's own code inside the script (a damaged state file met in `optimizer.step()`): hetero's
+    error, not a crash of the script; so does the HeteroError `explain` gives for the script's exception (a budget the
+    run overran), instead of its traceback. The script's traceback goes to `tracebacks` (default: stderr)."""
     path = check_script(script)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = script_argv(script, args)
@@ -107,4 +106,3 @@ def _print_script_traceback(e: BaseException, path: Path, file: TextIO) -> None:
     while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != script:
         tb = tb.tb_next
     traceback.print_exception(type(e), e, tb or e.__traceback__, file=file)
-

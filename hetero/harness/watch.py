@@ -90,8 +90,7 @@ def backward_calls(listener: Callable[[], None]) -> Handle:
 
 
 def optimizers_built(listener: Callable[[torch.optim.Optimizer], None]) -> Handle:
-    """Call `listener(optimizer)` each time a torch.optim optimizer's constructor has run, until the handle is
-    removed."""
+    """Call `listener(optimizer)` each time a torch.optim optimizer's constructor ran, until the handle is removed."""
     return _BUILT.add(listener)
 
 

@@ -53,8 +53,7 @@ class _Locked(np.ndarray):
     storage made by `from_numpy` holds this array)."""
 
     def __del__(self) -> None:
-        pointer = getattr(self, "_registered", None)
-        if pointer is not None:
+        if (pointer := getattr(self, "_registered", None)) is not None:
             try:
                 torch.cuda.cudart().cudaHostUnregister(pointer)
             except Exception:  # interpreter shutdown: the process frees everything anyway
@@ -97,8 +96,7 @@ def pinned_host(nbytes: int) -> torch.Tensor:
 
 def device_pointer(host: torch.Tensor, device: torch.device) -> int:
     """The device address of pinned `host` memory (asked for the allocation's start, then offset)."""
-    lib = _cudart()
-    if lib is None:
+    if (lib := _cudart()) is None:
         return host.data_ptr()  # unified addressing: the host pointer of cudaHostAlloc memory is the device pointer
     unified = ctypes.c_int(0)
     lib.cudaDeviceGetAttribute(ctypes.byref(unified), _UNIFIED_ADDRESSING, device.index or 0)
@@ -191,8 +189,7 @@ class Device(Protocol):
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> Any:
         """Copy `src` into device `dst` on the upload stream, after the events `after`; the returned event completes
-        when `dst` holds the bytes (and every upload issued before it is done). The caller keeps both alive until
-        then."""
+        when `dst` holds the bytes (and every earlier upload is done). The caller keeps both alive until then."""
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
         """The host tensor over the same bytes when `t` views pinned memory through `alias`, else None."""
@@ -261,9 +258,7 @@ class CudaDevice:
             return None
         start = self.starts[i]
         end, host = self.mapped[start]
-        if ptr + t.numel() * t.element_size() > end:
-            return None
-        return carve(host, ptr - start, t)
+        return None if ptr + t.numel() * t.element_size() > end else carve(host, ptr - start, t)
 
     def record_copy(self, event: torch.cuda.Event) -> None:
         event.record(self.stream)
@@ -331,8 +326,7 @@ class CudaDevices:
 
     def for_model(self, model: torch.nn.Module) -> CudaDevice:
         """The GPU the model's parameters are on (the current one while they are still on the host)."""
-        where = next((p.device for p in model.parameters() if p.is_cuda), torch.device("cuda"))
-        return self.open(where)
+        return self.open(next((p.device for p in model.parameters() if p.is_cuda), torch.device("cuda")))
 
 
 class Devices(Protocol):
