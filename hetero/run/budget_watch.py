@@ -92,8 +92,7 @@ class BudgetWatch(Mechanism):
         self._thread.start()
 
     def check(self) -> None:
-        """Compare the peak so far with the budget; warn the first time it is within the margin, and say so the
-        first time it is over."""
+        """Compare the peak so far with the budget: warn the first time it is within the margin, and once it is over."""
         self.peak = peak = process_memory.dram_peak_bytes()
         if self.over is None and peak > self.budget:
             self.over = over_line(peak, self.budget, self.predicted, blame(peak, self.account, self._held()))

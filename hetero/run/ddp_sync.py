@@ -91,7 +91,6 @@ class DdpSync(Mechanism):
 
     def install(self, patches, need_model) -> None:
         built, register = DistributedDataParallel.__init__, DistributedDataParallel.register_comm_hook
-        syncs = self.syncs
 
         def __init__(ddp, *args, **kwargs) -> None:
             built(ddp, *args, **kwargs)
@@ -102,13 +101,12 @@ class DdpSync(Mechanism):
             if reducers:
                 sync.use(*reducers[0])
             register(ddp, sync, _hook)
-            syncs[id(ddp)] = sync
+            self.syncs[id(ddp)] = sync
 
         def register_comm_hook(ddp, state, hook) -> None:
-            if (sync := syncs.get(id(ddp))) is None:
+            if (sync := self.syncs.get(id(ddp))) is None:
                 return register(ddp, state, hook)
             sync.use(state, hook)  # the script's all-reduce, still followed by the listeners
 
         patches.set(DistributedDataParallel, "__init__", __init__)
         patches.set(DistributedDataParallel, "register_comm_hook", register_comm_hook)
-

@@ -102,12 +102,7 @@ class HostGrads:
             self.counts["fallback"] += 1
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        for override in self.overrides:
-            override.remove()
-        self.patched, self.overrides = [], []
+        self.handles, self.overrides, self.patched = hooks.removed(self.handles), hooks.removed(self.overrides), []
 
     def summary(self) -> list[str]:
         size = sum(s.param.numel() * s.param.element_size() for s in self.slots.values())

@@ -41,11 +41,9 @@ class Homes:
         self.staging: NvmeStaging | None = None
 
     def build(self, named: list[tuple[str, torch.nn.Parameter]]) -> dict[torch.nn.Parameter, ParamState]:
-        missing = [name for name, _ in named if name not in self.where]
-        if missing:
-            raise HeteroError(f"the plan places no optimizer state for {len(missing)} parameter(s), e.g. "
-                              f"{missing[0]}", hint="re-plan for this model: hetero profile, then hetero plan",
-                              exit_code=STALE_PLAN)
+        if missing := [name for name, _ in named if name not in self.where]:
+            raise HeteroError(f"the plan places no optimizer state for {len(missing)} parameter(s), e.g. {missing[0]}",
+                              hint="re-plan for this model: hetero profile, then hetero plan", exit_code=STALE_PLAN)
         tiers = {name: self.where[name] for name, _ in named}
         spilled = [(n, p) for n, p in named if tiers[n].tier == "nvme"]
         make = self._axdimm(named, tiers, spilled) if self.plan.device == "axdimm" else self._host()
@@ -83,8 +81,7 @@ class Homes:
         largest = max((p for _, p in spilled), key=slot_numel)
         n = slot_numel(largest)
         like = torch.zeros(n) if on_host(largest) else largest  # what a slot is made for: its size and device
-        channels = self.plan.channels or 1
-        slots = [make(NvmeOverflow.staging_channel(s, channels) if self.device else None, like)
+        slots = [make(NvmeOverflow.staging_channel(s, self.plan.channels or 1) if self.device else None, like)
                  for s in range(NvmeOverflow.STAGING_SLOTS)]
         self.staging = NvmeStaging(self.store, slots, n, grads=self.plan.nvme.grads)
         for name, p in spilled:

@@ -50,8 +50,7 @@ class NvmeStaging:
     elements: AxdimmHome or HostHome)."""
 
     def __init__(self, store, slots: list, numel: int, grads: bool = False):
-        self.store = store
-        self.slots = slots
+        self.store, self.slots = store, slots
         # the host side of each slot: the home's own buffers where it has them (no copy), else a bounce buffer
         self.bounce = [tuple(home.host_buffers() or [torch.empty(numel) for _ in range(3)]) for home in slots]
         self.grad_bounce = [torch.empty(numel) for _ in slots] if grads else []
@@ -93,10 +92,10 @@ class NvmeStaging:
                 self.store.write(f"{key}.{k}.{part}", values.clone())
 
     def update_all(self, jobs: list[Job]) -> None:
-        """jobs in update order; params change here, as step() runs. Each job's pieces go through the slots in
-        turn, the next piece's read overlapping the current piece's update. A job whose gradient is None updates
-        from the kept one."""
-        staged = [(f"{key}.{k}", flat(p.data)[a:b] if b - a < p.numel() else p, _piece(g, a, b, p), hp, step)
+        """`jobs` in update order; params change here, in step(). Each job's pieces go through the slots in turn, the
+        next piece's read overlapping the current one's update. A job with no gradient updates from the kept one."""
+        staged = [(f"{key}.{k}", p if b - a == p.numel() else flat(p.data)[a:b],
+                   g if g is None or b - a == p.numel() else flat(g)[a:b], hp, step)
                   for key, p, g, hp, step in jobs for k, (a, b) in enumerate(self.spans[key])]
         self.kept -= {key for key, _, g, _, _ in jobs if g is None}
         reads = {0: self._read(0, staged[0])} if staged else {}
@@ -151,7 +150,3 @@ class NvmeStaging:
         for k, (a, b) in enumerate(self.spans[key]):
             for part, data in zip("pmv", (master, exp_avg, exp_avg_sq)):
                 self.store.write(f"{key}.{k}.{part}", data.reshape(-1)[a:b].contiguous().clone())
-
-
-def _piece(grad: torch.Tensor | None, a: int, b: int, param: torch.Tensor) -> torch.Tensor | None:
-    return grad if grad is None or b - a == param.numel() else flat(grad)[a:b]

@@ -150,8 +150,7 @@ class Offloaded:
         """Drop the kept gradients of `params` (all: None): the script set those gradients to None or zero."""
         if self._homes is None or self._homes.staging is None:
             return
-        kept = self._homes.staging.kept
-        kept -= {slot.name for p, slot in self._params.items() if params is None or p in params}
+        self._homes.staging.kept -= {slot.name for p, slot in self._params.items() if params is None or p in params}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -232,8 +231,7 @@ class Offloaded:
         the updated master weights reach the model (hetero.harness.grads)."""
         if self._edits is None:
             return
-        edited = self._edits.edited(p for p, slot in self._params.items() if slot.launched)
-        if edited:
+        if edited := self._edits.edited(p for p, slot in self._params.items() if slot.launched):
             raise StopScript(HeteroError(
                 f"the script changed {len(edited)} gradient(s) between backward and step() (clipping, unscaling or "
                 "an in-place op), after the plan's overlapped updates had used them", exit_code=STALE_PLAN,

@@ -28,8 +28,7 @@ class GpuPeak:
 
 
 def resident_bytes() -> int:
-    """Host memory this process holds now as a memory limit charges it (VmRSS less RssFile); 0 where /proc cannot
-    tell."""
+    """Host memory this process holds now as a memory limit charges it (VmRSS less RssFile); 0 without /proc."""
     status = _status("VmRSS", "RssFile")
     return max(0, status.get("VmRSS", 0) - status.get("RssFile", 0))
 
@@ -95,8 +94,7 @@ def _status(*fields: str, path: str = "/proc/self/status") -> dict[str, int]:
     """The named fields of /proc/self/status, in bytes (those it lacks are left out; none without /proc)."""
     if not hasattr(os, "preadv"):  # no /proc either (Windows)
         return {}
-    reader = _files.get(path) or _files.setdefault(path, _StatusFile(path))
-    return reader.read(fields)
+    return (_files.get(path) or _files.setdefault(path, _StatusFile(path))).read(fields)
 
 
 class Peak:
@@ -105,9 +103,7 @@ class Peak:
     a rise it did not see is counted with the file pages mapped when it is next read."""
 
     def __init__(self, path: str = "/proc/self/status"):
-        self.path = path
-        self._hwm = 0
-        self._peak = 0
+        self.path, self._hwm, self._peak = path, 0, 0
 
     def read(self) -> int:
         status = _status("VmHWM", "RssFile", path=self.path)
@@ -140,8 +136,7 @@ def gpu_peak(device) -> GpuPeak | None:
 
 def peaks(model) -> ProcessPeaks:
     """The process's own peaks so far: VmHWM, and torch's on the model's GPU (None: no model, or not on a GPU)."""
-    device = next((p.device for p in model.parameters()), None) if model is not None else None
-    gpu = gpu_peak(device)
+    gpu = gpu_peak(next((p.device for p in model.parameters()), None) if model is not None else None)
     return ProcessPeaks(dram_peak_bytes=dram_peak_bytes(),
                         gpu_allocated_peak_bytes=gpu.allocated_bytes if gpu else None,
                         gpu_reserved_peak_bytes=gpu.reserved_bytes if gpu else None)

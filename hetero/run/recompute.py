@@ -49,9 +49,7 @@ class Recompute(Mechanism):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     def close(self) -> None:
-        for override in self.overrides:
-            override.remove()
-        self.overrides = []
+        self.overrides = hooks.removed(self.overrides)
 
     def summary(self) -> list[str]:
         if not self.recomputed:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from hetero import __version__
 from hetero.errors import HeteroError
+from hetero.harness import hooks
 from hetero.harness.layer_timing import CpuClock, CudaClock, LayerProfiler, PassTokens, resolve, summarize
 from hetero.harness.layers import layers_named
 from hetero.run import process_memory, spans
@@ -72,15 +73,6 @@ class Sample(NamedTuple):
     late_prefetches: int  # the tiering ledger's count so far
 
 
-@dataclass
-class _Window:
-    """Host-side marks of the recorded steps."""
-
-    marks: list[StepMarks] = field(default_factory=list)
-    ends: list[Sample] = field(default_factory=list)
-    start: float = 0.0
-
-
 class Recorder(spans.Sink, Mechanism):
     """A runtime mechanism that records; it changes nothing the script computes. `plan`: the whole plan, whose
     digest and layers the run's summary names; `others`: the run's other mechanisms, whose bytes it samples."""
@@ -89,7 +81,9 @@ class Recorder(spans.Sink, Mechanism):
         super().__init__()
         self.plan, self.out, self.others = plan, out, others
         self.tiering = next((m for m in others if isinstance(m, ActivationTiering)), None)
-        self.window = _Window()
+        self.marks: list[StepMarks] = []  # the recorded steps'
+        self.ends: list[Sample] = []  # every tier's bytes as the window opened and as each recorded step ended
+        self.opened = 0.0  # perf_counter seconds when the window opened
         self.model: nn.Module | None = None
         self.model_ids: set[int] = set()
         self.optimizer: torch.optim.Optimizer | None = None
@@ -100,8 +94,6 @@ class Recorder(spans.Sink, Mechanism):
         self.index: dict[str, int] = {}
         self.handles: list = []
 
-    # -- phases ------------------------------------------------------------------------------------------------
-
     def install(self, patches, need_model) -> None:
         spans.active = self
         self.handles = [register_optimizer_step_pre_hook(self._step_start),
@@ -111,8 +103,7 @@ class Recorder(spans.Sink, Mechanism):
         self.model, self.model_ids = model, ids(model.parameters())
         self.clock = CudaClock() if next(model.parameters()).device.type == "cuda" else CpuClock()
         schedule = self.plan.activations.schedule if self.plan.activations else []
-        wanted = {x.name for x in self.plan.layers} | {e.layer for e in schedule}
-        layers, _ = layers_named(model, wanted)
+        layers, _ = layers_named(model, {x.name for x in self.plan.layers} | {e.layer for e in schedule})
         # Only the innermost pair of saved-tensor hooks runs: where tiering owns them, saved bytes go unmeasured and
         # tiering reports each unpack instead, so a backward starts where the profiler would have seen it start.
         self.profiler = LayerProfiler(model, layers, self.clock, saved_tensors=self.tiering is None)
@@ -122,15 +113,14 @@ class Recorder(spans.Sink, Mechanism):
 
     def close(self) -> None:
         self._stop()
-        for h in self.handles:
-            h.remove()
+        self.handles = hooks.removed(self.handles)
         spans.active = None
-        if self.profiler is None or not self.window.marks:
+        if self.profiler is None or not self.marks:
             print(f"hetero: no trace written: no step was recorded (the window starts after {self.out.warmup} "
                   f"warm-up step(s))", file=sys.stderr)
             return
         run = self._write()
-        print(f"hetero: trace of {len(self.window.marks)} steps in {self.out.trace}, summary in {self.out.summary} "
+        print(f"hetero: trace of {len(self.marks)} steps in {self.out.trace}, summary in {self.out.summary} "
               f"(recording overhead {run.timing.overhead:.1%}); compare with the plan: hetero report "
               f"{self.out.summary} --plan {self.out.plan_path}", file=sys.stderr)
 
@@ -157,7 +147,7 @@ class Recorder(spans.Sink, Mechanism):
         self.step += 1
         end = self.clock.mark()
         if self.recording:
-            self.window.marks.append(StepMarks(self._start, end, self._previous))
+            self.marks.append(StepMarks(self._start, end, self._previous))
             self._sample()
         self._previous = end
         if self.step == self.out.warmup:
@@ -171,7 +161,7 @@ class Recorder(spans.Sink, Mechanism):
             event = self.clock.mark()
             torch.cuda.synchronize()
             self.anchor = (perf_counter(), event)
-        self.window.start = perf_counter()
+        self.opened = perf_counter()
         self.recording = True
         self.profiler.attach()
         self._sample()
@@ -183,11 +173,10 @@ class Recorder(spans.Sink, Mechanism):
 
     def _sample(self) -> None:
         """Every tier's bytes now, read under the tiering ledger's lock so its change events agree with it."""
-        lock = self.tiering.lock if self.tiering is not None else contextlib.nullcontext()
-        with lock:
+        with self.tiering.lock if self.tiering is not None else contextlib.nullcontext():
             resident = self._resident()
-            late = self.tiering.late_prefetches() if self.tiering is not None else 0
-            self.window.ends.append(Sample(self.step, perf_counter(), resident, late))
+            late = self.tiering.ledger.late if self.tiering is not None else 0
+            self.ends.append(Sample(self.step, perf_counter(), resident, late))
 
     def _resident(self) -> dict[str, dict[str, int]]:
         names = plan_tiers(self.plan)
@@ -207,11 +196,9 @@ class Recorder(spans.Sink, Mechanism):
 
     def _write(self) -> Run:
         self.clock.finish()
-        summary = summarize(self.profiler)
         recorded = self._compute_spans() + self._step_spans() + self.spans
-        origin = self.window.start
-        counters = self._counters()
-        run = self._run(summary, counters)
+        origin, counters = self.opened, self._counters()
+        run = self._run(summarize(self.profiler), counters)
         meta = {"hetero": __version__, "plan": self.out.plan_path, "script": self.out.script,
                 "iteration_s": run.timing.iteration_s}
         data = trace.chrome([s._replace(start_s=s.start_s - origin, end_s=s.end_s - origin) for s in recorded],
@@ -250,16 +237,16 @@ class Recorder(spans.Sink, Mechanism):
 
     def _step_spans(self) -> list[trace.Span]:
         return [trace.Span("optimizer.step", "optimizer.step", self._absolute(m.start), self._absolute(m.end))
-                for m in self.window.marks]
+                for m in self.marks]
 
     def _counters(self) -> list[trace.Count]:
         """Counter samples per tier, each carrying every source's latest bytes (a viewer stacks them)."""
-        changes = [(e.at, tier, source, n) for e in self.window.ends
+        changes = [(e.at, tier, source, n) for e in self.ends
                    for tier, sources in e.resident.items() for source, n in sources.items()]
         if self.tiering is not None:
-            end = self.window.ends[-1].at
-            changes += [(t, tier, ACTIVATIONS, n) for tier, points in self.tiering.activation_series().items()
-                        if tier != UNTIERED for t, n in points if self.window.start <= t <= end]
+            end = self.ends[-1].at
+            changes += [(t, tier, ACTIVATIONS, n) for tier, points in self.tiering.ledger.series().items()
+                        if tier != UNTIERED for t, n in points if self.opened <= t <= end]
         current: dict[str, dict[str, int]] = {}
         out: list[trace.Count] = []
         for t, tier, source, n in sorted(changes, key=lambda c: c[0]):
@@ -273,10 +260,10 @@ class Recorder(spans.Sink, Mechanism):
         return out
 
     def _run(self, summary, counters: list[trace.Count]) -> Run:
-        steps = len(self.window.marks)
+        steps = len(self.marks)
         seconds = lambda a, b: self._absolute(b) - self._absolute(a)  # noqa: E731
-        iteration = sum(seconds(m.previous_end, m.end) for m in self.window.marks) / steps
-        step_call = sum(seconds(m.start, m.end) for m in self.window.marks) / steps
+        iteration = sum(seconds(m.previous_end, m.end) for m in self.marks) / steps
+        step_call = sum(seconds(m.start, m.end) for m in self.marks) / steps
         mbs = self._micro_batches()
         busy = sum(seconds(mb.start, mb.backward_end) for mb in mbs) / steps
         micro = max(1, round(len(mbs) / steps))
@@ -292,10 +279,10 @@ class Recorder(spans.Sink, Mechanism):
         source = RunSource(plan=str(Path(self.out.plan_path).resolve()), plan_sha256=files.content_sha256(self.plan),
                            model_fingerprint=self.plan.source.model_fingerprint, script=self.out.script,
                            trace=str(self.out.trace.resolve()))
-        ends = self.window.ends
+        ends = self.ends
         return Run(source=source, timing=timing, peak_bytes=_peaks(counters), activations=self._activations(),
                    late_prefetches=ends[-1].late_prefetches - ends[0].late_prefetches, layers=layers,
-                   steps=[StepEnd(step=e.step, at_s=measured(e.at - self.window.start),
+                   steps=[StepEnd(step=e.step, at_s=measured(e.at - self.opened),
                                   resident_bytes={tier: sum(s.values()) for tier, s in e.resident.items()})
                           for e in ends[1:]], process=process_memory.peaks(self.model))
 
@@ -303,7 +290,7 @@ class Recorder(spans.Sink, Mechanism):
         """Time-averaged and peak saved bytes in the fast tier over the window, with the tiering and without."""
         if self.tiering is None:
             return None
-        series, start, end = self.tiering.activation_series(), self.window.start, self.window.ends[-1].at
+        series, start, end = self.tiering.ledger.series(), self.opened, self.ends[-1].at
         fast, untiered = (sweep(series[k], start, end) for k in (self.tiering.plan.fast, UNTIERED))
         return ActivationPrediction(avg_fast_bytes=fast.avg_bytes, peak_fast_bytes=fast.peak_bytes,
                                     avg_fast_untiered_bytes=untiered.avg_bytes,
@@ -340,4 +327,3 @@ def _peaks(counters: list[trace.Count]) -> dict[str, int]:
         tier = track.removeprefix("memory ")
         peaks[tier] = max(peaks.get(tier, 0), sum(values.values()))
     return peaks
-

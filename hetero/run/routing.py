@@ -168,9 +168,7 @@ class ForwardOrder:
         return [p for p in [*self.seen.values(), *unused] if p.requires_grad]
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self.handles = hooks.removed(self.handles)
 
 
 @dataclass(eq=False)
@@ -200,9 +198,8 @@ class Sync:
         base = buffer.storage_offset()
         layout = [(g.storage_offset() - base, g.numel(), id(p) in self.first)
                   for p, g in zip(bucket.parameters(), bucket.gradients())]
-        r = self.routing
-        futures = [self._issue(m, buffer) for m in messages(layout, buffer.element_size(), r.threshold_bytes,
-                                                             r.shard_bytes)]
+        futures = [self._issue(m, buffer) for m in messages(layout, buffer.element_size(),
+                                                             self.routing.threshold_bytes, self.routing.shard_bytes)]
         self.pending += futures
         if not bucket.is_last():
             return torch.futures.collect_all(futures).then(lambda f: _checked(f, buffer))

@@ -71,9 +71,7 @@ class ShadowConfig:
     @classmethod
     def of(cls, plan: Plan) -> ShadowConfig | None:
         """None: the plan has no layers section."""
-        if not plan.layers:
-            return None
-        return cls(plan.layers, plan.optimizer.device if plan.optimizer is not None else "gpu")
+        return cls(plan.layers, plan.optimizer.device if plan.optimizer is not None else "gpu") if plan.layers else None
 
 
 def shadow_model(config: ShadowConfig) -> ShadowModel | None:
@@ -281,24 +279,18 @@ class ShadowModel(Mechanism):
                 self.device.record_copy(st.ready)
         self.device.record_copy(self.copied)
 
-    def _quiesce(self) -> None:
-        """The host may write host memory now: no kernel reads or writes it, no copy reads it."""
-        self.device.record_compute(self.boundary)
-        self.device.synchronize(self.boundary)
-        self.device.synchronize(self.copied)
-
     def _settle(self, *args) -> None:
         """The copies issued so far (which read the host copies and write the device buffers) are done."""
         self.device.synchronize(self.copied)
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self.handles = hooks.removed(self.handles)
         chain.close(self)
         chain.leave(self)
-        if self.layers:
-            self._quiesce()
+        if self.layers:  # the host may write host memory then: no kernel reads or writes it, no copy reads it
+            self.device.record_compute(self.boundary)
+            self.device.synchronize(self.boundary)
+            self.device.synchronize(self.copied)
             for st in self.layers:
                 if st.on_gpu:
                     st.point(st.alias)

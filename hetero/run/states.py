@@ -73,14 +73,10 @@ class GradientSource:
         """The host waits for downloads up to the one `done` ends."""
         self.link.synchronize(done)
 
-    def download(self, dst: torch.Tensor, grad: torch.Tensor, ready) -> None:
-        """Copy a GPU gradient into host `dst` (pinned), returning once it is there; see the class."""
-        self.finish(self.download_async(dst, grad, ready))
-
     def copy_into(self, dst: torch.Tensor, grad: torch.Tensor, ready, waited: bool = False) -> None:
         """dst <- grad, wherever it is; `waited`: the caller waited for `ready` already."""
-        if (host := self.in_host(grad)) is None:
-            self.download(dst, grad, ready)
+        if (host := self.in_host(grad)) is None:  # a GPU gradient: in pinned `dst` once this returns
+            self.finish(self.download_async(dst, grad, ready))
             return
         if not waited:
             self.wait(ready)
@@ -94,9 +90,7 @@ class GradientSource:
     def buffer(self, numel: int) -> torch.Tensor:
         """fp32 host memory for `numel` values, pinned when a GPU reads or writes it. Exact: torch's pinned allocator
         would round each block up to a power of two, while the plan counts exact bytes."""
-        if self.link is None:
-            return torch.empty(numel)
-        return self.link.pinned(numel * FP32).view(torch.float32)
+        return torch.empty(numel) if self.link is None else self.link.pinned(numel * FP32).view(torch.float32)
 
 
 @dataclass(eq=False, slots=True)

@@ -86,8 +86,6 @@ class ActivationTiering(Mechanism):
         self.sharded = False  # FSDP2: the parameters' storages are read again at each layer's start
         self.unpack_listeners: list[Callable[[str], None]] = []  # told each layer whose saved tensor is read back
 
-    # -- phases ------------------------------------------------------------------------------------------------
-
     def bind(self, model: nn.Module) -> None:
         layers = self._layers(model)
         self.model, self.sharded = model, sharded(model)
@@ -113,9 +111,7 @@ class ActivationTiering(Mechanism):
         self.current = None  # the script may have ended inside the model's forward
         chain.close(self)
         chain.leave(self)
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self.handles = hooks.removed(self.handles)
         if self.mover is not None:
             self.mover.close()
 
@@ -140,15 +136,6 @@ class ActivationTiering(Mechanism):
         """`listener(layer)` is called at each read of a saved tensor of `layer` (its backward has started)."""
         self.unpack_listeners.append(listener)
 
-    def activation_series(self) -> dict[str, list[tuple[float, int]]]:
-        """Saved-activation bytes over time (hetero.run.devices.residency.Ledger.series)."""
-        return self.ledger.series()
-
-    def late_prefetches(self) -> int:
-        """Prefetches not complete when autograd asked, so far."""
-        with self.lock:
-            return self.ledger.late
-
     def _layers(self, model: nn.Module) -> list[LayerSpec]:
         """The profile's layers: the granularity under which every layer the schedule names exists."""
         wanted = {e.layer for e in self.plan.schedule} | {e.prefetch_after for e in self.plan.schedule
@@ -159,8 +146,6 @@ class ActivationTiering(Mechanism):
                               f"have, e.g. {missing[0]}", hint="profile and plan again for this model",
                               exit_code=STALE_PLAN)
         return layers
-
-    # -- forward -----------------------------------------------------------------------------------------------
 
     def _forward_start(self, module, args) -> None:
         if self.current is not None or not torch.is_grad_enabled():
@@ -236,8 +221,7 @@ class ActivationTiering(Mechanism):
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.param_storages:
             return None
-        layer = self._saving()
-        record = self._record(mb, storage, ptr, layer)
+        record = self._record(mb, storage, ptr, self._saving())
         keep = None if record.movable else tensor.detach()  # not the tensor itself: an output would hold its grad_fn
         return Saved(record, keep, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
@@ -352,4 +336,3 @@ class ActivationTiering(Mechanism):
             group.requested = True
             if group.committed:
                 self.mover.prefetch(reversed(group.records.values()))  # backward's order: the last saved first
-

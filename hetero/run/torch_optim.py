@@ -49,8 +49,7 @@ def _standing_in(name: str, mixin: type, base: type, given: object, created: lis
 
 
 def replace_clipping(patches: Patches, wrap: Callable[[Callable], Callable]) -> None:
-    """Each of torch's gradient-clipping functions (`CLIPPING`, GradScaler's unscale_ too) replaced by
-    `wrap(the original)` for the run."""
+    """Each of `CLIPPING` (torch's gradient clipping, GradScaler's unscale_) replaced by `wrap(original)`."""
     for owner, name in CLIPPING:
         patches.set(owner, name, wrap(getattr(owner, name)))
 
@@ -105,4 +104,3 @@ def torch_step(base: type, optimizer: torch.optim.Optimizer, closure=None):
     step = base.step
     hooked = getattr(step, "hooked", False)  # torch.optim.Optimizer._patch_step_function's mark
     return (step.__wrapped__ if hooked else step)(optimizer, closure)
-

@@ -25,16 +25,8 @@ from hetero.errors import STALE_PLAN, HeteroError
 from hetero.harness.script import StopScript
 from hetero.plan.backward import update_piece_bytes
 from hetero.run.mechanism import Mechanism
-from hetero.run.torch_optim import (
-    ids,
-    parameters,
-    refusing_clipping,
-    replace_adam,
-    replace_clipping,
-    several_ranks,
-    torch_step,
-    updates_the_model,
-)
+from hetero.run.torch_optim import (ids, parameters, refusing_clipping, replace_adam, replace_clipping, several_ranks,
+                                    torch_step, updates_the_model)
 from hetero.schema.plan import Plan, UpdateInBackward
 from hetero.units import SIZE
 
@@ -49,8 +41,7 @@ class InBackwardConfig:
 
 @dataclass(frozen=True, slots=True)
 class InBackwardPlan:
-    """What the runtime reads of the plan for updates in backward: the section, and the pieces' size its allocator
-    section implies."""
+    """The plan's updates in backward as the runtime reads them: the section, and its allocator's piece size."""
 
     section: UpdateInBackward
     piece_bytes: int
@@ -200,11 +191,10 @@ class UpdatesInBackward(Mechanism):
 
 
 def _second_backward() -> HeteroError:
-    return HeteroError(
-        "the plan updates each parameter during backward, but a second backward reached a parameter before step() "
-        "(gradient accumulation, or one model's loss reaching another's parameters)",
-        hint="profile and plan again: hetero plan updates in backward only for one backward per step",
-        exit_code=STALE_PLAN)
+    return HeteroError("the plan updates each parameter during backward, but a second backward reached a parameter "
+                       "before step() (gradient accumulation, or one model's loss reaching another's parameters)",
+                       hint="profile and plan again: hetero plan updates in backward only for one backward per step",
+                       exit_code=STALE_PLAN)
 
 
 def _gradient_set_again() -> HeteroError:

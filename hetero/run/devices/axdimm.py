@@ -181,8 +181,7 @@ class EmulatedAxdimm:
         """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only: a real AXDIMM
         must be read through the runtime's coherent copies (§4.1), so portable code uses memcpy. The view cannot be
         revoked: using it after switching the channel to acceleration is a bug this emulation cannot catch."""
-        ch = self._channel(allocation.channel)
-        with ch.cond:
+        with self._channel(allocation.channel).cond:
             return _typed(self._bytes(allocation, allocation.nbytes, "view"), dtype)
 
     # -- arbiter and kernel --------------------------------------------------------------------------------------
@@ -233,8 +232,6 @@ class EmulatedAxdimm:
             self.set_arbiter(ch.index, Mode.NORMAL)
             ch.worker.shutdown(wait=True)
         self._channels = []
-
-    # -- helpers -------------------------------------------------------------------------------------------------
 
     def _channel(self, channel: int) -> _Channel:
         if not 0 <= channel < len(self._channels):

@@ -138,9 +138,8 @@ def elsewhere(field: str | None) -> str:
 
 
 class Chunks:
-    """Whole-buffer transfers in `chunk`-byte pieces, buffered or O_DIRECT; O_DIRECT ones through bounce buffers
-    made on first need and reused: one per thread doing I/O at once (the pool's workers and the callers of the
-    store's blocking calls)."""
+    """Whole-buffer transfers in `chunk`-byte pieces, buffered or O_DIRECT; O_DIRECT ones through bounce buffers made
+    on first need and reused: one per thread doing I/O at once (the pool's workers, the store's blocking callers)."""
 
     def __init__(self, chunk: int):
         self.chunk = chunk

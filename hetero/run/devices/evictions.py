@@ -62,8 +62,7 @@ class Saved:
 
 @dataclass(eq=False)
 class Group:
-    """A layer's saved storages in one micro-batch: what activation tiering (hetero.run.tiering) evicts and
-    prefetches together."""
+    """A layer's saved storages in one micro-batch: what tiering (hetero.run.tiering) evicts and prefetches together."""
 
     layer: str
     mb: TieredPass
@@ -119,8 +118,7 @@ class Record:
 
 
 class Worker:
-    """One background thread serving jobs in the order they were queued. `put` may be called from any thread,
-    finalizers included."""
+    """One thread serving jobs in the order queued; `put` may be called from any thread, finalizers included."""
 
     def __init__(self, name: str, serve: Callable[[Any], None], failed: Callable[[BaseException], None]):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # its put is reentrant: safe inside __del__

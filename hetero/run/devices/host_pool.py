@@ -1,8 +1,5 @@
 """GPU memory over pinned host memory: the slow tier of activation tiering on a GPU machine, NVMe below it; and the
-pool of host buffers both host tiers reuse.
-
-Pinning is slow (the driver locks and maps every page), so pinned buffers come from a pool: allocated once per size
-class and handed out again when the copy that last used them has finished (its event), never earlier.
+pool of host buffers both host tiers reuse (pinning is slow: the driver locks and maps every page).
 
 Copies run on the device's side streams (hetero.kernels.dha.Device): evictions on the download stream, prefetches
 on the upload stream, so an eviction never queues behind a prefetch (PCIe is full duplex) and neither waits on the

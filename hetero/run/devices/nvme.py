@@ -84,8 +84,7 @@ class NvmeStore:
             raise HeteroError(f"NVMe chunk size {chunk_bytes} bytes",
                               hint=f"use a positive multiple of {direct_io.BLOCK}")
         self.directory = Path(directory)
-        self.field = field
-        self._checksums = checksums
+        self.field, self._checksums = field, checksums
         self._work: workdir.WorkDir | None = None  # the private work directory close() removes (NvmeStore.private)
         self._made = _make_dirs(self.directory, field)
         self._prefix = f"hetero-{os.getpid()}-{secrets.token_hex(4)}-"  # two stores may share a directory

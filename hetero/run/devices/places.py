@@ -37,11 +37,10 @@ def expand(base: str | None, field: str) -> Path:
 
 
 def check_place(root: Path, field: str) -> None:
-    """The base must be a directory on a file system that holds files (not /proc or /sys), that only we or root
-    control (or a sticky one like /tmp), and so must every directory met on the way to it; every link on that way,
-    the base itself included, must be ours or root's. Others who could rename an entry of one of those directories,
-    or point one of those links elsewhere, could redirect everything below it (ssh's rule for a key's path, with
-    `lstat` of each component)."""
+    """The base must be a directory on a file system that holds files (not /proc or /sys), that only we or root control
+    (or a sticky one like /tmp), and so must every directory met on the way to it; every link on that way, the base
+    itself included, must be ours or root's. Others who could rename an entry of one of those directories, or point one
+    of those links elsewhere, could redirect everything below it (ssh's rule for a key's path: `way` lstats each)."""
     _check_base(root, field)
     kind = file_system(root)
     if kind in PSEUDO:
@@ -64,8 +63,7 @@ def existing(root: Path) -> Path:
 
 def inspect(base: str | None, field: str) -> None:
     """What `create` would refuse, found without creating anything: the base (or, where it does not exist yet, the
-    directory it would be made in) and every directory above it (`hetero check`, and `hetero run` before the
-    script starts)."""
+    directory it would be made in) and every directory above it (`hetero check`; `hetero run` before its script)."""
     root = expand(base, field)
     found = existing(root)
     check_place(found, field)
@@ -160,9 +158,7 @@ def _unsafe(st: os.stat_result) -> str | None:
 def group_is_mine(gid: int) -> bool:
     """Whether group `gid` is this user's alone, as ssh allows a group-writable path: this process has it, and no
     other user is in it, as a listed member or by having it as primary group."""
-    if gid != os.getegid() and gid not in os.getgroups():
-        return False
-    return group_users(gid) <= {os.getuid()}
+    return (gid == os.getegid() or gid in os.getgroups()) and group_users(gid) <= {os.getuid()}
 
 
 @functools.cache

@@ -267,8 +267,7 @@ def sweep_earlier(bases: Iterable[str | None]) -> str | None:
             continue
         if root.is_dir() and root not in roots:
             roots.append(root)
-    swept = [s for root in roots for s in _sweep(root)]
-    if not swept:
+    if not (swept := [s for root in roots for s in _sweep(root)]):
         return None
     pids = sorted({s.pid for s in swept})
     who = f"an earlier hetero (pid {pids[0]})" if len(pids) == 1 else \
