@@ -27,17 +27,8 @@ MAX_LINK = 64  # PCIe generation and lanes
 MAX_LAYERS = 20_000  # layers in a profile (a 175B GPT has ~1,000 modules); `hetero plan` stays far from minutes there
 
 
-def doc(
-    text: str,
-    *,
-    unit: Unit | None = None,
-    default: Any = MISSING,
-    default_factory: Any = MISSING,
-    ge: float | None = None,
-    le: float | None = None,
-    comment: bool = False,
-    added: bool = False,
-) -> Any:
+def doc(text: str, *, unit: Unit | None = None, default: Any = MISSING, default_factory: Any = MISSING,
+        ge: float | None = None, le: float | None = None, comment: bool = False, added: bool = False) -> Any:
     """A documented schema field. `comment=True` marks a field written as a `# why:` comment, not as a key;
     `added=True` a field added after files were written without it: while it holds its default it is left out of
     written files and of their content hash (`left_out`)."""
@@ -76,9 +67,7 @@ def specs(cls: type) -> tuple[FieldSpec, ...]:
         meta = f.metadata
         assert "doc" in meta, f"{cls.__name__}.{f.name} is not declared with doc()"
         unit = meta["unit"]
-        key = f.name
-        if unit is not None and unit.suffix and key.endswith(unit.suffix):
-            key = key[: -len(unit.suffix)]
+        key = f.name.removesuffix(unit.suffix) if unit is not None and unit.suffix else f.name
         required = f.default is MISSING and f.default_factory is MISSING
         out.append(FieldSpec(f.name, key, hints[f.name], meta["doc"], unit, meta["ge"], meta["le"],
                              meta["comment"], required, meta.get("added", False)))
@@ -103,7 +92,7 @@ def is_schema(tp: Any) -> bool:
 
 
 def is_optional(tp: Any) -> bool:
-    return _is_union(tp) and type(None) in typing.get_args(tp)
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def strip_optional(tp: Any) -> Any:
@@ -112,10 +101,6 @@ def strip_optional(tp: Any) -> Any:
     rest = [a for a in typing.get_args(tp) if a is not type(None)]
     assert len(rest) == 1, f"only `X | None` unions are supported, got {tp}"
     return rest[0]
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
 
 
 def choices(tp: Any) -> tuple[str, ...] | None:

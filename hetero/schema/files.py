@@ -107,7 +107,6 @@ def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     return KINDS[kind.value]
 
 
-
 # -- writing ---------------------------------------------------------------------------------------------------
 
 
@@ -180,8 +179,7 @@ def to_data(obj: Any) -> Any:
 def content_sha256(obj: Any) -> str:
     """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, and
     neither does a field a later hetero added, while it holds its default (what an older file without it means)."""
-    data = json.dumps(_said(obj), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(data.encode()).hexdigest()
+    return hashlib.sha256(json.dumps(_said(obj), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _said(obj: Any) -> Any:
@@ -200,5 +198,3 @@ def _is_default(f: dataclasses.Field, value: Any) -> bool:
     if f.default is not dataclasses.MISSING:
         return value == f.default
     return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
-
-

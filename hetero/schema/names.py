@@ -24,4 +24,3 @@ def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
     known = {id(layers): set(layers), id(params): set(params)}
     return [(path, f"no {what} {name!r} in the profile" + did_you_mean(name, names))
             for path, name, names, what in named if name is not None and name not in known[id(names)]]
-

@@ -246,11 +246,10 @@ class RoutingPlan:
 
 @dataclass(kw_only=True, slots=True)
 class AllocatorPlan:
-    """How the process's C allocator (glibc malloc) hands memory back: the runtime sets these with `mallopt` before
-    the script runs, so that the memory freed tensors leave is returned to the kernel instead of kept in the heap
-    (glibc's default keeps it, and a memory limit counts it); `hetero run` starts the process asking glibc for
-    transparent huge pages, which makes mapping the blocks again cheaper (unless GLIBC_TUNABLES sets
-    glibc.malloc.hugetlb already)."""
+    """How the process's C allocator (glibc malloc) hands memory back: the runtime sets these with `mallopt` before the
+    script runs, so that the memory freed tensors leave is returned to the kernel instead of kept in the heap (glibc's
+    default keeps it, and a memory limit counts it); `hetero run` starts the process asking glibc for transparent huge
+    pages, which makes mapping the blocks again cheaper (unless GLIBC_TUNABLES sets glibc.malloc.hugetlb already)."""
 
     RETURNING: ClassVar[int] = 128 << 10  # both thresholds when `hetero plan` returns memory; the profile measures so
 
@@ -266,13 +265,12 @@ class AllocatorPlan:
 
 @dataclass(kw_only=True, slots=True)
 class UpdateInBackward:
-    """The script's own Adam(W) updates each parameter from its post-accumulate-grad hook, as soon as backward makes
-    its gradient final, and the gradient is freed there: host memory never holds every gradient at once (MemFerry's
-    "a gradient leaves when it is final", with nowhere to go but the update). torch's own arithmetic on each
-    parameter alone, a large one in pieces of at most 1 MiB (below the `allocator`'s mmap threshold where there is
-    one) so that Adam's temporaries are a piece's size, so the weights are plain training's bit for bit; for a
-    script that runs one backward per step, does not clip, and reads no `.grad` between backward and step (`.grad`
-    is None then)."""
+    """The script's own Adam(W) updates each parameter from its post-accumulate-grad hook, as soon as backward makes its
+    gradient final, and the gradient is freed there: host memory never holds every gradient at once (MemFerry's "a
+    gradient leaves when it is final", with nowhere to go but the update). torch's own arithmetic on each parameter
+    alone, a large one in pieces of at most 1 MiB (below the `allocator`'s mmap threshold where there is one) so that
+    Adam's temporaries are a piece's size, so the weights are plain training's bit for bit; for a script that runs one
+    backward per step, does not clip, and reads no `.grad` between backward and step (`.grad` is None then)."""
 
     kind: Literal["adam", "adamw"] = doc("The optimizer the script builds.")
     why: str = doc("The numbers behind the decision.", default="", comment=True)

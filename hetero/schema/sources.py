@@ -30,10 +30,8 @@ def find_profile(plan: Plan, plan_path: Path) -> Path | None:
 
 
 def profile_of(plan: Plan, plan_path: Path, why: str) -> Profile:
-    """The profile `plan` was solved from, unchanged since; `why` says what needs it, for the error when it is
-    missing."""
-    found = find_profile(plan, plan_path)
-    if found is None:
+    """The profile `plan` was solved from, unchanged since; `why` says what needs it, for the error when missing."""
+    if (found := find_profile(plan, plan_path)) is None:
         raise HeteroError(f"{plan_path} was planned from {plan.source.profile}, which does not exist here; {why}",
                           hint=f"run this where `hetero plan` ran, or re-plan: hetero plan --profile PROFILE "
                                f"-o {plan_path}")

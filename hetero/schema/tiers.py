@@ -10,7 +10,6 @@ from hetero.schema.plan import Plan
 
 GPU = "gpu"  # the GPU's tier name, in a plan's `predicted.peak_bytes` and its activations' `fast`
 HOST_KIND = "dram"  # a profile tier's `kind` for host memory
-ROLES = ("host", "nvme", "gpu")  # what a runtime mechanism reports bytes under when it knows no tier name
 
 
 class Kinded(Protocol):

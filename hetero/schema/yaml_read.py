@@ -126,7 +126,6 @@ def guard(text: str, name: str) -> None:
             depth -= 1
 
 
-
 class Reader:
     """Walks composed nodes against a schema type, recording a Problem for each bad value and going on."""
 
@@ -151,8 +150,7 @@ class Reader:
             key = key_node.value
             if key in skip:
                 continue
-            spec = by_key.get(key)
-            if spec is None:
+            if (spec := by_key.get(key)) is None:
                 misspelt.add(self._unknown(key_node, list(by_key), path))
                 continue
             child = f"{path}.{key}" if path else key
@@ -273,7 +271,6 @@ def number(text: str, tp: type) -> int | float:
     return value
 
 
-
 # -- messages ----------------------------------------------------------------------------------------------------
 
 
@@ -282,8 +279,7 @@ def problem_at(name: str, mark: Any, message: str) -> Problem:
 
 
 def closest(word: str, options: typing.Sequence[str]) -> str | None:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return close[0] if close else None
+    return next(iter(difflib.get_close_matches(word, options, n=1, cutoff=0.6)), None)
 
 
 def did_you_mean(word: str, options: typing.Sequence[str]) -> str:
@@ -297,11 +293,8 @@ def one_of(words: typing.Sequence[str]) -> str:
 
 
 def shape(node: yaml.Node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "a mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "a list"
-    return quoted_cut(node.value)
+    return "a mapping" if isinstance(node, yaml.MappingNode) else \
+        "a list" if isinstance(node, yaml.SequenceNode) else quoted_cut(node.value)
 
 
 def value_range(spec: FieldSpec) -> str:

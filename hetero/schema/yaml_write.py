@@ -97,9 +97,7 @@ def _flow(node: Any) -> str | None:
         parts = [_flow(i) for i in node.items]
         return None if None in parts else "[" + ", ".join(parts) + "]"
     parts = [(k, _flow(v)) for k, v in node.items]
-    if any(p is None for _, p in parts):
-        return None
-    return "{" + ", ".join(f"{k}: {v}" for k, v in parts) + "}"
+    return None if any(p is None for _, p in parts) else "{" + ", ".join(f"{k}: {v}" for k, v in parts) + "}"
 
 
 def _comment(line: str, why: str) -> str:
@@ -132,5 +130,3 @@ def _block_seq(node: _Seq, indent: int, lines: list[str]) -> None:
         start = len(lines)
         _block_map(item, indent + 2, lines) if isinstance(item, _Map) else _block_seq(item, indent + 2, lines)
         lines[start] = _comment(f"{pad}- {lines[start][indent + 2:]}", why)
-
-
