@@ -1,21 +1,20 @@
-"""The profile of a script whose plain training may not fit the budget it must keep: everything hetero can move
-without a plan, moved, once the profile sees that plain training would not fit.
+"""The profile of a script whose plain training may not fit the budget it must keep: everything hetero can move without
+a plan, moved, once the profile sees that plain training would not fit.
 
 The script's Adam(W) is hetero's (hetero.run.optimizer) from its construction, still acting as torch's own. When the
-first gradient arrives the model is known, and with it what plain training would add to what the process holds
-then: a gradient and two Adam states per parameter (`PLAIN_BYTES_PER_PARAM`), room for torch's multi-tensor
-step's temporaries (`STEP_SLACK_BYTES_PER_PARAM`), and what the rest of backward holds beside them (a block
-rebuilt, the activations' gradients), not known yet: as hetero.profile.pressure takes a block before any ran, a
-`BLOCK_SHARE` of the budget. If that stays under the budget less the plan's headroom,
-the optimizer stays torch's and the profile measures plain training. Otherwise every Adam state, fp32 master copy
-and gradient waits on NVMe as the plan's `states` and `grads` levers place them (hetero.plan.fit), and the profile
-measures training that way: it says so, and writes plain training's peak as an estimate, the measured one plus what
-plain would hold instead (`plain_estimate`), and plain's optimizer step as timed at the host Adam rate the machine
-phase measures (hetero.profile.profiler). Its layers' backward times include writing their gradients to NVMe.
-Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard. Where plain training needs
-under `AMPLE_SHARE` of the budget (`ample`), the budget binds nothing and the profile goes on as without one. Where
-the first gradient comes before every optimizer's model was called (a GAN), the model cannot be known yet: the
-optimizers stay torch's and the profile measures plain training.
+first gradient arrives the model is known, and with it what plain training would add to what the process holds then: a
+gradient and two Adam states per parameter (`PLAIN_BYTES_PER_PARAM`), room for torch's multi-tensor step's temporaries
+(`STEP_SLACK_BYTES_PER_PARAM`), and what the rest of backward holds beside them (a block rebuilt, the activations'
+gradients), not known yet: as hetero.profile.pressure takes a block before any ran, a `BLOCK_SHARE` of the budget. If
+that stays under the budget less the plan's headroom, the optimizer stays torch's and the profile measures plain
+training. Otherwise every Adam state, fp32 master copy and gradient waits on NVMe as the plan's `states` and `grads`
+levers place them (hetero.plan.fit), and the profile measures training that way: it says so, and writes plain training's
+peak as an estimate, the measured one plus what plain would hold instead (`plain_estimate`), and plain's optimizer step
+as timed at the host Adam rate the machine phase measures (hetero.profile.profiler). Its layers' backward times include
+writing their gradients to NVMe. Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard.
+Where plain training needs under `AMPLE_SHARE` of the budget (`ample`), the budget binds nothing and the profile goes on
+as without one. Where the first gradient comes before every optimizer's model was called (a GAN), the model cannot be
+known yet: the optimizers stay torch's and the profile measures plain training.
 """
 
 from __future__ import annotations
@@ -42,9 +41,8 @@ GRAD_BYTES_PER_PARAM = 4
 PLAIN_BYTES_PER_PARAM = GRAD_BYTES_PER_PARAM + ADAM_STATE_BYTES_PER_PARAM
 STEP_SLACK_BYTES_PER_PARAM = 4
 # Plain training's need as `bind` estimates it under this share of the budget: the limit binds nothing (a container's
-# limit near the machine's memory), and the profile measures as without one (hetero.profile.returned.Budget). A
-# quarter: the estimate sees backward's start only, and at a half a limit that kills plain training was taken as
-# binding nothing.
+# limit near the machine's memory), and the profile measures as without one (hetero.profile.returned.Budget). A quarter:
+# the estimate sees backward's start only, and at a half a limit that kills plain training was taken as binding nothing.
 AMPLE_SHARE = 0.25
 
 
@@ -52,15 +50,12 @@ class Conservative:
     """The profile's optimizer: torch's, or everything it keeps on NVMe (`moved_params` > 0)."""
 
     def __init__(self, budget_bytes: int, nvme_dir: str, progress=lambda phase, done, total: None):
-        self.budget_bytes = budget_bytes
-        self.progress = progress
+        self.budget_bytes, self.progress = budget_bytes, progress
         plan = OptimizerPlan(kind="adamw", device="host", overlap_backward=False,
                              nvme=NvmeOverflow(path=nvme_dir, size_bytes=0, grads=True))
         self.offload = OptimizerOffload(plan, DdpSync(), strict=False)
         self.patches = Patches()
-        self.moved_params = 0
-        self.moved_tensors = 0
-        self.held_at_bind = 0
+        self.moved_params = self.moved_tensors = self.held_at_bind = 0
         self.left_to_torch = False  # the first gradient came before every optimizer's model was called
         self.ample = False  # plain training needs under AMPLE_SHARE of the budget
 

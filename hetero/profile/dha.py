@@ -2,13 +2,12 @@
 layer MemFerry's T_FP^H and T_BP^H (forward and backward with the layer's parameters in pinned host memory) and
 GO-MemFerry's T_GBP (backward writing its gradients to host memory).
 
-The layer times come from running each layer alone, after the script stopped, in each mode through the runtime's
-own code (hetero.kernels.dha views, hetero.run.grad_offload): the model's last training call is kept (one root
-pre-hook, nothing per layer while the script runs), one forward is replayed to record every layer's inputs, and
-each layer then runs forward and backward with its parameters on the GPU, as DHA views, and with host gradients.
-The profiler's own T_FP and T_BP stay the reference: each DHA time is it plus the slowdown measured here, so
-nested layers, which run in every mode alike, cancel out. Timing uses the profiler's clocks (CUDA events, read
-once per mode).
+The layer times come from running each layer alone, after the script stopped, in each mode through the runtime's own
+code (hetero.kernels.dha views, hetero.run.grad_offload): the model's last training call is kept (one root pre-hook,
+nothing per layer while the script runs), one forward is replayed to record every layer's inputs, and each layer then
+runs forward and backward with its parameters on the GPU, as DHA views, and with host gradients. The profiler's own T_FP
+and T_BP stay the reference: each DHA time is it plus the slowdown measured here, so nested layers, which run in every
+mode alike, cancel out. Timing uses the profiler's clocks (CUDA events, read once per mode).
 """
 
 from __future__ import annotations
@@ -43,12 +42,13 @@ def bandwidth(device: torch.device, nbytes: int = 256 * MiB, repeats: int = REPE
     host.view(torch.float32).copy_(torch.rand(nbytes // 4))
     view = map_host(host, device).view(torch.float32)
     dev = torch.empty(nbytes // 4, device=device)
-    read = _median_s(lambda: torch.neg(view, out=dev), repeats)
-    write = _median_s(lambda: torch.neg(dev, out=view), repeats)
+    read = cuda_median_s(lambda: torch.neg(view, out=dev), repeats)
+    write = cuda_median_s(lambda: torch.neg(dev, out=view), repeats)
     return nbytes / read, nbytes / write
 
 
-def _median_s(fn, repeats: int) -> float:
+def cuda_median_s(fn, repeats: int) -> float:
+    """Median seconds of `fn`'s GPU work on the current stream over `repeats` runs, after one untimed run."""
     fn()
     times = []
     for _ in range(repeats):

@@ -94,8 +94,7 @@ class StepClock(Instrument):
         return sum(self.clock.seconds(s, e) for step in spans for s, e in step) / self.steps
 
     def warm_median_s(self) -> float | None:
-        """The median of the warm-up steps after the first, end to end, without the profiler's hooks; None with a
-        single warm-up step."""
+        """The warm-up steps' median after the first, end to end, without the profiler's hooks; None with one."""
         ends = self.ends[:self.warmup]
         return statistics.median(self.clock.seconds(a, b) for a, b in itertools.pairwise(ends)) \
             if len(ends) >= 2 else None
@@ -103,14 +102,11 @@ class StepClock(Instrument):
     def close(self) -> None:
         if self.others is not None:
             self.others.close()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        self.handles = hooks.removed(self.handles)
 
 
 class LayerTimer(Instrument):
-    """Each layer's times and saved bytes (hetero.harness.layer_timing), over the measured steps only: the warm-up
-    steps run untouched."""
+    """Each layer's times and saved bytes (hetero.harness.layer_timing) over the measured steps, not the warm-up."""
 
     def __init__(self, model: nn.Module, granularity: str, clock: CpuClock | CudaClock, compiled: bool):
         self.profiler = LayerProfiler(model, select_layers(model, granularity), clock, compiled=compiled)
@@ -146,10 +142,9 @@ class OutputBytes(Instrument):
 
 
 class EditedGrads(Instrument):
-    """Counts the optimizer steps whose gradients the script changed after backward (clipping, unscaling, any
-    in-place op: hetero.harness.grads): an update overlapped with backward, or run in it, would have used the
-    gradients before the change. Watching from its making, over `optimizers()`: made before the capture's hooks,
-    whose step hook removes itself."""
+    """Counts the optimizer steps whose gradients the script changed after backward (clipping, unscaling, any in-place
+    op: hetero.harness.grads): an update overlapped with backward, or run in it, would have used them before the change.
+    It watches `optimizers()` from its making, before the capture's hooks (whose step hook removes itself)."""
 
     def __init__(self, optimizers: Callable[[], list[torch.optim.Optimizer]]):
         self.steps = 0

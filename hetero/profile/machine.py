@@ -60,8 +60,7 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
 
 
 def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = ()) -> dict[str, str]:
-    """Why the profile's null fields are null on this machine (`layers`, `tiers`: as measured, to name those left
-    null)."""
+    """Why the profile's null fields are null here (`layers`, `tiers`: as measured, to name those left null)."""
     memory = [t for t in tiers if t.path is None and (t.read or t.write)]
     copies = {f"machine.tiers.{t.name}.{f}": why for t in memory
               for f, why in (("read_cpu", MEMORY_COPY_CPU), ("write_cpu", MEMORY_COPY_CPU),
@@ -90,9 +89,7 @@ MEMORY_BESIDE = "copies within memory are not measured beside compute: planned a
 def copy_size(room_bytes: int | None) -> int:
     """The bandwidth copy's buffer: 256 MiB, or under a budget a quarter of the room it leaves (the copy holds two
     buffers), at least 16 MiB: larger than any last-level cache, so still a DRAM-to-DRAM copy."""
-    if room_bytes is None:
-        return 256 * MiB
-    return max(16 * MiB, min(256 * MiB, room_bytes // 4 // MiB * MiB))
+    return 256 * MiB if room_bytes is None else max(16 * MiB, min(256 * MiB, room_bytes // 4 // MiB * MiB))
 
 
 def largest_buffer(room_bytes: int | None) -> int:
@@ -143,10 +140,9 @@ def copy_bandwidth(nbytes: int = 256 * MiB) -> float:
 
 
 def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
-    """Compute time on all cores while one host thread streams memory, over compute time alone: how much the
-    runtime's worker threads (evictions, prefetches, emulated AXDIMM channels) slow training without a GPU. They
-    share the cores and the memory bus with torch's intra-op threads, and a parallel GEMM waits for its slowest
-    thread."""
+    """Compute time on all cores while one host thread streams memory, over compute time alone: how much the runtime's
+    worker threads (evictions, prefetches, emulated AXDIMM channels) slow training without a GPU. They share the cores
+    and the memory bus with torch's intra-op threads, and a parallel GEMM waits for its slowest thread."""
     src = torch.ones(buffer_bytes // 4)
     dst = torch.zeros_like(src)
     return beside_compute([lambda: dst.copy_(src)]).compute
@@ -155,8 +151,7 @@ def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
 def numa_nodes() -> list[NumaNode]:
     nodes = []
     for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
-        match = re.search(r"MemTotal:\s+(\d+) kB", (path / "meminfo").read_text())
-        if match:
+        if match := re.search(r"MemTotal:\s+(\d+) kB", (path / "meminfo").read_text()):
             nodes.append(NumaNode(node=int(path.name[4:]), memory_bytes=int(match.group(1)) * KiB))
     return nodes or [NumaNode(node=0, memory_bytes=_meminfo("MemTotal"))]
 
@@ -167,8 +162,7 @@ def available_bytes() -> int:
 
 
 def _meminfo(key: str) -> int:
-    match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
-    return int(match.group(1)) * KiB
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M).group(1)) * KiB
 
 
 def host_copy_curve(sizes: tuple[int, ...] = HOST_SIZES) -> list[CurvePoint]:
@@ -183,9 +177,8 @@ def host_copy_curve(sizes: tuple[int, ...] = HOST_SIZES) -> list[CurvePoint]:
 # -- tiers ---------------------------------------------------------------------------------------------------------
 
 
-def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None,
-                  slowdown: float | None = None, disk_beside: DiskBeside | None = None,
-                  largest: int = 64 * MiB) -> list[Tier]:
+def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None, slowdown: float | None = None,
+                  disk_beside: DiskBeside | None = None, largest: int = 64 * MiB) -> list[Tier]:
     """Fastest first. Read/write curves are the costs of moving data into and out of that tier from the fast one;
     host and disk transfers are timed up to `largest` bytes."""
     dram_capacity = available_bytes()
@@ -214,10 +207,8 @@ def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
             read.append(CurvePoint(size_bytes=size, time_s=measured(
                 median_time(lambda: store.read("probe", out), repeats=3, min_s=0))))
         free = shutil.disk_usage(base).free
-    if slowdown and disk_beside:
-        beside = beside_training(slowdown, disk_beside)
-    else:
-        beside = _beside(base, slowdown) if slowdown else None
+    beside = None if not slowdown else \
+        beside_training(slowdown, disk_beside) if disk_beside else _beside(base, slowdown)
     read_cpu, write_cpu, read_beside, write_beside = beside or (None, None, [], [])
     return Tier(name=NVME_TIER, kind="nvme", capacity_bytes=free, path=str(base), read=read, write=write,
                 read_cpu=read_cpu, write_cpu=write_cpu, read_beside_compute=read_beside,
@@ -344,14 +335,7 @@ def _gpu_curve(device: torch.device, to_device: bool) -> list[CurvePoint]:
         host = torch.ones(size, dtype=torch.uint8).pin_memory()
         dev = torch.zeros(size, dtype=torch.uint8, device=device)
         dst, src = (dev, host) if to_device else (host, dev)
-        times = []
         with torch.cuda.stream(stream):
-            for _ in range(6):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-        points.append(CurvePoint(size_bytes=size, time_s=measured(statistics.median(times[1:]))))
+            seconds = dha.cuda_median_s(lambda: dst.copy_(src, non_blocking=True), repeats=5)
+        points.append(CurvePoint(size_bytes=size, time_s=measured(seconds)))
     return points

@@ -25,9 +25,7 @@ REPEATS = 7
 
 def rank() -> int:
     """This process's rank: the script's process group's, else torchrun's, else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def measure(device: torch.device, sizes: tuple[int, ...] = HOST_SIZES, repeats: int = REPEATS) -> list[Peer]:
@@ -35,8 +33,7 @@ def measure(device: torch.device, sizes: tuple[int, ...] = HOST_SIZES, repeats: 
     every rank of the script's group must call it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return []
-    backend = _backend(device)
-    if backend is None:
+    if (backend := _backend(device)) is None:
         return []
     on = device if backend == "nccl" else torch.device("cpu")
     side = dist.new_group(backend="gloo")  # barriers and the gather on the CPU, whatever the backend

@@ -1,26 +1,23 @@
-"""The profile under a budget its forward would not keep: the model's repeated blocks recomputed once the process
-nears the budget, and their layers measured in parts.
+"""The profile under a budget its forward would not keep: the model's repeated blocks recomputed once the process nears
+the budget, and their layers measured in parts.
 
-A script whose saved activations alone pass the budget dies in its first forward, before hetero knows its model or
-has measured anything, while a plan that recomputes its blocks (hetero.plan.recompute) would train it. So under a
-budget the profile watches the first module called with gradients that has repeated blocks (hetero.harness.layers),
-and runs each block through `torch.utils.checkpoint` (non-reentrant, as the runtime does) whenever the process
-holds more than `mark` as the block starts. The first forward recomputes every block: the least memory this
-training can take, and a measure of what it adds beyond its blocks (the logits and the loss, backward's gradients,
-one block rebuilt): the peak it reached less what the process held as its first block started. From the second
-forward on, `mark` is the budget less the plan's headroom and that much, and a block runs as written only where
-the process, with the most a block kept when one did (`block_bytes`; an eighth of the budget before any did),
-stays under it; decided in that second forward, each block keeps its decision for the rest of the profile, so
-that every measured step recomputes the same blocks. Blocks that run as written keep their activations and are
-measured as usual; the
-others (`engaged`) save nothing the layer profiler sees, so `fill` gives each of their layers what the same layer of
-a measured block of the same class saved: the profile measures the script in parts. What recomputing the engaged
-blocks took off the peak, counted as the planner counts a plan's recomputation, is what plain training's estimated
-peak adds back: a plan that recomputes the same blocks is then predicted at the peak measured. Nothing happens below
-the mark.
-Each forward that decides, the first and the second, reports how many blocks it recomputes to `progress`
-(hetero.profile.phases.RECOMPUTED): where a memory limit kills the profile, hetero.launch.guard tells the floor from
-a misjudged block.
+A script whose saved activations alone pass the budget dies in its first forward, before hetero knows its model or has
+measured anything, while a plan that recomputes its blocks (hetero.plan.recompute) would train it. So under a budget the
+profile watches the first module called with gradients that has repeated blocks (hetero.harness.layers), and runs each
+block through `torch.utils.checkpoint` (non-reentrant, as the runtime does) whenever the process holds more than `mark`
+as the block starts. The first forward recomputes every block: the least memory this training can take, and a measure of
+what it adds beyond its blocks (the logits and the loss, backward's gradients, one block rebuilt): the peak it reached
+less what the process held as its first block started. From the second forward on, `mark` is the budget less the plan's
+headroom and that much, and a block runs as written only where the process, with the most a block kept when one did
+(`block_bytes`; an eighth of the budget before any did), stays under it; decided in that second forward, each block
+keeps its decision for the rest of the profile, so that every measured step recomputes the same blocks. Blocks that run
+as written keep their activations and are measured as usual; the others (`engaged`) save nothing the layer profiler
+sees, so `fill` gives each of their layers what the same layer of a measured block of the same class saved: the profile
+measures the script in parts. What recomputing the engaged blocks took off the peak, counted as the planner counts a
+plan's recomputation, is what plain training's estimated peak adds back: a plan that recomputes the same blocks is then
+predicted at the peak measured. Nothing happens below the mark. Each forward that decides, the first and the second,
+reports how many blocks it recomputes to `progress` (hetero.profile.phases.RECOMPUTED): where a memory limit kills the
+profile, hetero.launch.guard tells the floor from a misjudged block.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ class UnderPressure:
     """Installed before the script runs; `close` takes every override back."""
 
     def __init__(self, budget_bytes: int, progress=lambda phase, done, total: None):
-        self.budget_bytes = budget_bytes
-        self.progress = progress
+        self.budget_bytes, self.progress = budget_bytes, progress
         self.mark = 0  # the first forward: every block
         self.first: str | None = None  # the first block, whose start begins a forward
         self.started_at: int | None = None  # resident bytes as the first forward's first block started
@@ -72,23 +68,18 @@ class UnderPressure:
         if not torch.is_grad_enabled() or id(module) in self.checked:
             return
         self.checked.update(id(m) for m in module.modules())
-        blocks = repeated_blocks(module)
-        if not blocks:
+        if not (blocks := repeated_blocks(module)):
             return
         self.handle.remove()
         self.first = blocks[0][0]
         for name, block in blocks:
             self.classes[name], self.modules[name] = type(block), block
-            self.overrides.append(hooks.forward_override(block, functools.partial(self._forward, name,
-                                                                                   block.forward)))
+            self.overrides.append(hooks.forward_override(block, functools.partial(self._forward, name, block.forward)))
 
     def _forward(self, name: str, forward, *args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if name in self.decided:
-            plain = self.decided[name]
-        else:
-            plain = self._decide(name, process_memory.resident_bytes())
+        plain = self.decided[name] if name in self.decided else self._decide(name, process_memory.resident_bytes())
         if plain:
             return forward(*args, **kwargs)
         if self.calibrated:
@@ -203,6 +194,4 @@ class UnderPressure:
     def close(self) -> None:
         self.calls.clear()
         self.handle.remove()
-        for override in self.overrides:
-            override.remove()
-        self.overrides = []
+        self.overrides = hooks.removed(self.overrides)

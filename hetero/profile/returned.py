@@ -36,8 +36,7 @@ TIMED_STEPS = 2  # the steps with freed memory returned that are timed, after th
 
 def returning() -> bool:
     """Set the thresholds the plan's `allocator` section uses and trim; False where malloc is not glibc."""
-    ok = allocator.set_thresholds(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING)
-    return ok and allocator.trim()
+    return allocator.set_thresholds(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING) and allocator.trim()
 
 
 def restore() -> None:

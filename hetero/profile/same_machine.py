@@ -40,8 +40,7 @@ def load(path: str, nvme_dir: str | None) -> Machine:
     """The machine section of the profile at `path`, if it was measured on this machine with its disk tier on the
     filesystem of `nvme_dir` (None: the temp directory); HeteroError otherwise (exit 2; 3 for no valid profile)."""
     known = files.load(path, expect=Profile).machine
-    differ = differences(known, nvme_dir)
-    if differ:
+    if differ := differences(known, nvme_dir):
         raise HeteroError(f"--machine {path} was measured on another machine: {'; '.join(differ)}", hint=HINT,
                           exit_code=USAGE)
     return known
@@ -120,8 +119,7 @@ def _existing(path: Path) -> Path:
 
 
 def cache_path() -> Path:
-    """Where the last profile that measured this host is kept: `$XDG_CACHE_HOME/hetero` (default ~/.cache/hetero),
-    one file per host."""
+    """Where the last profile that measured this host is kept: a file per host in `$XDG_CACHE_HOME/hetero`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hetero" / f"machine-{workdir.host()}.profile.yaml"
 

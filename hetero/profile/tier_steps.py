@@ -51,9 +51,7 @@ def room_beside(budget: tuple[int, str] | None) -> bool:
     `budget` (None: no budget): its peak so far and those buffers stay within the budget's room. At the floor they
     do not, and the limit would kill the profile in these steps: the disk is then timed beside a GEMM loop instead
     (hetero.profile.machine)."""
-    if budget is None:
-        return True
-    return process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= POLICY.room_of(budget[0])
+    return budget is None or process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= POLICY.room_of(budget[0])
 
 
 class TierSteps(Instrument):
@@ -115,12 +113,9 @@ class TierSteps(Instrument):
 
 def schedule(layers: list[Layer]) -> list[Eviction]:
     """Every layer with a movable storage evicts all it saved and is fetched when the next layer's backward starts."""
-    out = []
-    for layer, after in zip(layers, layers[1:]):
-        if any(size >= MIN_TENSOR_BYTES for size in layer.saved_storages_bytes):
-            out.append(Eviction(layer=layer.name, evict_bytes=layer.saved_bytes, prefetch_at_s=0.0,
-                                prefetch_after=after.name))
-    return out
+    return [Eviction(layer=layer.name, evict_bytes=layer.saved_bytes, prefetch_at_s=0.0, prefetch_after=after.name)
+            for layer, after in zip(layers, layers[1:])
+            if any(size >= MIN_TENSOR_BYTES for size in layer.saved_storages_bytes)]
 
 
 def curves(recorded: list[spans.Span]) -> tuple[list[CurvePoint], list[CurvePoint]] | None:
