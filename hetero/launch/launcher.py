@@ -4,9 +4,9 @@
 process: `run` checks the plan as `hetero check` does (hetero.launch.preflight: refused with exit 3 or 4 before
 anything runs), sweeps what killed hetero processes left behind (saying so in one line), and runs the script here as
 `python script.py args` would. Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile,
-the plan's ranks), then
-starts `python -m hetero.launch.torchrun ... -m hetero.launch.worker script args` (torchrun's own engine, quiet about
-failures hetero reports), and every worker runs `hetero.launch.worker`. torchrun and its workers end when hetero ends.
+the plan's ranks), then starts `python -m hetero.launch.torchrun ... -m hetero.launch.worker script args` (torchrun's
+own engine, quiet about failures hetero reports), and every worker runs `hetero.launch.worker`. torchrun and its
+workers end when hetero ends.
 The protocol between hetero and its workers is the environment:
   HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.launch.worker` default to plan.yaml)
   HETERO_ALLOW_STALE  1: run a plan made for another profile or model
@@ -150,11 +150,10 @@ def find_plan(plan: str | None) -> Path:
 def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool = False,
         torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False,
         replace_process: bool = False) -> int:
-    """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's)
-    exit code. With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the
-    script in this process's place (hetero.launch.plain), and one that returns freed memory first starts this
-    command again in this process's place with malloc's huge pages asked for (hetero.run.huge_pages): neither call
-    returns then."""
+    """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's) exit code.
+    With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the script in this
+    process's place (hetero.launch.plain), and one that returns freed memory first starts this command again in this
+    process's place with malloc's huge pages asked for (hetero.run.huge_pages): neither call returns then."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:
@@ -198,8 +197,7 @@ def plan_bases(plan: Plan) -> list[str | None]:
 def sweep_earlier(bases: list[str | None]) -> None:
     """At the start of a run or profile: remove what hetero processes killed earlier left in the temp directory and
     in `bases`, and say so in one line."""
-    line = workdir.sweep_earlier(bases)
-    if line:
+    if line := workdir.sweep_earlier(bases):
         print(f"hetero: {line}", file=sys.stderr)
 
 
@@ -229,8 +227,7 @@ def run_here(script: str, args: list[str], plan_path: Path, allow_stale: bool, l
               "so hetero never saw its model", file=sys.stderr)
     if leader and result.exit_code == 0:
         print(f"hetero: {_memory_line(loaded, checked.profile)}", file=sys.stderr)
-        gpu = _gpu_line(loaded, runtime.model)
-        if gpu:
+        if gpu := _gpu_line(loaded, runtime.model):
             print(f"hetero: {gpu}", file=sys.stderr)
     return result
 
@@ -263,9 +260,8 @@ def _host_peaks(plan: Plan, profile: Profile | None) -> tuple[int | None, int | 
     """Plain training's host-memory peak as the profile measured it, and the plan's prediction (None: unknown)."""
     from hetero.plan.choices import host_tier
 
-    plain = profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None
-    predicted = plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None
-    return plain, predicted
+    return (profile.memory.dram_peak_bytes if profile is not None and profile.memory is not None else None,
+            plan.predicted.peak_bytes.get(host_tier(profile)) if profile is not None else None)
 
 
 def _gpu_line(plan: Plan, model) -> str | None:
@@ -302,8 +298,7 @@ def _run_torchrun(launch: Launch, exits: str, stdout_to_stderr: bool) -> int:
     # Its own session: a terminal's Ctrl-C reaches torchrun once, from us, not twice. It dies with us
     # (hetero.launch.torchrun asks for that itself: no preexec_fn, unsafe in a process with threads).
     env = os.environ | launch.env | {EXIT_DIR_ENV: exits, PARENT_ENV: str(os.getpid())}
-    proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None,
-                            start_new_session=True)
+    proc = subprocess.Popen(launch.command, env=env, stdout=2 if stdout_to_stderr else None, start_new_session=True)
     try:
         code = proc.wait()
     except Interrupted as e:

@@ -63,8 +63,7 @@ class Failure:
 
 
 def failures(exits: Path) -> list[Failure]:
-    """The ranks that ended with a nonzero code, the first to end first; a file cut short (its worker killed while
-    writing it) is skipped."""
+    """The ranks that ended with a nonzero code, first to end first; a file cut short (killed mid-write) is skipped."""
     out = []
     for f in exits.iterdir():
         if f.name.endswith(TRACEBACK) or not f.is_file():
@@ -87,11 +86,9 @@ def first_failure(exits: Path) -> int | None:
 
 def report_failures(failed: list[Failure]) -> list[str]:
     """One line per failed rank, the first first: its exit code and the last line of its error."""
-    lines = []
-    for i, f in enumerate(failed):
-        after = f" (after rank {failed[0].rank} failed)" if i and f.code in (143, 129, 130) else ""
-        lines.append(f"rank {f.rank} exited with {f.code}{after}" + (f": {f.message}" if f.message else ""))
-    return lines
+    return [f"rank {f.rank} exited with {f.code}"
+            + (f" (after rank {failed[0].rank} failed)" if i and f.code in (143, 129, 130) else "")
+            + (f": {f.message}" if f.message else "") for i, f in enumerate(failed)]
 
 
 PARENT_ENV = "HETERO_PARENT_PID"  # hetero's pid: torchrun ends at once if hetero ended before it started
@@ -115,9 +112,8 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         for rank, failure in e.failures.items() if exits else ():
             code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
-            # No file of its own: it died abruptly (os._exit, a signal), a moment torchrun only knows to the second
-            # it noticed. Such a rank is taken to have failed first: its peers' errors (a closed connection) follow
-            # from it.
+            # No file of its own: it died abruptly (os._exit, a signal), a moment torchrun only knows to the second it
+            # noticed. Such a rank is taken to have failed first: its peers' errors (closed connections) follow from it.
             write_exit(exits, rank, code, _signal_note(failure.exitcode), at_ns=0, replace=False)
         return 1
     except SignalException as e:

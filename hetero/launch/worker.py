@@ -12,17 +12,8 @@ from pathlib import Path
 
 from hetero import interrupts
 from hetero.errors import FAILURE, USAGE, HeteroError, Interrupted
-from hetero.launch.launcher import (
-    ALLOW_STALE_ENV,
-    PLAN_ENV,
-    PROFILE_ENV,
-    SKIP_PROFILE_CHECK_ENV,
-    TRACE_ENV,
-    WORKER,
-    Trace,
-    find_plan,
-    run_here,
-)
+from hetero.launch.launcher import (ALLOW_STALE_ENV, PLAN_ENV, PROFILE_ENV, SKIP_PROFILE_CHECK_ENV, TRACE_ENV, WORKER,
+                                    Trace, find_plan, run_here)
 from hetero.launch.torchrun import EXIT_DIR_ENV, write_exit, write_traceback
 
 
