@@ -11,15 +11,9 @@ from hetero import __version__, interrupts
 from hetero.cli import check, plan, profile, report, run, show, usage
 from hetero.errors import FileProblems, HeteroError, Interrupted
 
-app = typer.Typer(
-    name="hetero",
-    help="Train PyTorch models larger and faster than GPU memory allows, using every memory tier.",
-    epilog="Example: hetero check plan.yaml && hetero show plan.yaml",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+app = typer.Typer(name="hetero", help="Train PyTorch models larger and faster than GPU memory allows, using every "
+                  "memory tier.", epilog="Example: hetero check plan.yaml && hetero show plan.yaml",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 _debug = False
 
 
@@ -30,10 +24,9 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _options(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
-) -> None:
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Print the version."),
+             debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
     global _debug
     _debug = debug
 
@@ -57,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             code = _run(argv)
     except Interrupted as e:  # a signal after `_run` returned (a third one, forcing the end of a slow cleanup)
         code = e.exit_code
-    interrupted = interrupts.exit_code()
-    if interrupted is not None:
+    if (interrupted := interrupts.exit_code()) is not None:
         print(f"error: {interrupts.name(interrupted - 128)}", file=sys.stderr)
         return interrupted
     return code

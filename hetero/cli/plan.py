@@ -72,10 +72,9 @@ def plan(
     if emulate not in (None, "axdimm"):
         raise HeteroError(f"--emulate {emulate}: only axdimm can be emulated", hint="--emulate axdimm",
                           exit_code=USAGE)
-    source = written_profile_path(profile, output)
     options = PlanOptions(emulate=emulate == "axdimm", tier_activations=tier_activations, recompute=recompute,
-                          profile_path=source,
-                          reserve=reserve, gpu_memory_bytes=quantity(SIZE, gpu_memory, "--gpu-memory"),
+                          profile_path=written_profile_path(profile, output), reserve=reserve,
+                          gpu_memory_bytes=quantity(SIZE, gpu_memory, "--gpu-memory"),
                           dram_budget_bytes=quantity(SIZE, dram_budget, "--dram-budget"),
                           optimizer_device=optimizer_device, slow_tier=slow_tier,
                           stay_time_s=quantity(TIME, stay_time, "--stay-time"), previous=old)

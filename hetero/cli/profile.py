@@ -71,8 +71,7 @@ def profile(
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         if ranks is not None:
             options.check()
-            code = launch.profile_workers(script, list(args or []), options, output, ranks,
-                                           stdout_to_stderr=as_json)
+            code = launch.profile_workers(script, list(args or []), options, output, ranks, stdout_to_stderr=as_json)
             if code or not output.is_file():  # a node other than rank 0's: the profile is on that node
                 raise typer.Exit(code)
             result = files.load(output, expect=Profile)
@@ -89,8 +88,7 @@ def profile(
 @contextlib.contextmanager
 def _progress(phases=None):
     """A progress bar per phase on stderr; where stderr is no terminal (a log, `make demo`), a line as each phase
-    starts and as it ends. Each phase also goes to `phases` (hetero.launch.guard), where a memory limit could kill
-    the profile."""
+    starts and ends. Each phase also goes to `phases` (hetero.launch.guard), where a memory limit could kill it."""
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, disable=not err.is_terminal, transient=True) as bar:
@@ -159,9 +157,7 @@ def _plain_peak(memory) -> str:
 
 def _interference(share: float) -> str:
     """`write_cpu` in words: a share of the slowdown a thread streaming memory causes."""
-    if share < 0.05:
-        return "hardly at all"
-    return f"{share:.0%} as much as a thread copying memory does"
+    return "hardly at all" if share < 0.05 else f"{share:.0%} as much as a thread copying memory does"
 
 
 def register(app: typer.Typer) -> None:

@@ -38,8 +38,7 @@ def report(
         raise HeteroError(f"{plan_path} was made for another model than the one {run_path} ran",
                           hint="pass the plan the run carried out with --plan", exit_code=USAGE)
     profile, note = _profile(plan, plan_path)
-    rows = compare(run, plan, profile)
-    _print(run_path, plan_path, run, rows, note)
+    _print(run_path, plan_path, run, compare(run, plan, profile), note)
     if png is not None:
         draw_run(run, run_path, plan, profile, png)
         print(f"wrote {png}")
@@ -71,8 +70,7 @@ def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str
     if summed:
         console.print(f"{summed} layer times under {NEGLIGIBLE:.0%} of the predicted iteration each are summed in "
                       "the 'short layers' rows: one by one they are as short as the timer and hook noise around them")
-    unchecked = sum(not r.checked for r in shown)
-    if unchecked:
+    if unchecked := sum(not r.checked for r in shown):
         console.print(f"{unchecked} entries under {NEGLIGIBLE:.0%} of the predicted iteration are shown dim, without "
                       "an error, and not checked")
     if note:

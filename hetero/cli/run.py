@@ -22,10 +22,9 @@ RDZV = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", help="Where th
 
 def torchrun(nproc: int | None, nnodes: str, node_rank: int | None, master_addr: str | None,
              master_port: int | None, rdzv: str | None) -> launch.Torchrun | None:
-    if nproc is None:
-        return None
-    return launch.Torchrun(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                           master_port=master_port, rdzv_endpoint=rdzv)
+    return None if nproc is None else launch.Torchrun(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
+                                                      master_addr=master_addr, master_port=master_port,
+                                                      rdzv_endpoint=rdzv)
 
 
 def run(

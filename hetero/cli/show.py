@@ -80,21 +80,19 @@ def _rows(console: Console, title: str, items: list, cls: type) -> None:
     # A column empty in every row (DHA times on a CPU-only profile, `why` of hand-written entries) says nothing.
     columns = [s for s in specs(cls) if any(getattr(i, s.name) not in (None, "") for i in items)]
     table = Table(title=f"{title} ({len(items)})", title_justify="left")
-    cells = [[_cell(getattr(item, s.name), s) for s in columns] for item in items]
     for i, spec in enumerate(columns):
         # Headers break at underscores rather than inside words; the first column (a name) never breaks.
         table.add_column(spec.key.replace("_", "_\n"), justify="right" if spec.unit else "left", overflow="fold",
                          no_wrap=i == 0)
-    for row in cells:
-        table.add_row(*row)
+    for item in items:
+        table.add_row(*[_cell(getattr(item, s.name), s) for s in columns])
     console.print(table)
 
 
 def _is_section(spec: FieldSpec, value: Any) -> bool:
     tp = strip_optional(spec.type)
-    if is_schema(tp):
-        return True
-    return typing.get_origin(tp) is list and is_schema(typing.get_args(tp)[0]) and tp != list[CurvePoint]
+    return is_schema(tp) or (typing.get_origin(tp) is list and is_schema(typing.get_args(tp)[0])
+                             and tp != list[CurvePoint])
 
 
 def _cell(value: Any, spec: FieldSpec) -> str:
@@ -131,8 +129,7 @@ def _timeline(path: Path, output: Path | None, timeline: bool) -> None:
         raise HeteroError("-o is only used with --timeline", hint=f"hetero show --timeline {path} -o {output}",
                           exit_code=USAGE)
     plan = files.load(path, expect=Plan)
-    profile = profile_of(plan, path, "the timeline is simulated from it")
-    result = predict(profile, plan, record=True)
+    result = predict(profile_of(plan, path, "the timeline is simulated from it"), plan, record=True)
     target = output or Path("predicted.json")
     try:
         target.write_text(json.dumps(chrome_trace(result, plan.predicted.iteration_s)))
