@@ -33,9 +33,7 @@ class Row:
     @property
     def error(self) -> float | None:
         """measured / predicted - 1; None when either is missing or the prediction is zero."""
-        if self.predicted is None or self.measured is None or self.predicted == 0:
-            return None
-        return self.measured / self.predicted - 1
+        return None if not self.predicted or self.measured is None else self.measured / self.predicted - 1
 
     @property
     def off(self) -> bool:
@@ -75,9 +73,7 @@ def _measured_peak(run: Run, tier: str, host: str | None) -> int | None:
     process = run.process
     if process is not None and tier == GPU and process.gpu_reserved_peak_bytes is not None:
         return process.gpu_reserved_peak_bytes
-    if process is not None and tier == host:
-        return process.dram_peak_bytes
-    return run.peak_bytes.get(tier)
+    return process.dram_peak_bytes if process is not None and tier == host else run.peak_bytes.get(tier)
 
 
 def _layers(run: Run, result: Result, profile: Profile, iteration_s: float) -> list[Row]:

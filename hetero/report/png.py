@@ -20,8 +20,7 @@ MiB = 2**20
 
 def step_window(run: Run) -> tuple[float, float]:
     """The last recorded step, in trace seconds: from the previous step's end to its own."""
-    ends = [s.at_s for s in run.steps]
-    if not ends:
+    if not (ends := [s.at_s for s in run.steps]):
         raise HeteroError("the run recorded no complete step: nothing to draw", hint="record more steps")
     return (ends[-2] if len(ends) > 1 else 0.0), ends[-1]
 
@@ -82,7 +81,6 @@ def _pyplot():
 def draw_run(run: Run, run_path: Path, plan: Plan, profile: Profile | None, png: Path) -> None:
     """Draw the run's last recorded step from its trace (found beside run.yaml), with the plan's prediction when
     its profile is at hand, into `png`."""
-
     trace_path = beside(run.source.trace, run_path) if run.source.trace else None
     if trace_path is None or not trace_path.is_file():
         raise HeteroError(f"--png draws from the run's trace, and {trace_path or 'none'} is not there",
