@@ -31,17 +31,14 @@ def _classes(cls: type, where: str, out: list[str], seen: set[type]) -> None:
     if cls in seen:
         return
     seen.add(cls)
-    out.append(f"#### `{where}` ({cls.__name__})\n")
-    out.append(f"{(cls.__doc__ or '').strip()}\n")
-    out.append("| key | value | meaning |")
-    out.append("| --- | --- | --- |")
+    out += [f"#### `{where}` ({cls.__name__})\n", f"{(cls.__doc__ or '').strip()}\n", "| key | value | meaning |",
+            "| --- | --- | --- |"]
     nested = []
     for spec in specs(cls):
         key = "`# why:` comment" if spec.comment else f"`{spec.key}`"
         value = describe(spec) + ("" if spec.required or spec.comment else " (optional)")
         out.append(f"| {key} | {value} | {spec.doc.replace('|', '/')} |")
-        inner = _schema_of(spec.type)
-        if inner is not None:
+        if (inner := _schema_of(spec.type)) is not None:
             nested.append((inner, f"{where}.{spec.key}"))
     out.append("")
     for inner, path in nested:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OK = 0
 FAILURE = 1
 USAGE = 2
 INVALID_FILE = 3
@@ -19,9 +18,7 @@ class HeteroError(Exception):
 
     def __init__(self, message: str, hint: str | None = None, exit_code: int = FAILURE):
         super().__init__(message)
-        self.message = message
-        self.hint = hint
-        self.exit_code = exit_code
+        self.message, self.hint, self.exit_code = message, hint, exit_code
 
 
 @dataclass(frozen=True, slots=True)

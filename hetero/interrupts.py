@@ -78,13 +78,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent: int | None = None, signum: int = signal.SIGTERM) -> None:
-    """Linux: this process gets `signum` when its parent ends, however it ends (SIGKILL included); a no-op
-    elsewhere. Exits at once (128 + signum) when the parent (`parent`: the pid it must be; default: the one it
-    is now) is already gone."""
+    """Linux: this process gets `signum` when its parent ends, however it ends (SIGKILL included); a no-op elsewhere.
+    Exits at once (128 + signum) when the parent (`parent`: the pid it must be; default: the current one) is gone."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid() if parent is None else parent
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request: nobody will send it
         os._exit(128 + signum)

@@ -41,10 +41,7 @@ class Unit:
         """`raw` as a number in the base unit; ValueError with the accepted units if it is not one."""
         if isinstance(raw, bool):
             raise ValueError(f"expected a {self.name}, got {str(raw).lower()}")
-        if isinstance(raw, (int, float)):
-            value = Decimal(raw)
-        else:
-            value = self._parse_text(raw)
+        value = Decimal(raw) if isinstance(raw, (int, float)) else self._parse_text(raw)
         if not value.is_finite() or abs(value) > LIMIT:
             raise ValueError(f"{self.name} {quoted_cut(raw)} is out of range (at most {LIMIT:.3e} {self.base})")
         if value < 0:
@@ -52,8 +49,7 @@ class Unit:
         return int(value.to_integral_value()) if self.integral else float(value)
 
     def _parse_text(self, text: str) -> Decimal:
-        match = _NUMBER.match(text)
-        if not match:
+        if not (match := _NUMBER.match(text)):
             raise ValueError(f"bad {self.name} {quoted_cut(text)} (write a number with a unit, e.g. {self.example()})")
         number, word = match.groups()
         if len(number) > MAX_DIGITS:
@@ -67,9 +63,8 @@ class Unit:
         if word not in self.words:
             close = difflib.get_close_matches(word, list(self.words), n=1, cutoff=0.5)
             guess = f"; did you mean '{number}{close[0]}'?" if close else ""
-            raise ValueError(
-                f"bad {self.name} {quoted_cut(text)}: unknown unit {quoted_cut(word)} (use {self.unit_list()}){guess}"
-            )
+            raise ValueError(f"bad {self.name} {quoted_cut(text)}: unknown unit {quoted_cut(word)} "
+                             f"(use {self.unit_list()}){guess}")
         return Decimal(number) * self.words[word]
 
     def format_exact(self, value: int | float) -> str:
@@ -96,11 +91,8 @@ class Unit:
     def _rung(self, value: int | float) -> tuple[Decimal, str]:
         if value == 0:  # "0s", not "0ns"
             return next(r for r in self.ladder if r[0] == 1)
-        best = self.ladder[0]
-        for rung in self.ladder:
-            if abs(value) >= rung[0]:  # exact: Python compares a float with a Decimal by value
-                best = rung
-        return best
+        # the largest rung at most `value`; exact: Python compares a float with a Decimal by value
+        return next((rung for rung in reversed(self.ladder) if abs(value) >= rung[0]), self.ladder[0])
 
     def example(self) -> str:
         return f"{12.5 if not self.integral else 12}{self.ladder[min(2, len(self.ladder) - 1)][1]}"
@@ -132,30 +124,17 @@ _SIZE_WORDS = {w: s for s, w in _BINARY + _DECIMAL} | {"": Decimal(1), "KB": Dec
 _TIMES = _ladder(("ns", "1e-9"), ("us", "1e-6"), ("ms", "1e-3"), ("s", 1))
 _COUNTS = _ladder(("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9), ("T", 10**12))
 
-SIZE = Unit(
-    name="size", base="bytes", suffix="_bytes", integral=True,
-    words=_SIZE_WORDS, ladder=_BINARY,
-)
-TIME = Unit(
-    name="time", base="seconds", suffix="_s", integral=False,
-    words={w: s for s, w in _TIMES} | {"µs": Decimal("1e-6"), "": Decimal(1)}, ladder=_TIMES,
-)
-RATE = Unit(
-    name="rate", base="bytes/s", suffix="_bytes_per_s", integral=False,
-    words={f"{w}/s": s for w, s in _SIZE_WORDS.items() if w} | {"": Decimal(1)},
-    ladder=tuple((s, f"{w}/s") for s, w in _DECIMAL),
-)
-COUNT = Unit(
-    name="count", base="items", suffix="", integral=True,
-    words={w: s for s, w in _COUNTS}, ladder=_COUNTS,
-)
-PARAM_RATE = Unit(
-    name="parameter rate", base="params/s", suffix="_params_per_s", integral=False,
-    words={f"{w} params/s".strip(): s for s, w in _COUNTS}
-    | {f"{w}params/s": s for s, w in _COUNTS if w}
-    | {"": Decimal(1)},
-    ladder=tuple((s, f"{w} params/s" if w else " params/s") for s, w in _COUNTS),
-)
+SIZE = Unit(name="size", base="bytes", suffix="_bytes", integral=True, words=_SIZE_WORDS, ladder=_BINARY)
+TIME = Unit(name="time", base="seconds", suffix="_s", integral=False,
+            words={w: s for s, w in _TIMES} | {"µs": Decimal("1e-6"), "": Decimal(1)}, ladder=_TIMES)
+RATE = Unit(name="rate", base="bytes/s", suffix="_bytes_per_s", integral=False,
+            words={f"{w}/s": s for w, s in _SIZE_WORDS.items() if w} | {"": Decimal(1)},
+            ladder=tuple((s, f"{w}/s") for s, w in _DECIMAL))
+COUNT = Unit(name="count", base="items", suffix="", integral=True, words={w: s for s, w in _COUNTS}, ladder=_COUNTS)
+PARAM_RATE = Unit(name="parameter rate", base="params/s", suffix="_params_per_s", integral=False,
+                  words={f"{w} params/s".strip(): s for s, w in _COUNTS}
+                  | {f"{w}params/s": s for s, w in _COUNTS if w} | {"": Decimal(1)},
+                  ladder=tuple((s, f"{w} params/s" if w else " params/s") for s, w in _COUNTS))
 
 
 def measured(value: float, digits: int = 4) -> float:
