@@ -321,9 +321,9 @@ def _why(ctx, best: Candidate, seen: dict, fitting: int) -> str:
         if without is None or with_it is None:
             parts.append(f"{LEVER_NAMES[lever]} (--recompute)" if lever == "recompute" else LEVER_NAMES[lever])
             continue
-        parts.append(f"{LEVER_NAMES[lever]} saves {SIZE.format_short(without.predicted_bytes - with_it.predicted_bytes)} "
-                     f"for {short_time(with_it.plan.predicted.iteration_s - without.plan.predicted.iteration_s)} "
-                     "per iteration (predicted)")
+        saved = SIZE.format_short(without.predicted_bytes - with_it.predicted_bytes)
+        cost = short_time(with_it.plan.predicted.iteration_s - without.plan.predicted.iteration_s)
+        parts.append(f"{LEVER_NAMES[lever]} saves {saved} for {cost} per iteration (predicted)")
     return (f"{source}: {'; '.join(parts)}: predicted {SIZE.format_short(best.predicted_bytes)} at "
             f"{short_time(best.plan.predicted.iteration_s)} per iteration, the fastest of {fitting} candidates that "
             f"fit (of {len(seen)} simulated){tried}")
