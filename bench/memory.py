@@ -9,14 +9,12 @@ For each size (layers x width x batch x context of examples/train_gpt.py, or of 
 heldout`) this profiles the script once, makes one plan per `--plans` entry (flags of `hetero plan`, or `default`;
 entries separated by ';') from that profile, then runs plain and `hetero run` under every plan in interleaved
 rounds, each a fresh process. The profile and the runs run the same command, `--steps` included: a plan predicts the
-peak of the training it was profiled on, and plain training's peak with malloc's defaults still rises after its
-sixth step (train_gpt 6 x 256: a median of 1289 MiB over 4 processes of 6 steps, 1342 MiB of 16; docs/benchmarks.md,
-round nine). Every process runs in a memory cgroup of its own (bench/cgroup.py; as root), and its peak is the
+peak of the training it was profiled on, and plain training's peak with malloc's defaults still rises for steps
+after the first ones. Every process runs in a memory cgroup of its own (bench/cgroup.py; as root), and its peak is the
 cgroup's `memory.max_usage_in_bytes`: what a memory limit counts. Without root it falls back to wait4's `ru_maxrss`
 (VmHWM, which counts library file pages a cgroup does not) and says so. It prints per configuration the median peak
 and step time (steps after the second, from the script's own clock) with their ranges, the ratios to plain, the last
-loss, plain's peak as the profile recorded it (what plans with malloc's defaults are predicted from:
-`measured/profiled`), and each plan's predicted DRAM peak against the measured one (`measured/predicted`).
+loss, plain's peak as the profile recorded it (`measured/profiled`), and each plan's predicted DRAM peak against the measured one (`measured/predicted`).
 
 `--limit` puts the profile, the plans and the hetero runs under a memory cgroup with that limit (`0.5x`: half of
 plain's median peak, measured first without a limit); plain runs without one (it would be killed), as the
