@@ -5,7 +5,7 @@ The profile measures plain training's peak resident memory (interpreter, librari
 plan changes it by a difference of the simulator's static bytes, so everything plain and planned runs share cancels.
 With glibc's default allocator, saved activations evicted *from* host memory are subtracted only up to the
 activation store's own buffers: the allocator keeps the memory they freed for the next ones, so the process's peak
-stays where plain training put it (docs/benchmarks.md, "Memory is what the process pays"). A plan whose
+stays where plain training put it (docs/benchmarks.md, "Design figures"). A plan whose
 `allocator` section returns freed memory starts from the peak the profile measured that way, and there evictions do
 lower it: by the simulated drop of the saved-activation peak. Recomputed blocks (the plan's `recompute`, which comes
 with freed memory returned) never hold what they would have saved, so they lower it by the level of saved

@@ -1,8 +1,8 @@
 """The plan's `allocator` section: glibc's malloc told to give freed memory back to the kernel.
 
 By default glibc keeps what freed tensors leave inside its heaps for the next allocation; the process's resident memory
-then stays at its high-water mark, and a memory limit counts it (docs/benchmarks.md, "Why the default plan runs plain on
-a CPU": evicting saved activations lowered nothing). With a low M_MMAP_THRESHOLD each large block is mapped on its own
+then stays at its high-water mark, and a memory limit counts it (docs/benchmarks.md, "Design figures":
+evicting saved activations lowered nothing). With a low M_MMAP_THRESHOLD each large block is mapped on its own
 and unmapped when freed, and a low M_TRIM_THRESHOLD returns the top of a heap; that costs page faults each time a block
 is mapped again, which `hetero profile` measures and the plan counts (fewer with huge pages: hetero.run.huge_pages).
 Setting either threshold also stops glibc from raising the mmap threshold by itself.

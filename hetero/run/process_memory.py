@@ -3,7 +3,7 @@
 Host memory is what a memory limit charges the process: its resident set less the pages it maps from files
 (interpreter, heap, allocator slack, tensors: anonymous and shared memory). A memory cgroup charges a library's file
 pages only to whoever first read them, and reclaims clean ones before it kills anything, so the resident set (VmRSS,
-VmHWM) overstates what a limit counts by torch's libraries (docs/benchmarks.md, "What plain training needs"). Its
+VmHWM) overstates what a limit counts by torch's libraries (docs/benchmarks.md, "Design figures"). Its
 peak is taken from the kernel's own high-water mark (VmHWM), which no sampling can miss, less the file pages mapped
 when it last rose (`Peak`): the library pages are mapped by the time training peaks and stay so. On a GPU, torch's
 caching allocator's peaks: `allocated` (live tensors) and `reserved` (what the GPU has given the process).

@@ -5,8 +5,7 @@ One small GPT under a GPU plan with every per-step mechanism: DHA, GFGB and DFGB
 to host memory, Adam on the host with updates overlapping backward, and saved activations tiered from GPU memory to
 pinned host memory. The counts are of steady steps (after two warm-up steps), each step's evictions all written
 before its backward (so that every planned prefetch really fetches: the counts do not depend on thread timing).
-docs/benchmarks.md lists them before and after the lean-step changes; `python -m tests.run.test_lean_step` prints
-them."""
+docs/benchmarks.md has their totals; `python -m tests.run.test_lean_step` prints them."""
 
 from __future__ import annotations
 
@@ -158,7 +157,7 @@ def by_kind(work: dict[str, float]) -> dict[str, float]:
 # Per steady step (torch 2.13's saved tensors for this model; every count but the saved-tensor hooks' is fixed by the
 # model's parameters, the plan and hetero). Before the lean-step changes (issue 30 item 3) these were, by kind:
 # synchronizations 106, event waits 88, event records 143, copies 78, device allocations 24, hook calls 268, queue
-# hand-offs 90, p.data rebinds 38, per-tensor records 48 (docs/benchmarks.md has every count).
+# hand-offs 90, p.data rebinds 38, per-tensor records 48.
 PINNED = {
     "allocations": 14,  # one per prefetch request (a layer's fetches share one buffer)
     "backward pre-hooks": 20,
@@ -190,14 +189,14 @@ PINNED = {
 
 
 def test_per_step_work_is_pinned(stand_in, monkeypatch, tmp_path):
-    """More work per step than pinned is a regression; less is progress: lower the numbers here and in
+    """More work per step than pinned is a regression; less is progress: lower the numbers here and the totals in
     docs/benchmarks.md."""
     work = per_step_work(stand_in, monkeypatch, tmp_path)
     assert work == PINNED, {k: (work.get(k), PINNED.get(k)) for k in work.keys() | PINNED.keys()
                             if work.get(k) != PINNED.get(k)}
 
 
-if __name__ == "__main__":  # the table in docs/benchmarks.md
+if __name__ == "__main__":  # the counts docs/benchmarks.md sums up
     import tempfile
     from pathlib import Path
 
