@@ -69,6 +69,8 @@ def waiter_argv(profile: Profile, options: solve.PlanOptions, plan_args: list[st
     if not fit.wants_trial(profile, options, chosen, []):
         return None
     work = workdir.create(None, "trial", "TMPDIR")
+    if work.lock is not None:  # held across the exec: the waiter keeps its directory from sweeps
+        os.set_inheritable(work.lock, True)
     return [sys.executable, "-m", "hetero.launch.waiter", os.path.join(work.path, "state.json"), sys.executable,
             "-m", "hetero", *plan_args]
 
