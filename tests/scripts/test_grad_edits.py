@@ -42,7 +42,7 @@ def _bitwise_equal(result: dict, reference: dict) -> None:
         assert torch.equal(result["state"][key], value), key
 
 
-@pytest.mark.parametrize("how", ["total_norm", "scaler", "data", "closure"])
+@pytest.mark.parametrize("how", EDITS)
 def test_changed_gradients_train_bit_equal_to_fused_adamw_or_stop_before_the_update_is_kept(workdir, how):
     _needs(how)
     profile = harness.profile("grad_edits", workdir, args=(how,))
