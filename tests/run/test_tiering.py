@@ -352,7 +352,8 @@ def test_an_exception_in_the_script_leaves_no_file(tmp_path):
 def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
     """GPU memory tiered to pinned host memory, through the stand-in's strict streams: training equals plain; every
     device buffer of the steps (fetched activations, partial evictions' kept tails) is allocated on the compute stream
-    by the thread running the model, side streams only copy, and no buffer is freed while a copy still uses it."""
+    by the thread running the model, side streams only copy, no buffer is freed while a copy still uses it, and
+    without a store below no eviction makes the host wait for its download."""
     from tests.standin import COMPUTE, PREFETCH
 
     ref_model, model = tiny_gpt(), tiny_gpt()
@@ -367,10 +368,16 @@ def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
         hook = model.lm_head.register_forward_hook(written)
         out = train(model, "gpt", steps=4)
         hook.remove()
+        tier = runtime.find(ActivationTiering).mover.tier
+        assert below or tier.held_bytes == 0  # every download was done when the last backward returned
     assert_close(torch.tensor(out), torch.tensor(ref))
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert_close(p, q)
-    assert runtime.find(ActivationTiering).ledger.report().evictions > 0
+    assert runtime.find(ActivationTiering).ledger.report().evictions > 1
+    # no host wait per eviction: the writer issues each download and goes on (with a store below it waits for each,
+    # on its thread, to write the file); close may wait once for what is still running
+    waits = stand_in.synchronized
+    assert (sum(waits.values()) if not below else waits[threading.current_thread().name]) <= 1
     assert stand_in.allocations and {a.stream for a in stand_in.allocations} == {COMPUTE}
     assert {a.thread for a in stand_in.allocations} == {threading.current_thread().name}
     used = {s for a in stand_in.allocations for s in a.used_by}
