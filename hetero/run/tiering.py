@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.harness import hooks
+from hetero.harness import hooks, watch
 from hetero.harness.capture import calling
 from hetero.harness.layers import LayerSpec, before_backward, layers_named, sharded, storages
 from hetero.harness.models import roots
@@ -101,6 +101,8 @@ class ActivationTiering(Mechanism):
         for root in roots(model):
             self.handles += [hooks.forward_pre(root, self._forward_start, prepend=True),
                              hooks.forward(root, self._forward_end, always_call=True)]
+        # a step's end: the optimizer may allocate next, so evicted storages whose copies are done go first
+        self.handles.append(watch.backward_calls(self.mover.tier.reclaim))
         chain.join(self, TIERING)
         for root in roots(model):
             if calling(root):  # bound at the model's first forward, whose pre-hooks have already run

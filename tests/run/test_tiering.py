@@ -386,6 +386,30 @@ def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
     assert not (tmp_path / "nvme").exists()
 
 
+def test_a_backward_returning_drops_the_evicted_storages_whose_downloads_are_done(stand_in, tmp_path):
+    """A step's end, where the optimizer may allocate next: the storages the GPU tier kept for their downloads go
+    once a backward returns, with no eviction or fetch since the downloads were done."""
+    model = tiny_gpt()
+    plan = tiering_plan(model, str(tmp_path), GiB)
+    plan.activations.fast, plan.activations.slow, plan.activations.slow_path = "gpu", "dram", None
+    with Runtime(plan, script=__file__) as runtime:
+        train(model, "gpt", steps=1)
+        tiering = runtime.find(ActivationTiering)
+        loss = model(batch("gpt", 1)[0]).sum()
+        until(tiering.mover.writer.idle)
+        held = tiering.mover.tier.held_bytes
+        assert held > 0  # the stand-in runs no download until something waits for it
+        ready = stand_in.event("test")
+        stand_in.record_compute(ready)
+        # a download of the test's own, queued after the tier's: waiting for it runs them all
+        stand_in.synchronize(stand_in.download(torch.empty(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8),
+                                               ready))
+        assert tiering.mover.tier.held_bytes == held
+        torch.autograd.backward(torch.ones(1, requires_grad=True).sum())  # any backward: the step's end
+        assert tiering.mover.tier.held_bytes == 0
+        loss.backward()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("below", [False, True], ids=["pinned", "pinned+nvme"])
 def test_gpu_training_equals_plain_pytorch(below, tmp_path):

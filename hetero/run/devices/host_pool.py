@@ -22,9 +22,10 @@ is done, and made per-stream pools grow: DESIGN §7).
   upload that last read it, not by the host.
 Memory: an evicted storage held for its download is GPU memory beyond the ledger's fast-tier bytes (which drop when
 the download is issued; hetero.run.devices.residency), `held_bytes` here. The queries run at every eviction (writer),
-every prefetch request (`landings`: memory is allocated next) and every fetch (reader), so a storage outlives its
-download only until the next of those (in training, the next step's first eviction at the latest); close waits for
-the downloads still running.
+every prefetch request (`landings`: memory is allocated next), every fetch (reader), and when a backward returns
+(hetero.run.tiering calls `reclaim`: the optimizer may allocate next), so a storage outlives its download only until
+the next of those (in training, the next step's first eviction at the latest); close waits for the downloads still
+running.
 With an NVMe store below, the writer waits for each download on the host (the file is written from the pinned copy),
 writes the file and gives the pinned buffer back to the pool, and the storage goes at once; a prefetch reads the
 file into a pooled buffer first.
