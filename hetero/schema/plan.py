@@ -315,11 +315,13 @@ class Predicted:
     dram_saved: dict[str, int] = doc("What the plan moves out of host memory, by what it is.", unit=SIZE,
                                      default_factory=dict)
     gpu: dict[str, int] = doc("What makes up the predicted GPU peak (`peak` of `gpu` is this sum less `gpu_saved`): "
-                              "plain training's measured reserved peak, and what the plan adds there; empty without "
-                              "a GPU.", unit=SIZE, default_factory=dict)
-    gpu_saved: dict[str, int] = doc("What the plan takes off plain training's GPU peak, by what it moves (a "
-                                    "gradient moved saves only what coexists with the peak).", unit=SIZE,
-                                    default_factory=dict)
+                              "what the plan keeps on the GPU in the phase of the step where it holds the most "
+                              "(forward, backward or the optimizer's step; an entry names its phase), and what plain "
+                              "training's measured reserved peak holds beyond the same count; empty without a GPU.",
+                              unit=SIZE, default_factory=dict)
+    gpu_saved: dict[str, int] = doc("What the plan takes off that phase's count: saved activations evicted to host "
+                                    "memory (and plain training's count beyond its measured peak, where it is).",
+                                    unit=SIZE, default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
