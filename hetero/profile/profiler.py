@@ -126,7 +126,7 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
 
 def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
     """The profile of a measured script on a measured machine; what is not measured says why in `unmeasured`."""
-    unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers)
+    unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers, measured_machine.cpu)
     training = run.training
     if run.moved_tensors and measured_machine.cpu.adam_params_per_s:
         training = _plain_step(training, run.moved_tensors, run.model.num_params, measured_machine)
