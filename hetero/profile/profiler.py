@@ -32,6 +32,7 @@ from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, Summary
 from hetero.harness.layers import sharded
 from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import ScriptResult, StopScript, run_script
+from hetero.plan.axdimm import host_rate
 from hetero.profile import dha, machine, peers, phases, recompute, returned, same_machine, tier_steps
 from hetero.profile.instruments import EditedGrads, Instrument, LayerTimer, OutputBytes, StepClock
 from hetero.run import allocator, process_memory
@@ -413,9 +414,10 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
 
 def _plain_step(training: Training, tensors: int, params: int, measured_machine: Machine) -> Training:
     """The profile's steps updated states on NVMe (Conservative): plain training's step is timed instead at the host
-    Adam rate the machine phase measured, and the iteration by as much less."""
+    Adam rate the machine phase measured (at the model's size: hetero.plan.axdimm.host_rate), and the iteration by
+    as much less."""
     cpu = measured_machine.cpu
-    step = tensors * (cpu.adam_launch_s or 0.0) + params / cpu.adam_params_per_s
+    step = tensors * (cpu.adam_launch_s or 0.0) + params / host_rate(cpu, params)
     return replace(training, optimizer_step_s=measured(step),
                    iteration_s=measured(max(step, training.iteration_s - training.optimizer_step_s + step)))
 
