@@ -97,7 +97,7 @@ def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier]
 
 
 ON_GPU = "the model computes on the GPU: host worker threads do not take its cores"
-NO_CACHE = (f"{CPU_SYS}/cpu*/cache reports no cache sizes: host Adam's rate beyond the caches was timed on "
+NO_CACHE = (f"{CPU_SYS}/cpu*/cache reports no cache sizes: host Adam's rate beyond the caches was timed on up to "
             f"{BEYOND_BYTES // MiB} MiB of states and holds for every model")
 MEMORY_COPY_CPU = "a copy within memory is a streaming worker: planned as 1"
 MEMORY_BESIDE = "copies within memory are not measured beside compute: planned as 1"
