@@ -19,6 +19,7 @@ from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import NvmeStaging, on_host
 from hetero.run.states import FP32, Update, launch
 from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
+from hetero.schema.names import update_bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,10 +305,10 @@ class Bucket:
 
 def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bucket]:
     """Each parameter's bucket: the parameters its module owns directly (a Linear's weight and bias, whose gradients
-    one backward node makes)."""
+    one backward node makes), by the rule the planner prices them by (hetero.schema.names.update_bucket)."""
     by_module: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
     for p, name in names.items():
-        by_module[name.rpartition(".")[0]].append(p)
+        by_module[update_bucket(name)].append(p)
     out = {}
     for params in by_module.values():
         out.update(dict.fromkeys(params, Bucket(len(params), [])))
