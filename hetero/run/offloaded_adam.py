@@ -126,7 +126,8 @@ class Offloaded:
         slot.grads_seen += 1
         if slot.home is None and self.config.keep_grads and on_host(p):
             self._keep(p, slot)
-        elif slot.grads_seen == self.config.micro_batches and slot.home is not None and not self.config.synced(p):
+        elif self.config.overlap and slot.grads_seen == self.config.micro_batches and slot.home is not None \
+                and not self.config.synced(p):
             self._launch(p, slot, p.grad)
 
     def _keep(self, p: torch.nn.Parameter, slot: ParamState) -> None:
