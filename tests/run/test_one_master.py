@@ -135,3 +135,16 @@ def test_a_checkpoint_loaded_mid_training_continues_as_torch(request, where):
     with Runtime(plan, script=__file__):
         out = script(model, rollback=True)
     assert out == ref and bit_equal(model, reference)
+
+
+def test_a_gpu_parameter_without_a_host_copy_gets_a_master_of_its_own(stand_ins):
+    """No layers section: no shadow model places the parameters, so they have no host bytes to share; each home
+    makes its master at the first step, and training still equals torch's."""
+    ref, reference = fused_reference()
+    model = stand_ins.to(gpt(), 0)
+    numel = sum(p.numel() for p in model.parameters())
+    with Runtime(optimizer_plan(model, device="host", overlap=False), script=__file__) as runtime:
+        out = script(model)
+        assert not any(home.shared for home in homes(runtime).values())
+        assert held(runtime) == 16 * numel
+    assert out == ref and bit_equal(model, reference)
