@@ -277,6 +277,7 @@ class HostHome:
             self.shared, host = False, self.source.buffer(param.numel())
             loaded = flat(param.data) if loaded is None else loaded
         if loaded is not None:
+            self.source.wait(self.source.ready(loaded))  # kernels of this step may still read the host bytes
             _copy(host, loaded)
         self.buffers[0] = host
 
