@@ -17,7 +17,7 @@ from hetero.run.optimizer import OptimizerOffload
 from hetero.run.runtime import Runtime
 from hetero.run.states import HostHome
 from tests.run.plans import optimizer_plan
-from tests.run.test_shadow import batch, gpt, layer_plan, shadow_of
+from tests.run.test_shadow import batch, compare, gpt, layer_plan, shadow_of, train
 
 STEPS = 4
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,3 +148,14 @@ def test_a_gpu_parameter_without_a_host_copy_gets_a_master_of_its_own(stand_ins)
         assert not any(home.shared for home in homes(runtime).values())
         assert held(runtime) == 16 * numel
     assert out == ref and bit_equal(model, reference)
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_gpu_the_master_is_the_pinned_host_copy():
+    ref_model, model = gpt().cuda(), gpt().cuda()
+    ref = train(ref_model, device="cuda")
+    with Runtime(layer_plan(model, "mixed", "gpu", overlap=False), script=__file__) as runtime:
+        out = train(model, device="cuda")
+        hosts = [st.host for st in shadow_of(runtime).layers]
+        assert all(landed_in([home.buffers[0]], hosts) == 1 for home in homes(runtime).values())
+    compare(model, ref_model, out, ref)
