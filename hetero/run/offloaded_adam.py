@@ -24,8 +24,9 @@ from hetero.schema.names import update_bucket
 
 @dataclass(frozen=True, slots=True)
 class StateBytes:
-    """Where an optimizer's states are. 4 fp32 buffers per parameter live on the device (master, m, v, gradient);
-    3 in NVMe files (no gradient)."""
+    """Where an optimizer's states are: the bytes its homes hold on the device (m, v, a master unless the
+    parameter's own host bytes are the master, and a landing place for gradients that come from a GPU or into an
+    AXDIMM channel: hetero.run.states), and 3 fp32 buffers per parameter in NVMe files (master, m, v)."""
 
     device: int
     nvme: int
@@ -110,9 +111,9 @@ class Offloaded:
             self._homes.close()
 
     def state_bytes(self) -> StateBytes:
-        on_device = [p.numel() for p, s in self._params.items() if s.home is not None]
+        on_device = [s.home.nbytes() for s in self._params.values() if s.home is not None]
         in_files = [p.numel() for p, s in self._params.items() if s.home is None]
-        return StateBytes(4 * FP32 * sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
+        return StateBytes(sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
 
     def staging(self) -> NvmeStaging | None:
         """Where its states beyond the device's live on their way to and from NVMe (None: none, or not bound)."""
@@ -127,7 +128,8 @@ class Offloaded:
         slot.grads_seen += 1
         if slot.home is None and self.config.keep_grads and on_host(p):
             self._keep(p, slot)
-        elif slot.grads_seen == self.config.micro_batches and slot.home is not None and not self.config.synced(p):
+        elif self.config.overlap and slot.grads_seen == self.config.micro_batches and slot.home is not None \
+                and not self.config.synced(p):
             self._launch(p, slot, p.grad)
 
     def _keep(self, p: torch.nn.Parameter, slot: ParamState) -> None:
@@ -195,6 +197,8 @@ class Offloaded:
         spilled = []
         kept = self._kept()
         for p, slot in self._params.items():
+            if slot.home is not None:
+                slot.home.attach(p)  # before any of this step's updates: a shared master is p's host bytes
             if (p.grad is None and slot.name not in kept) or slot.launched:
                 continue
             if slot.home is None:
