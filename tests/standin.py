@@ -7,7 +7,7 @@ A test device, not part of hetero: tests install it through hetero.kernels.dha's
   activations) are queues that run only when something waits for them, and each queued copy poisons its destination
   (NaN) when issued, so reading before waiting reads garbage. A side stream that waits for another stream's event
   runs that stream up to the event first. `ops` records the stream of every copy and kernel issued through the
-  device, `log` every ordering operation.
+  device, `log` every ordering operation, `synchronized` the host waits (`synchronize` calls) by thread name.
 - A D2H copy must wait for an event recorded on the compute stream (the source's producer); without one it is
   refused, as a copy racing its producer would read an unfinished gradient on a GPU.
 - Memory: `pinned` is host memory, `alias` device memory over host bytes (a second storage, as a CUDA view of pinned
@@ -34,7 +34,7 @@ import contextlib
 import inspect
 import threading
 import weakref
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,6 +134,7 @@ class StandInDevice:
         self.pinned_sizes: list[int] = []  # pinned host buffers' sizes, as asked for
         self.log: list[tuple[str, str]] = []
         self.ops: list[tuple[str, str]] = []  # (stream, what) of every copy and kernel issued
+        self.synchronized: Counter[str] = Counter()  # host waits, by the name of the thread that waited
         self.violations: list[str] = []  # device buffers freed while a queued copy still used them
         self.host_storages: dict[StorageWeakRef, torch.UntypedStorage] = {}  # held: an address is never reused
         self.mapped: dict[StorageWeakRef, torch.Tensor] = {}  # alias storage -> the host tensor it views
@@ -273,6 +274,7 @@ class StandInDevice:
     def synchronize(self, event: Mark) -> None:
         with self.lock:
             self.log.append(("synchronize", event.name))
+            self.synchronized[threading.current_thread().name] += 1
             self._run(event)
 
     def query(self, event: Mark) -> bool:

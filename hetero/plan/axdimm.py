@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import tiering
 from hetero.plan.model import Curve, Update
+from hetero.schema.names import update_bucket
 from hetero.schema.plan import NvmeOverflow, StatePlacement
-from hetero.schema.profile import Profile, Tier
+from hetero.schema.profile import Cpu, Profile, Tier
 from hetero.units import PARAM_RATE, SIZE, TIME
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master copy, gradient, Adam m and v: the four inputs of each update
@@ -48,7 +49,9 @@ class Rates:
 
     adam_params_per_s: float
     lanes: list[str]  # one per channel; empty: updates run on the compute lane
-    launch_s: float = 0.0  # fixed cost of each update (an AXDIMM channel's mode switches and launch)
+    launch_s: float = 0.0  # fixed cost of each call: an AXDIMM channel's mode switches and launch, the host's call
+    bucketed: bool = False  # one call per bucket of resident states (the host's fused Adam), else per parameter
+    note: str = ""  # which of the measured rates holds, where it says more than the rate
     nvme_read: Curve | None = None
     nvme_write: Curve | None = None
 
@@ -89,12 +92,38 @@ def rates(profile: Profile, device: str) -> Rates:
                      launch_s=x.launch_beside_compute_s if beside else x.launch_s, lanes=lanes, nvme_read=read,
                      nvme_write=write)
     if device == "host":  # the runtime's driver thread: its own lane, beside compute where the CPU computes
-        c = m.cpu
+        c, n = m.cpu, profile.model.num_params
         beside = m.gpu is None and c.adam_beside_compute_params_per_s is not None
-        rate = (c.adam_beside_compute_params_per_s if beside else c.adam_params_per_s) or step_rate
         launch = (c.adam_launch_beside_compute_s if beside else c.adam_launch_s) or 0.0
-        return Rates(adam_params_per_s=rate, launch_s=launch, lanes=["host adam"], nvme_read=read, nvme_write=write)
+        return Rates(adam_params_per_s=host_rate(c, n, beside) or step_rate, launch_s=launch, lanes=["host adam"],
+                     bucketed=True, note=_cache_note(c, n), nvme_read=read, nvme_write=write)
     return Rates(adam_params_per_s=step_rate, lanes=[])
+
+
+def host_rate(cpu: Cpu, params: int, beside: bool = False) -> float | None:
+    """Host Adam's params/s in a step that updates `params` parameters: alone, or `beside` compute (where measured);
+    where their states exceed the last-level cache (or it is not known), at most the rate measured beyond it, where
+    every state is read and written in DRAM. None: not measured (older profiles)."""
+    rate = cpu.adam_beside_compute_params_per_s if beside else cpu.adam_params_per_s
+    beyond = cpu.adam_beyond_cache_params_per_s
+    if beyond is None or not _beyond_cache(cpu, params):
+        return rate
+    return beyond if rate is None else min(rate, beyond)
+
+
+def _beyond_cache(cpu: Cpu, params: int) -> bool:
+    cache = cpu.last_level_cache_bytes
+    return cache is None or params * STATE_BYTES_PER_PARAM > cache
+
+
+def _cache_note(cpu: Cpu, params: int) -> str:
+    if cpu.adam_beyond_cache_params_per_s is None:
+        return ""
+    if cpu.last_level_cache_bytes is None:
+        return "as timed beyond the caches"
+    where = "beyond" if _beyond_cache(cpu, params) else "within"
+    return (f"{SIZE.format_short(params * STATE_BYTES_PER_PARAM)} of states, {where} the "
+            f"{SIZE.format_short(cpu.last_level_cache_bytes)} last-level cache")
 
 
 def state_bytes(p: Param) -> int:
@@ -191,19 +220,18 @@ def states(params: list[Param], placement: Placement) -> list[StatePlacement]:
 
 def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, rates: Rates,
             grads: bool = False) -> list[list[Update]]:
-    """Each layer's updates for the simulator: a channel's lane for AXDIMM states (NVMe-staged ones take turns over
+    """Each layer's calls for the simulator: a channel's lane for AXDIMM states (NVMe-staged ones take turns over
     the channels; the simulator runs them on the staging slots' channels), the compute lane when `rates.lanes` is
-    empty. With `grads` an NVMe-held parameter's gradient is written there in backward and read back with its
-    states."""
+    empty. Each call costs `rates.launch_s` and its parameters at the rate: one per parameter, or with
+    `rates.bucketed` one per bucket of the states not staged from NVMe (the runtime stages those one by one). With
+    `grads` an NVMe-held parameter's gradient is written there in backward and read back with its states."""
     out: list[list[Update]] = [[] for _ in range(n_layers)]
     where = {s.param: s for s in placed}
     turn = 0
-    for p in params:
-        s = where.get(p.name)
-        if s is None:
-            continue
+    for call in calls(params, where, rates.bucketed):
+        p, s = call[0], where[call[0].name]
         lane = -1 if not rates.lanes else (s.channel if s.channel is not None else turn % len(rates.lanes))
-        update = Update(lane=lane, update_s=rates.launch_s + p.num_params / rates.adam_params_per_s)
+        update = Update(lane=lane, update_s=rates.launch_s + sum(q.num_params for q in call) / rates.adam_params_per_s)
         if s.tier == "nvme":
             turn += 1
             size, grad = p.num_params * NVME_BYTES_PER_PARAM, 4 * p.num_params if grads else 0
@@ -214,7 +242,27 @@ def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, ra
     return out
 
 
+def calls(params: list[Param], where: dict[str, StatePlacement], bucketed: bool) -> list[list[Param]]:
+    """The placed parameters (`where` names their states) as the runtime's calls, in order of each call's first
+    parameter: with `bucketed`, those not on NVMe by bucket (hetero.schema.names.update_bucket), else one each."""
+    out: list[list[Param]] = []
+    by_bucket: dict[str, list[Param]] = {}
+    for p in params:
+        s = where.get(p.name)
+        if s is None:
+            continue
+        if not bucketed or s.tier == "nvme":
+            out.append([p])
+        elif (key := update_bucket(p.name)) in by_bucket:
+            by_bucket[key].append(p)
+        else:
+            out.append(by_bucket.setdefault(key, [p]))
+    return out
+
+
 def rate_text(rates: Rates) -> str:
     each = " each" if len(rates.lanes) > 1 else ""
-    launch = f" + {TIME.format_short(rates.launch_s)} per update" if rates.launch_s else ""
-    return f"{PARAM_RATE.format_short(rates.adam_params_per_s)}{each}{launch}"
+    note = f" ({rates.note})" if rates.note else ""
+    per = "call (one per module)" if rates.bucketed else "update"
+    launch = f" + {TIME.format_short(rates.launch_s)} per {per}" if rates.launch_s else ""
+    return f"{PARAM_RATE.format_short(rates.adam_params_per_s)}{each}{note}{launch}"

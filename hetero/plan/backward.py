@@ -14,9 +14,10 @@ runs again and all its layers' saved tensors are back at once (its inputs among 
 what is still held. Gradients leave as soon as they are made where they go to another tier (`gone_grads`) or
 where each parameter is updated in backward (`in_backward`: a gradient, and the two temporaries of torch's Adam
 update, the size of one piece of the parameter at a time: `UPDATE_PIECE_BYTES`). Otherwise they all coexist when the
-optimizer steps, with two temporaries the size of the largest parameter (`step`). Differences of `peak_bytes` are
-what a plan changes at the process's peak: a gradient moved or freed saves only where it coexists with what makes the
-peak. Pure.
+optimizer steps, with the step's scratch (`step`; `step_scratch_bytes`: by how torch steps Adam). Where tiering
+keeps saved tensors in another tier, at most its peak of them is held at once (`saved_cap`). Differences of
+`peak_bytes` are what a plan changes at the process's peak: a gradient moved or freed saves only where it coexists
+with what makes the peak. Pure.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from hetero.schema.profile import Layer
+from hetero.schema.profile import AdamImplementation, Layer
 
-ADAM_TEMPORARIES = 2  # tensors the size of what it updates that torch's Adam(W) makes while it updates a parameter
+ADAM_TEMPORARIES = 2  # tensors the size of what it updates that torch's single-tensor Adam(W) makes per parameter
 # Updates in backward run torch's step on pieces of a parameter this large at most (hetero.run.update_in_backward),
 # so that their temporaries are this size, not the largest parameter's (a large embedding's), at no cost to the step.
 # Under freed memory returned the pieces stay below the mmap threshold (`update_piece_bytes`): one mapped, faulted and
@@ -44,6 +45,20 @@ class Held:
     gone_grads: frozenset[str] = frozenset()  # layers whose gradients leave for another tier as they are made
     in_backward: bool = False  # each parameter updated, and its gradient freed, as soon as it is final
     step: bool = False  # count the optimizer's step, all gradients held
+    implementation: AdamImplementation = "single"  # how torch steps Adam there (`step_scratch_bytes`)
+    saved_cap: int | None = None  # the most saved bytes held at once (tiering keeps the rest away); None: no cap
+
+
+def step_scratch_bytes(implementation: AdamImplementation, params: Sequence[int]) -> int:
+    """Bytes torch's Adam(W) step makes beside its states over parameters of `params` bytes each, by how torch steps
+    it (`ScriptOptimizer.implementation`): one tensor at a time, `ADAM_TEMPORARIES` the size of the largest; foreach,
+    a scratch the size of every parameter of the group (the square roots of every exp_avg_sq at once; one group
+    taken); fused, none."""
+    if implementation == "foreach":
+        return sum(params)
+    if implementation == "fused":
+        return 0
+    return ADAM_TEMPORARIES * max(params, default=0)
 
 
 def update_piece_bytes(mmap_threshold_bytes: int | None) -> int:
@@ -66,11 +81,12 @@ def peak_bytes(layers: Sequence[Layer], held: Held = Held(), output_bytes: int =
     loss's backward on a model output of `output_bytes` included."""
     block_of = {x.name: next((b for b in held.recomputed if in_block(x.name, b)), None) for x in layers}
     rebuilt = {b: sum(x.saved_bytes for x in layers if block_of[x.name] == b) for b in held.recomputed}
-    largest = max((b for x in layers for b in x.params.values()), default=0)
+    params = [b for x in layers for b in x.params.values()]
+    largest = max(params, default=0)
     present = set(block_of.values())
     saved = sum(x.saved_bytes for x in layers if block_of[x.name] is None) + \
         sum(kept for b, kept in held.recomputed.items() if b in present)
-    peak, grads, seen = saved + LOSS_OUTPUTS * output_bytes, 0, set()
+    peak, grads, seen = _held(saved, held) + LOSS_OUTPUTS * output_bytes, 0, set()
     for x in reversed(layers):
         block = block_of[x.name]
         if block is not None and block not in seen:  # its last layer: the block's forward runs again
@@ -80,11 +96,16 @@ def peak_bytes(layers: Sequence[Layer], held: Held = Held(), output_bytes: int =
             grads += x.params_bytes
         made = min(grads, largest + ADAM_TEMPORARIES * min(largest, UPDATE_PIECE_BYTES)) if held.in_backward \
             else grads
-        peak = max(peak, saved + made)
+        peak = max(peak, _held(saved, held) + made)
         saved -= x.saved_bytes
     if held.step and not held.in_backward:
-        peak = max(peak, grads + ADAM_TEMPORARIES * largest)
+        peak = max(peak, grads + step_scratch_bytes(held.implementation, params))
     return peak
+
+
+def _held(saved: int, held: Held) -> int:
+    """Of `saved` bytes saved, those on the device (at most `held.saved_cap`)."""
+    return saved if held.saved_cap is None else min(saved, held.saved_cap)
 
 
 def drop_bytes(layers: Sequence[Layer], recomputed: Mapping[str, int], output_bytes: int = 0,

@@ -8,8 +8,10 @@ predicted iteration. The candidates are combinations of three levers, each simul
   straight to pinned host memory (the reserve governs the gradients that must leave the GPU, never those that fit);
 - `tiering`: saved activations wait in host memory between each layer's forward and backward (TierTrain).
 
-Every prediction is anchored on what the profile measured of plain training (hetero.plan.plain): its GPU peak as
-torch's reserved peak, its iteration as its own unhooked step, each plus what the plan changes. Among the plans
+Every prediction is anchored on what the profile measured of plain training: its GPU peak is what the plan keeps on
+the GPU, counted phase by phase, plus what plain training's reserved peak holds beyond the same count
+(hetero.plan.gpu_peak); its iteration is plain's own unhooked step plus what the plan changes (hetero.plan.plain).
+Among the plans
 whose predicted GPU peak fits the budget, the fastest wins; one within `TIE` of it with fewer levers wins instead,
 so plain training stays plain unless a lever pays clearly. Pure: `solve` builds and simulates each candidate.
 """
@@ -95,11 +97,11 @@ def fit(ctx, pins, solve: Callable[[frozenset[str], int], Plan]) -> Plan:
 
 
 def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[str], int], Plan]) -> Candidate:
-    """The plan with `levers` whose anchored prediction fits `budget`, where one does. MemFerry's search places
-    layers in the simulator's count (hetero.plan.plain.counted_budget_bytes), where a gradient moved off the GPU
-    saves all its bytes; at plain training's measured peak it saves only what coexists with the activations
-    (plain.backward_peak_bytes). So a plan with `host_grads` over the budget is searched again for a budget tighter
-    by its overshoot, up to REFITS times (without gradients on the host, both count the same)."""
+    """The plan with `levers` whose prediction fits `budget`, where one does. MemFerry's search places layers in the
+    simulator's count, translated from the prediction's on the plan with every layer resident
+    (hetero.plan.gpu_layers.counted_budget_bytes): exact where only the modes change, but where activations are
+    tiered the simulated eviction shifts with the modes' timing. So a plan over the budget is searched again for a
+    budget tighter by its overshoot, up to REFITS times."""
     searched, best = budget, None
     for _ in range(REFITS):
         try:
@@ -110,7 +112,7 @@ def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[st
         over = found.peak_bytes - room_bytes(found, budget)
         if best is None or found.peak_bytes < best.peak_bytes:
             best = found
-        if over <= 0 or "host_grads" not in levers:
+        if over <= 0 or "offload" not in levers:  # only MemFerry's search places by the budget
             return found
         searched -= over
     return best

@@ -233,7 +233,7 @@ def _known(measured: float | None, base_s: float, size: int, rate: float | None,
 
 @dataclass(kw_only=True, slots=True)
 class Update:
-    """One parameter's optimizer update."""
+    """One optimizer call: a parameter's update, or on the host a bucket's (hetero.plan.axdimm.calls)."""
 
     lane: int  # index into Choices.lanes; -1: the compute lane (host Adam without a GPU, GPU Adam)
     update_s: float

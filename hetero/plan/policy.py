@@ -38,6 +38,15 @@ class MemoryPolicy:
     profile_headroom: float = 0.03  # the profile's own room under a budget: for its estimates' error ...
     profile_mapped_bytes: int = 16 << 20  # ... and the file pages a process under a limit keeps using
     gpu_headroom: float = 0.03  # a GPU plan's predicted peak keeps this far under a GPU budget (untried on a GPU)
+    # Plain training estimated (at its first gradient) under this share of a budget: the budget binds nothing and the
+    # profile measures as without one. The estimate sees backward's start only, hence well under a half.
+    profile_ample_share: float = 0.25
+    profile_block_share: float = 0.125  # before any block ran as written, one is taken to add this share of a budget
+    warn_share: float = 0.05  # a run warns once its host peak comes within this share of its budget
+    # Below the allocator's switch, the heaps are trimmed after a backward that ended holding this share of the
+    # switch's `from_bytes` more than any backward before: the heaps grow within a bound, and a script whose heaps
+    # do not grow pays no trim.
+    trim_growth_share: float = 1 / 64
 
     def held_bytes(self, trial: Trial) -> int:
         """The most a process running the trial's plan is taken to hold: its highest measured peak, the trial's

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import fit, footprint, gpu_fit, plain, recompute, simulate
+from hetero.plan import fit, footprint, gpu_fit, gpu_peak, plain, recompute, simulate
 from hetero.plan.choices import build, host_tier
 from hetero.plan.context import Context, PlanOptions, context
 from hetero.plan.model import GPU
@@ -140,12 +140,11 @@ def predicted_of(profile: Profile, plan: Plan, result: Result) -> Predicted:
     for section in TABLE:  # what the simulator does not time: returning memory's page faults, recomputation
         iteration += section.cost_s(profile, plan)
     gpu: dict[str, int] = {}
-    bare = predict(profile, plain_of(plan))
     if profile.machine.gpu is not None:
         states = gpu_state_bytes(profile, plan.optimizer, host_tier(profile))
-        gpu = plain.gpu_contributors(profile, plan, result, bare, states)
+        gpu = gpu_peak.contributors(profile, gpu_peak.on_gpu(plan, result, states))
         peak[GPU] = sum(gpu.values())
-    iteration = plain.anchored_iteration_s(profile, iteration, bare.iteration_s)
+    iteration = plain.anchored_iteration_s(profile, iteration, predict(profile, plain_of(plan)).iteration_s)
     return Predicted(iteration_s=ns(iteration), sync_s=ns(sum(sync)) if sync else None, peak_bytes=peak,
                      activations=act, dram={k: b for k, b in dram.items() if b > 0},
                      dram_saved={k: -b for k, b in dram.items() if b < 0}, gpu={k: b for k, b in gpu.items() if b > 0},

@@ -5,14 +5,14 @@ The script's Adam(W) is hetero's (hetero.run.optimizer) from its construction, s
 first gradient arrives the model is known, and with it what plain training would add to what the process holds then: a
 gradient and two Adam states per parameter (`PLAIN_BYTES_PER_PARAM`), room for torch's multi-tensor step's temporaries
 (`STEP_SLACK_BYTES_PER_PARAM`), and what the rest of backward holds beside them (a block rebuilt, the activations'
-gradients), not known yet: as hetero.profile.pressure takes a block before any ran, a `BLOCK_SHARE` of the budget. If
+gradients), not known yet: as hetero.profile.pressure takes a block before any ran, `profile_block_share` of the budget (hetero.plan.policy). If
 that stays under the budget less the plan's headroom, the optimizer stays torch's and the profile measures plain
 training. Otherwise every Adam state, fp32 master copy and gradient waits on NVMe as the plan's `states` and `grads`
 levers place them (hetero.plan.fit), and the profile measures training that way: it says so, and writes plain training's
 peak as an estimate, the measured one plus what plain would hold instead (`plain_estimate`), and plain's optimizer step
 as timed at the host Adam rate the machine phase measures (hetero.profile.profiler). Its layers' backward times include
 writing their gradients to NVMe. Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard.
-Where plain training needs under `AMPLE_SHARE` of the budget (`ample`), the budget binds nothing and the profile goes on
+Where plain training needs under the policy's `profile_ample_share` of the budget (`ample`), the budget binds nothing and the profile goes on
 as without one. Where the first gradient comes before every optimizer's model was called (a GAN), the model cannot be
 known yet: the optimizers stay torch's and the profile measures plain training.
 """
@@ -29,7 +29,6 @@ from torch import nn
 from hetero.plan.policy import POLICY
 from hetero.plan.footprint import ADAM_STATE_BYTES_PER_PARAM
 from hetero.profile import phases
-from hetero.profile.pressure import BLOCK_SHARE
 from hetero.run import process_memory
 from hetero.run.ddp_sync import DdpSync
 from hetero.run.mechanism import Patches
@@ -40,10 +39,6 @@ from hetero.units import COUNT, SIZE
 GRAD_BYTES_PER_PARAM = 4
 PLAIN_BYTES_PER_PARAM = GRAD_BYTES_PER_PARAM + ADAM_STATE_BYTES_PER_PARAM
 STEP_SLACK_BYTES_PER_PARAM = 4
-# Plain training's need as `bind` estimates it under this share of the budget: the limit binds nothing (a container's
-# limit near the machine's memory), and the profile measures as without one (hetero.profile.returned.Budget). A quarter:
-# the estimate sees backward's start only, and at a half a limit that kills plain training was taken as binding nothing.
-AMPLE_SHARE = 0.25
 
 
 class Conservative:
@@ -57,7 +52,7 @@ class Conservative:
         self.patches = Patches()
         self.moved_params = self.moved_tensors = self.held_at_bind = 0
         self.left_to_torch = False  # the first gradient came before every optimizer's model was called
-        self.ample = False  # plain training needs under AMPLE_SHARE of the budget
+        self.ample = False  # plain training needs under POLICY.profile_ample_share of the budget
 
     def install(self, need_model, model_known: Callable[[], bool]) -> None:
         """`need_model(optimizer)` decides the model now (then `bind` is called); `model_known()` says whether it
@@ -79,9 +74,9 @@ class Conservative:
         named = list(model.named_parameters())
         n = sum(p.numel() for _, p in named)
         self.held_at_bind = process_memory.resident_bytes()
-        added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n + self.budget_bytes // BLOCK_SHARE
+        added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n + int(self.budget_bytes * POLICY.profile_block_share)
         fits = self.held_at_bind + added <= self.budget_bytes * (1 - POLICY.profile_headroom)
-        self.ample = self.held_at_bind + added <= self.budget_bytes * AMPLE_SHARE
+        self.ample = self.held_at_bind + added <= self.budget_bytes * POLICY.profile_ample_share
         if fits or not _movable(named):
             self.offload.leave_to_torch()
             return

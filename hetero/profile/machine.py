@@ -21,7 +21,14 @@ from hetero.errors import USAGE, HeteroError
 from hetero.profile import dha, host_costs
 from hetero.profile.tier_steps import DiskBeside
 from hetero.profile.timing import beside_compute, median_time, share
-from hetero.profile.updates import UPDATE_SIZES, host_adam, measured_or_none, time_updates, update_job
+from hetero.profile.updates import (
+    UPDATE_SIZES,
+    host_adam,
+    host_adam_beyond_cache,
+    measured_or_none,
+    time_updates,
+    update_job,
+)
 from hetero.run import process_memory
 from hetero.run.devices import workdir
 from hetero.run.devices.axdimm import EmulatedAxdimm
@@ -35,6 +42,12 @@ BESIDE_SIZES = (64 * KiB, MiB, 4 * MiB, 16 * MiB)  # disk trips timed beside com
 GPU_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 NVME_TIER = "nvme0"  # the disk tier's name in profiles
 DEFAULT_BYTES = 640 * MiB  # what the measurements hold at most with their default sizes (the copy's 2 x 256 MiB)
+BEYOND_CACHE = 4  # host Adam's rate beyond the caches is timed on states this many times the last-level cache
+BEYOND_BYTES = 512 * MiB  # those states at most (and where no cache is reported): with a gradient, DEFAULT_BYTES
+CPU_SYS = Path("/sys/devices/system/cpu")
+# What `measure` records, as a number: raised whenever it records something new, so that a machine remembered for a
+# host before (hetero.profile.same_machine) is measured again rather than taken without it.
+RECORD = 2
 
 
 def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,
@@ -47,7 +60,8 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
     phases = ["cpu", "gpu", "tiers", "axdimm"]
     largest = largest_buffer(room_bytes)
     report("machine", 0, len(phases))
-    cpu = measure_cpu(gpu=device.type == "cuda", copy_bytes=copy_size(room_bytes), largest=largest)
+    cpu = measure_cpu(gpu=device.type == "cuda", copy_bytes=copy_size(room_bytes), largest=largest,
+                      beyond_bytes=BEYOND_BYTES if room_bytes is None else largest)
     report("machine", 1, len(phases))
     gpu = measure_gpu(device) if device.type == "cuda" else None
     report("machine", 2, len(phases))
@@ -59,9 +73,13 @@ def measure(device: torch.device, nvme_dir: str | None, progress: Callable | Non
                    memory_limit_bytes=process_memory.memory_limit_bytes(), host=workdir.host())
 
 
-def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = ()) -> dict[str, str]:
-    """Why the profile's null fields are null here (`layers`, `tiers`: as measured, to name those left null)."""
+def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier] = (),
+               cpu: Cpu | None = None) -> dict[str, str]:
+    """Why the profile's null fields are null here (`layers`, `tiers`, `cpu`: as measured, to name those left
+    null)."""
     memory = [t for t in tiers if t.path is None and (t.read or t.write)]
+    beyond = cpu is not None and cpu.adam_beyond_cache_params_per_s is not None  # measured by this hetero
+    cache = {"machine.cpu.last_level_cache": NO_CACHE} if beyond and cpu.last_level_cache_bytes is None else {}
     copies = {f"machine.tiers.{t.name}.{f}": why for t in memory
               for f, why in (("read_cpu", MEMORY_COPY_CPU), ("write_cpu", MEMORY_COPY_CPU),
                              ("read_beside_compute", MEMORY_BESIDE), ("write_beside_compute", MEMORY_BESIDE))
@@ -71,14 +89,16 @@ def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier]
     if device.type != "cuda":
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
-                "layers.*.bp_grad_host": gone} | copies
+                "layers.*.bp_grad_host": gone} | copies | cache
     on_gpu = {f"machine.{f}": ON_GPU for f in ("cpu.background_slowdown", "cpu.adam_cpu", "cpu.adam_beside_compute",
                                                 "cpu.adam_launch_beside_compute", "axdimm.cpu",
                                                 "axdimm.adam_beside_compute", "axdimm.launch_beside_compute")}
-    return on_gpu | copies | disk | dha.unmeasured(list(layers))
+    return on_gpu | copies | disk | cache | dha.unmeasured(list(layers))
 
 
 ON_GPU = "the model computes on the GPU: host worker threads do not take its cores"
+NO_CACHE = (f"{CPU_SYS}/cpu*/cache reports no cache sizes: host Adam's rate beyond the caches was timed on up to "
+            f"{BEYOND_BYTES // MiB} MiB of states and holds for every model")
 MEMORY_COPY_CPU = "a copy within memory is a streaming worker: planned as 1"
 MEMORY_BESIDE = "copies within memory are not measured beside compute: planned as 1"
 
@@ -107,16 +127,52 @@ def update_sizes(largest: int) -> tuple[int, int]:
     return UPDATE_SIZES[0], max(16 * UPDATE_SIZES[0], min(UPDATE_SIZES[1], largest // 16 // 4096 * 4096))
 
 
-def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB, largest: int = 64 * MiB) -> Cpu:
-    """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured."""
+def measure_cpu(gpu: bool = False, copy_bytes: int = 256 * MiB, largest: int = 64 * MiB,
+                beyond_bytes: int = BEYOND_BYTES) -> Cpu:
+    """`gpu`: the model computes on a GPU, so how host threads slow compute on the cores is not measured;
+    `beyond_bytes`: the most states host Adam's update beyond the caches may hold (`beyond_cache_params`)."""
     slowdown = None if gpu else measured(background_slowdown(min(32 * MiB, largest // 2)))
     adam = host_adam(slowdown, update_sizes(largest))
+    cache = last_level_cache_bytes()
+    beyond = host_adam_beyond_cache(beyond_cache_params(cache, beyond_bytes), adam.launch_s)
     return Cpu(model=cpu_model(), cores=cores(),
                dram_bandwidth_bytes_per_s=measured(copy_bandwidth(copy_bytes)), adam_params_per_s=measured(adam.rate),
-               adam_launch_s=measured(adam.launch_s), background_slowdown=slowdown, adam_cpu=adam.cpu,
+               adam_launch_s=measured(adam.launch_s), adam_beyond_cache_params_per_s=measured(beyond),
+               last_level_cache_bytes=cache, background_slowdown=slowdown, adam_cpu=adam.cpu,
                adam_beside_compute_params_per_s=measured_or_none(adam.beside_rate),
                adam_launch_beside_compute_s=measured_or_none(adam.beside_launch_s),
                hook_pair_s=measured(host_costs.hook_pair_s()), saved_tensor_s=measured(host_costs.saved_tensor_s()))
+
+
+def beyond_cache_params(cache_bytes: int | None, most_bytes: int) -> int:
+    """Parameters of host Adam's update timed beyond the caches: states (16 B/param: master copy, m, v, gradient)
+    of BEYOND_CACHE times the last-level cache, or `most_bytes` where that is less or no cache is reported."""
+    states = most_bytes if cache_bytes is None else min(most_bytes, BEYOND_CACHE * cache_bytes)
+    return max(UPDATE_SIZES[0], states // 16 // 4096 * 4096)
+
+
+def last_level_cache_bytes(cpus: set[int] | None = None, root: Path = CPU_SYS) -> int | None:
+    """The last-level caches of `cpus` (None: the cores this process may run on), summed over distinct caches (one
+    shared by several cores counts once), as `root` (/sys) reports them; None where it reports none."""
+    caches: dict[tuple[int, str], int] = {}  # (level, the cores that share it): bytes
+    for cpu in sorted(os.sched_getaffinity(0) if cpus is None else cpus):
+        for index in (root / f"cpu{cpu}" / "cache").glob("index[0-9]*"):
+            try:
+                if (index / "type").read_text().strip() == "Instruction":
+                    continue
+                level = int((index / "level").read_text())
+                caches[level, (index / "shared_cpu_list").read_text().strip()] = _size((index / "size").read_text())
+            except (OSError, ValueError):  # a cache whose entry cannot be read is left out
+                continue
+    top = max((level for level, _ in caches), default=None)
+    return None if top is None else sum(size for (level, _), size in caches.items() if level == top)
+
+
+def _size(text: str) -> int:
+    """/sys's cache size: `32768K`, `1M` or bytes."""
+    text = text.strip()
+    scale = {"K": KiB, "M": MiB, "G": GiB}.get(text[-1:].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def cores() -> int:

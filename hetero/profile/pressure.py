@@ -39,8 +39,6 @@ from hetero.run import process_memory
 from hetero.schema.profile import Layer
 from hetero.units import SIZE
 
-BLOCK_SHARE = 8  # before any block ran as written, one is taken to add this share of the budget
-
 
 class UnderPressure:
     """Installed before the script runs; `close` takes every override back."""
@@ -51,7 +49,7 @@ class UnderPressure:
         self.first: str | None = None  # the first block, whose start begins a forward
         self.started_at: int | None = None  # resident bytes as the first forward's first block started
         self.calibrated = False
-        self.block_bytes = budget_bytes // BLOCK_SHARE  # the most a block that ran as written added
+        self.block_bytes = int(budget_bytes * POLICY.profile_block_share)  # the most a block that ran as written added
         self.seen_block = False
         self.last: tuple[int, bool] | None = None  # resident bytes as the last block started, and whether it ran so
         self.engaged: dict[str, int] = {}  # block -> forwards it was recomputed in, from the second forward on

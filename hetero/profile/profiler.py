@@ -32,6 +32,7 @@ from hetero.harness.layer_timing import COMPILED, CpuClock, CudaClock, Summary
 from hetero.harness.layers import sharded
 from hetero.harness.models import names, part_name, part_of, roots
 from hetero.harness.script import ScriptResult, StopScript, run_script
+from hetero.plan.axdimm import host_rate
 from hetero.profile import dha, machine, peers, phases, recompute, returned, same_machine, tier_steps
 from hetero.profile.instruments import EditedGrads, Instrument, LayerTimer, OutputBytes, StepClock
 from hetero.run import allocator, process_memory
@@ -126,7 +127,7 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
 
 def assemble(run: ScriptMeasurement, measured_machine: Machine) -> Profile:
     """The profile of a measured script on a measured machine; what is not measured says why in `unmeasured`."""
-    unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers)
+    unmeasured = machine.unmeasured(run.device, run.layers, measured_machine.tiers, measured_machine.cpu)
     training = run.training
     if run.moved_tensors and measured_machine.cpu.adam_params_per_s:
         training = _plain_step(training, run.moved_tensors, run.model.num_params, measured_machine)
@@ -413,9 +414,10 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
 
 def _plain_step(training: Training, tensors: int, params: int, measured_machine: Machine) -> Training:
     """The profile's steps updated states on NVMe (Conservative): plain training's step is timed instead at the host
-    Adam rate the machine phase measured, and the iteration by as much less."""
+    Adam rate the machine phase measured (at the model's size: hetero.plan.axdimm.host_rate), and the iteration by
+    as much less."""
     cpu = measured_machine.cpu
-    step = tensors * (cpu.adam_launch_s or 0.0) + params / cpu.adam_params_per_s
+    step = tensors * (cpu.adam_launch_s or 0.0) + params / host_rate(cpu, params)
     return replace(training, optimizer_step_s=measured(step),
                    iteration_s=measured(max(step, training.iteration_s - training.optimizer_step_s + step)))
 

@@ -119,9 +119,11 @@ def _existing(path: Path) -> Path:
 
 
 def cache_path() -> Path:
-    """Where the last profile that measured this host is kept: a file per host in `$XDG_CACHE_HOME/hetero`."""
+    """Where the last profile that measured this host is kept: a file per host in `$XDG_CACHE_HOME/hetero`, named
+    with what the machine measurement records (`machine.RECORD`), so that one remembered before it recorded more is
+    not found and the machine is measured again."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hetero" / f"machine-{workdir.host()}.profile.yaml"
+    return Path(base) / "hetero" / f"machine-{workdir.host()}-{machine.RECORD}.profile.yaml"
 
 
 def remembered(nvme_dir: str | None, device: torch.device) -> Machine | None:

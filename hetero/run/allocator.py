@@ -10,7 +10,7 @@ Setting either threshold also stops glibc from raising the mmap threshold by its
 The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
 first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the free
 memory inside the heaps is returned at the end of a backward call (malloc_trim), when the freed activations leave the
-most of it, where the process ends the backward holding a `GROWTH_SHARE` of `from_bytes` more than it ended any backward
+most of it, where the process ends the backward holding the policy's `trim_growth_share` of `from_bytes` more (hetero.plan.policy) than it ended any backward
 before with: the heaps then grow within a bound, not from one iteration to the next, and the switch is reached later or
 never, for the page faults of one refill where they grew, nothing where they do not. From the switch on, what was freed
 inside the heaps is returned every interval until the next backward ends: the tensors the switch found live in a heap
@@ -27,6 +27,7 @@ import sys
 import threading
 
 from hetero.harness import watch
+from hetero.plan.policy import POLICY
 from hetero.run import huge_pages, process_memory
 from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import AllocatorPlan
@@ -41,11 +42,6 @@ RESTORED_TRIM_BYTES = 64 << 20
 # How often the resident set is read with `from_bytes`: what filling fresh pages adds between two reads must stay
 # inside the plan's headroom under its budget (hetero.plan.policy.MemoryPolicy.profile_headroom).
 WATCH_INTERVAL_S = 0.005
-# Below the switch the heaps are trimmed after a backward only where the process ends it holding this share of
-# `from_bytes` more than it ended any backward before with: trimming after every backward (or whenever the heaps
-# refilled what the last trim returned) costs a script whose heaps do not grow a noticeable share of its step
-# (measured: docs/benchmarks.md).
-GROWTH_SHARE = 64
 
 
 def _libc():
@@ -112,7 +108,7 @@ class ReturnFreedMemory(Mechanism):
             self._trim()
         else:
             resident = process_memory.resident_bytes()
-            if resident >= self._ended_at + self.plan.from_bytes // GROWTH_SHARE:
+            if resident >= self._ended_at + int(self.plan.from_bytes * POLICY.trim_growth_share):
                 self._trim()
             self._ended_at = max(self._ended_at, resident)
 

@@ -16,12 +16,12 @@ import threading
 from dataclasses import dataclass
 
 from hetero.plan import footprint
+from hetero.plan.policy import POLICY
 from hetero.run import process_memory
 from hetero.run.mechanism import Mechanism
 from hetero.schema.plan import Budget, Predicted
 from hetero.units import SIZE
 
-MARGIN = 0.05  # warn within 5% of the budget
 INTERVAL_S = 0.05
 # What a mechanism reports holding in host memory (its `resident_bytes`), by the plan's entry it is counted in.
 MEASURED_AS = {"optimizer states": footprint.OPTIMIZER, "optimizer states (emulated AXDIMM)": footprint.OPTIMIZER,
@@ -39,7 +39,7 @@ def warning_line(peak: int, budget: int, contributors: dict[str, int], top: int 
     """`host memory peak 1.93GiB is within 5% of the plan's 2GiB DRAM budget; largest by the plan: ...`."""
     largest = sorted(((b, what) for what, b in contributors.items() if b > 0), reverse=True)[:top]
     named = ", ".join(f"{what} {SIZE.format_short(b)}" for b, what in largest) or "none recorded in the plan"
-    over = "over" if peak > budget else f"within {MARGIN:.0%} of"
+    over = "over" if peak > budget else f"within {POLICY.warn_share:.0%} of"
     return (f"host memory peak {SIZE.format_short(peak)} is {over} the plan's {SIZE.format_short(budget)} DRAM "
             f"budget; largest by the plan's accounting: {named}")
 
@@ -97,7 +97,7 @@ class BudgetWatch(Mechanism):
         if self.over is None and peak > self.budget:
             self.over = over_line(peak, self.budget, self.predicted, blame(peak, self.account, self._held()))
             print(f"hetero: warning: {self.over}", file=self.out, flush=True)
-        elif self.warned is None and self.over is None and peak >= (1 - MARGIN) * self.budget:
+        elif self.warned is None and self.over is None and peak >= (1 - POLICY.warn_share) * self.budget:
             self.warned = warning_line(peak, self.budget, self.contributors)
             print(f"hetero: warning: {self.warned}", file=self.out, flush=True)
 

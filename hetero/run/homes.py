@@ -1,5 +1,6 @@
 """Every parameter's optimizer home, built from the plan's `optimizer` section once the parameters have names: a
-channel of the (emulated) AXDIMM, host memory, or NVMe files updated through staging slots."""
+channel of the (emulated) AXDIMM, host memory (whose master is the parameter's own host bytes where the plan's rule
+says so: `OptimizerPlan.shares_master`), or NVMe files updated through staging slots."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class Homes:
         tiers = {name: self.where[name] for name, _ in named}
         spilled = [(n, p) for n, p in named if tiers[n].tier == "nvme"]
         make = self._axdimm(named, tiers, spilled) if self.plan.device == "axdimm" else self._host()
-        slots = {p: ParamState(n, None if tiers[n].tier == "nvme" else make(tiers[n].channel, p)) for n, p in named}
+        slots = {p: ParamState(n, None if tiers[n].tier == "nvme" else
+                               make(tiers[n].channel, p, self.plan.shares_master(tiers[n].tier))) for n, p in named}
         if spilled:
             self._nvme(spilled, make)
         return slots
@@ -66,12 +68,12 @@ class Homes:
                                      pinned=any(p.is_cuda for _, p in named))  # GPU gradients are copied in
         drivers = [ChannelDriver(self.device, c) for c in range(channels)]
         self.drivers += drivers
-        return lambda channel, param: AxdimmHome(drivers[channel], param)
+        return lambda channel, param, shared=False: AxdimmHome(drivers[channel], param)  # never shared: memcpy only
 
     def _host(self):
         driver, kernel = Driver("host-adam"), AdamKernel()
         self.drivers.append(driver)
-        return lambda channel, param: HostHome(driver, kernel, param)
+        return lambda channel, param, shared=False: HostHome(driver, kernel, param, shared)
 
     def _nvme(self, spilled, make) -> None:
         # 1 MiB bounce buffers (one per I/O thread): the staged pieces' aligned middles move straight to and from
@@ -81,6 +83,7 @@ class Homes:
         largest = max((p for _, p in spilled), key=slot_numel)
         n = slot_numel(largest)
         like = torch.zeros(n) if on_host(largest) else largest  # what a slot is made for: its size and device
+        # each slot keeps a master of its own: it stages many parameters' pieces in turn
         slots = [make(NvmeOverflow.staging_channel(s, self.plan.channels or 1) if self.device else None, like)
                  for s in range(NvmeOverflow.STAGING_SLOTS)]
         self.staging = NvmeStaging(self.store, slots, n, grads=self.plan.nvme.grads)

@@ -19,12 +19,14 @@ from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import NvmeStaging, on_host
 from hetero.run.states import FP32, Update, launch
 from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
+from hetero.schema.names import update_bucket
 
 
 @dataclass(frozen=True, slots=True)
 class StateBytes:
-    """Where an optimizer's states are. 4 fp32 buffers per parameter live on the device (master, m, v, gradient);
-    3 in NVMe files (no gradient)."""
+    """Where an optimizer's states are: the bytes its homes hold on the device (m, v, a master unless the
+    parameter's own host bytes are the master, and a landing place for gradients that come from a GPU or into an
+    AXDIMM channel: hetero.run.states), and 3 fp32 buffers per parameter in NVMe files (master, m, v)."""
 
     device: int
     nvme: int
@@ -109,9 +111,9 @@ class Offloaded:
             self._homes.close()
 
     def state_bytes(self) -> StateBytes:
-        on_device = [p.numel() for p, s in self._params.items() if s.home is not None]
+        on_device = [s.home.nbytes() for s in self._params.values() if s.home is not None]
         in_files = [p.numel() for p, s in self._params.items() if s.home is None]
-        return StateBytes(4 * FP32 * sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
+        return StateBytes(sum(on_device), 3 * FP32 * sum(in_files), len(self._params))
 
     def staging(self) -> NvmeStaging | None:
         """Where its states beyond the device's live on their way to and from NVMe (None: none, or not bound)."""
@@ -126,7 +128,8 @@ class Offloaded:
         slot.grads_seen += 1
         if slot.home is None and self.config.keep_grads and on_host(p):
             self._keep(p, slot)
-        elif slot.grads_seen == self.config.micro_batches and slot.home is not None and not self.config.synced(p):
+        elif self.config.overlap and slot.grads_seen == self.config.micro_batches and slot.home is not None \
+                and not self.config.synced(p):
             self._launch(p, slot, p.grad)
 
     def _keep(self, p: torch.nn.Parameter, slot: ParamState) -> None:
@@ -194,6 +197,8 @@ class Offloaded:
         spilled = []
         kept = self._kept()
         for p, slot in self._params.items():
+            if slot.home is not None:
+                slot.home.attach(p)  # before any of this step's updates: a shared master is p's host bytes
             if (p.grad is None and slot.name not in kept) or slot.launched:
                 continue
             if slot.home is None:
@@ -304,10 +309,10 @@ class Bucket:
 
 def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bucket]:
     """Each parameter's bucket: the parameters its module owns directly (a Linear's weight and bias, whose gradients
-    one backward node makes)."""
+    one backward node makes), by the rule the planner prices them by (hetero.schema.names.update_bucket)."""
     by_module: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
     for p, name in names.items():
-        by_module[name.rpartition(".")[0]].append(p)
+        by_module[update_bucket(name)].append(p)
     out = {}
     for params in by_module.values():
         out.update(dict.fromkeys(params, Bucket(len(params), [])))

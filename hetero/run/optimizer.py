@@ -6,7 +6,9 @@ are torch's own; only `step`, `state_dict` and `load_state_dict` differ, and `st
 With `overlap_backward`, each parameter's update is launched as soon as its gradient is final and synchronized:
 from its post-accumulate-grad hook on the last micro-batch of the step, or, for a parameter of a DDP model, when
 DDP's bucket holding it has been all-reduced (`DdpSync`), from the averaged gradient. Updates thus run while
-backward continues; the parameters themselves change only in `step()`, as with torch.
+backward continues; the parameters themselves change only in `step()`, as with torch. Without it the updates run
+in `step()`, and host-held states have no master copy of their own: the update writes the parameter's own host bytes
+in place (`OptimizerPlan.shares_master`, hetero.run.states.HostHome).
 
 A gradient the script changes after backward (clipping, unscaling, an in-place op) but after its overlapped update ran
 stops the run at `step()`, before the updated master weights reach the model (hetero.harness.grads); the profile finds

@@ -1,7 +1,8 @@
 """The shadow model (MemFerry §IV-C): every parameter's storage where its layer's plan `mode` says, switched at the
 right moments so that the model's own code computes on it unchanged.
 
-Storage per mode. Every placed parameter has a pinned host copy, the CPU model the optimizer's `copy_back` writes.
+Storage per mode. Every placed parameter has a pinned host copy, the CPU model the optimizer writes (hetero.run.
+states: in place where updates run in step(), its master copy; else by `copy_back` from a master of its own).
 `dha`: the parameter's data is a zero-copy device view of that host copy (hetero.kernels.dha), so kernels read it
 over the link and nothing is copied. `gfgb`: the data is a device buffer, refilled from the host copy every step on
 the copy stream. `dfgb`: the data is the host view for the forward, and a device buffer is filled after the
@@ -26,13 +27,13 @@ whole device: the kernels that read a layer's host view or write its gradients i
 gradients' ready event, which the optimizer's update of that layer waits for before it writes the host copy
 (hetero.run.states). It points DFGB parameters back at their host view and GFGB parameters at the device view of
 their host copy, so that in `step()` every placed parameter (and every host gradient, hetero.run.grad_offload) is a
-device view of pinned host memory: the optimizer finds the host bytes behind it (`Device.host_view`) and updates the
-CPU model with a host memcpy, DHA layers in place. A parameter never changes device: `p.data = x` across devices
-resets the parameter's gradient accumulator in autograd, and DDP's reducer hooks live on the old one (no all-reduce
-from the second step); host view and device buffer are both device tensors. After the step the GFGB parameters point
-at their device buffers again and the copies above are issued. Nothing synchronizes the device inside a step.
-Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them; other code reading
-weights outside the model's forward must synchronize first.
+device view of pinned host memory: the optimizer finds the host bytes behind it (`Device.host_view`, anew at every
+step: the same storage each step) and updates the CPU model there. A parameter never changes device: `p.data = x`
+across devices resets the parameter's gradient accumulator in autograd, and DDP's reducer hooks live on the old one
+(no all-reduce from the second step); host view and device buffer are both device tensors. After the step the GFGB
+parameters point at their device buffers again and the copies above are issued. Nothing synchronizes the device
+inside a step. Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them;
+other code reading weights outside the model's forward must synchronize first.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ of their gradients is final): one ready event, one job per driver and, on the ho
 each parameter's arithmetic exactly as alone. On the AXDIMM each channel has a driver that alone switches the channel's
 arbiter (normal to copy the gradient in, acceleration to run Adam), so the paper's exclusivity holds by construction,
 and while one channel's kernel runs the other channel's driver copies (§5.2). The model's parameters change only in
-`finish`, called from `optimizer.step()`: updates that overlapped backward wait there in the master copies.
+`optimizer.step()`: updates that overlapped backward wait in the homes' own master copies until `copy_back`; a host
+home updated in `step()` has none, its master is the parameter's own host bytes (`HostHome`).
 """
 
 from __future__ import annotations
@@ -82,10 +83,19 @@ class GradientSource:
             self.wait(ready)
         dst.copy_(host)
 
+    def host_bytes(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The parameter's own host bytes, flat: a host parameter's data, or the pinned host bytes behind its device
+        view; None while its data is device memory (a GFGB layer's buffer outside step(), or a GPU parameter that
+        no shadow model places)."""
+        if self.link is None:
+            return flat(param.data)
+        host = self.link.host_view(param.data)
+        return None if host is None else flat(host)
+
     def host_data(self, param: torch.Tensor) -> torch.Tensor:
-        """Where `copy_back` writes: the host bytes behind a parameter's device view, else its data."""
-        host = self.link.host_view(param.data) if self.link is not None else None
-        return flat(param.data if host is None else host)
+        """Where `copy_back` writes: the parameter's host bytes, else its data."""
+        host = self.host_bytes(param)
+        return flat(param.data) if host is None else host
 
     def buffer(self, numel: int) -> torch.Tensor:
         """fp32 host memory for `numel` values, pinned when a GPU reads or writes it. Exact: torch's pinned allocator
@@ -199,8 +209,15 @@ class AxdimmHome:
         self.device.run_adam_async(master, exp_avg, exp_avg_sq, buffer, hyperparameters=hp, step=step,
                                    channel=self.channel)
 
+    def attach(self, param: torch.Tensor) -> None:
+        """Nothing: the master lives on the channel (see HostHome.attach)."""
+
     def copy_back(self, param: torch.Tensor) -> None:
         self.device.memcpy(self.source.host_data(param), self._regions(param.numel())[0], param.numel() * FP32)
+
+    def nbytes(self) -> int:
+        """Channel memory held: master, m, v and the gradient's landing place."""
+        return 4 * FP32 * self.numel
 
     def host_buffers(self) -> None:
         """None: the channel's memory is reached through memcpy only (the AXDIMM's rule), so staging bounces."""
@@ -208,22 +225,61 @@ class AxdimmHome:
 
 
 class HostHome:
-    """Master copy and Adam states in host memory (pinned when a GPU computes), updated by the host's driver."""
+    """Master copy and Adam states in host memory (pinned when a GPU computes), updated by the host's driver.
 
-    def __init__(self, driver: Driver, kernel: AdamKernel, param: torch.Tensor):
+    A home made `shared` (the plan's rule, `OptimizerPlan.shares_master`: host states updated in `step()`) has no
+    master buffer: its master is the parameter's own host bytes (`GradientSource.host_bytes`), which the update
+    writes in place, so `copy_back` copies nothing. `attach` finds them at every step, before its update (in step()
+    every parameter a shadow model places is a device view of its pinned host copy; between steps a GFGB
+    parameter's data is its device buffer, and a script may rebind a parameter's data). A parameter with no host
+    bytes of its own then gets a master of its own from that step on, as an unshared home has from the start.
+    Updates that overlap backward are never shared: the model's parameters change only in `step()` (a script may
+    read them between backward and step, and a gradient changed after backward stops the run before the updated
+    weights reach the model: hetero.harness.grads)."""
+
+    def __init__(self, driver: Driver, kernel: AdamKernel, param: torch.Tensor, shared: bool = False):
         self.driver, self.kernel = driver, kernel
         self.source = GradientSource(param)
-        self.buffers = [self.source.buffer(param.numel()) for _ in range(3)]  # master, m, v
-        self.grad = self.source.buffer(param.numel()) if self.source.link is not None else None  # from the GPU
-        self.load(flat(param), torch.zeros(param.numel()), torch.zeros(param.numel()))
+        self.shared = shared
+        n = param.numel()
+        # master (a shared home's: the parameter's host bytes as `attach` last found them, None before), m, v
+        self.buffers: list[torch.Tensor | None] = [None if shared else self.source.buffer(n),
+                                                   self.source.buffer(n), self.source.buffer(n)]
+        self.grad = self.source.buffer(n) if self.source.link is not None else None  # from the GPU
+        self.loaded: torch.Tensor | None = None  # a master `load` gave a shared home: written at the next `attach`
+        for b in self.buffers[1:]:
+            b.zero_()
+        if not shared:
+            _copy(self.buffers[0], flat(param))
 
     def load(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        for dst, src in zip(self.buffers, (master, exp_avg, exp_avg_sq)):
+        """Replace the states. A shared home keeps `master` (the weights as the model holds them: the caller leaves
+        it unchanged) until its next `attach` writes it into the parameter's host bytes, which only a step finds."""
+        if self.shared:
+            self.loaded = master.reshape(-1)
+        for dst, src in zip(self._own(), (exp_avg, exp_avg_sq) if self.shared else (master, exp_avg, exp_avg_sq)):
             _copy(dst[:master.numel()], src.reshape(-1))
 
     def store(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Copy the states out (a shared home's master as its last step left it; none before its first step)."""
         for dst, src in zip((master, exp_avg, exp_avg_sq), self.buffers):
-            _copy(dst, src[:master.numel()])
+            if src is not None:
+                _copy(dst, src[:master.numel()])
+
+    def attach(self, param: torch.Tensor) -> None:
+        """On the thread calling step(), before this step's updates: a shared home's master is `param`'s host bytes
+        now, holding what `load` gave since; without host bytes, a master of the home's own from now on."""
+        if not self.shared:
+            return
+        loaded, self.loaded = self.loaded, None
+        host = self.source.host_bytes(param)
+        if host is None:
+            self.shared, host = False, self.source.buffer(param.numel())
+            loaded = flat(param.data) if loaded is None else loaded
+        if loaded is not None:
+            self.source.wait(self.source.ready(loaded))  # kernels of this step may still read the host bytes
+            _copy(host, loaded)
+        self.buffers[0] = host
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
         """A bucket of one (the profile times single updates this way)."""
@@ -237,7 +293,9 @@ class HostHome:
 
     def run_updates(self, batch: list[Update], ready=None) -> None:
         """The updates of a bucket (homes of this driver and kernel): gradients read in place after one wait for
-        `ready`, or downloaded (all issued, then the last one waited for), then one fused call per constants."""
+        `ready`, or downloaded (all issued, then the last one waited for), then one fused call per constants. The
+        wait comes before any write of a shared master: every kernel reading the parameter's host bytes came
+        before its gradients were final."""
         grads = [u.home.source.in_host(u.grad) for u in batch]
         if any(g is not None for g in grads):
             self.source.wait(ready)
@@ -259,11 +317,22 @@ class HostHome:
                                  [v for _, _, v in states], hyperparameters=hp, steps=[u.step for u, _ in items])
 
     def copy_back(self, param: torch.Tensor) -> None:
-        self.source.host_data(param).copy_(self.buffers[0][:param.numel()])
+        """The updated master into the parameter's host bytes (its data where it has none); nothing when shared."""
+        if not self.shared:
+            self.source.host_data(param).copy_(self.buffers[0][:param.numel()])
 
-    def host_buffers(self) -> list[torch.Tensor]:
-        """master, m and v as host tensors, for NVMe staging to read into and write from directly."""
-        return self.buffers
+    def nbytes(self) -> int:
+        """Host memory held: m, v, a master unless shared, and a GPU gradient's landing place."""
+        return sum(b.nbytes for b in self._own()) + (self.grad.nbytes if self.grad is not None else 0)
+
+    def _own(self) -> list[torch.Tensor]:
+        """The state buffers the home itself holds: m and v, after its master unless shared."""
+        return self.buffers[1:] if self.shared else self.buffers
+
+    def host_buffers(self) -> list[torch.Tensor] | None:
+        """master, m and v as host tensors, for NVMe staging to read into and write from directly (None when
+        shared: the master is a parameter's, and staging bounces)."""
+        return None if self.shared else self.buffers
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ saved a movable storage itself. Storages of parameters never move, and tensors w
 not even recorded (nor counted in the ledger): the pack hook leaves them to autograd after one size check. One writer
 thread writes evictions in the order they were queued (the earliest layers', which wait longest for their backward,
 first; a later layer's still queued when its backward starts is called off, never written), and once a write is complete
-the fast-tier copy is dropped, so the memory is really returned.
+the fast-tier copy is dropped, so the memory is really returned (on a GPU the write is a download the writer issues
+without waiting, and the slow tier keeps the storage until a query finds it done: hetero.run.devices.host_pool).
 
 Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
 tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from hetero.errors import STALE_PLAN, HeteroError
-from hetero.harness import hooks
+from hetero.harness import hooks, watch
 from hetero.harness.capture import calling
 from hetero.harness.layers import LayerSpec, before_backward, layers_named, sharded, storages
 from hetero.harness.models import roots
@@ -100,6 +101,8 @@ class ActivationTiering(Mechanism):
         for root in roots(model):
             self.handles += [hooks.forward_pre(root, self._forward_start, prepend=True),
                              hooks.forward(root, self._forward_end, always_call=True)]
+        # a step's end: the optimizer may allocate next, so evicted storages whose copies are done go first
+        self.handles.append(watch.backward_calls(self.mover.tier.reclaim))
         chain.join(self, TIERING)
         for root in roots(model):
             if calling(root):  # bound at the model's first forward, whose pre-hooks have already run

@@ -1,5 +1,6 @@
 """The names a plan uses, checked against its profile: a layer or parameter name the profile does not have (a typo
-in an edited plan) is found by `hetero check`, not at run time once the model is built. Pure: no torch, no I/O."""
+in an edited plan) is found by `hetero check`, not at run time once the model is built; and the one rule that groups
+parameters by name, which the planner and the runtime both follow. Pure: no torch, no I/O."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
     known = {id(layers): set(layers), id(params): set(params)}
     return [(path, f"no {what} {name!r} in the profile" + did_you_mean(name, names))
             for path, name, names, what in named if name is not None and name not in known[id(names)]]
+
+
+def update_bucket(param: str) -> str:
+    """The bucket of a parameter's update, by its qualified name (as in `model.named_parameters()`): the module that
+    owns it directly, its name up to the last dot ('' for the root module's own). hetero's host Adam updates a
+    bucket in one fused call once all of its gradients are final (hetero.run.offloaded_adam), and the planner
+    prices one call per bucket (hetero.plan.axdimm)."""
+    return param.rpartition(".")[0]

@@ -169,6 +169,15 @@ class OptimizerPlan:
     pinned: bool = doc("Keep this section as written when re-planning.", default=False)
     why: str = doc("The numbers behind the decision.", default="", comment=True)
 
+    def shares_master(self, tier: str) -> bool:
+        """The rule planner and runtime share: a parameter whose states live in host memory (`tier: host`) and whose
+        update runs in `step()` (no `overlap_backward`) has no fp32 master copy of its own: its master is the
+        parameter's own host bytes (a CPU parameter's data, or the pinned host copy behind a GPU parameter), which
+        the update writes in place, 4 bytes a parameter fewer. Updates that overlap backward keep a master of their
+        own, since the model's parameters must change only in `step()`; AXDIMM channels (reached by copies only) and
+        NVMe staging slots keep theirs too."""
+        return self.device == "host" and tier == "host" and not self.overlap_backward
+
     def problems(self) -> list[tuple[str, str]]:
         out = unique_names(self.states, "states", "param")
         if self.device == "axdimm" and (self.backend is None or self.channels is None):
@@ -315,11 +324,13 @@ class Predicted:
     dram_saved: dict[str, int] = doc("What the plan moves out of host memory, by what it is.", unit=SIZE,
                                      default_factory=dict)
     gpu: dict[str, int] = doc("What makes up the predicted GPU peak (`peak` of `gpu` is this sum less `gpu_saved`): "
-                              "plain training's measured reserved peak, and what the plan adds there; empty without "
-                              "a GPU.", unit=SIZE, default_factory=dict)
-    gpu_saved: dict[str, int] = doc("What the plan takes off plain training's GPU peak, by what it moves (a "
-                                    "gradient moved saves only what coexists with the peak).", unit=SIZE,
-                                    default_factory=dict)
+                              "what the plan keeps on the GPU in the phase of the step where it holds the most "
+                              "(forward, backward or the optimizer's step; an entry names its phase), and what plain "
+                              "training's measured reserved peak holds beyond the same count; empty without a GPU.",
+                              unit=SIZE, default_factory=dict)
+    gpu_saved: dict[str, int] = doc("What the plan takes off that phase's count: saved activations evicted to host "
+                                    "memory (and plain training's count beyond its measured peak, where it is).",
+                                    unit=SIZE, default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -138,10 +138,22 @@ class Cpu:
     cores: int = doc("Cores this process may run on.", ge=1, le=MAX_CORES)
     dram_bandwidth_bytes_per_s: float = doc("Host memory copy bandwidth with all cores.", unit=RATE)
     adam_params_per_s: float | None = doc("Adam throughput of the `host` optimizer device as the runtime drives it "
-                                          "(hetero's kernel on one driver thread).", unit=PARAM_RATE)
-    adam_launch_s: float | None = doc("Fixed cost of one parameter's update there, whatever its size: handing it "
-                                      "to the driver and waiting for it; null: not measured (older profiles).",
-                                      unit=TIME, ge=0, default=None)
+                                          "(hetero's kernel on one driver thread), on states of at most 64 MiB, "
+                                          "which a large last-level cache holds.", unit=PARAM_RATE)
+    adam_launch_s: float | None = doc("Fixed cost of one call there, whatever its size: handing it to the driver, "
+                                      "one fused Adam call and waiting for it, timed on small updates. The runtime "
+                                      "makes one call per bucket (the parameters one module owns directly); null: "
+                                      "not measured (older profiles).", unit=TIME, ge=0, default=None)
+    adam_beyond_cache_params_per_s: float | None = doc(
+        "`adam` on states (16 B/param: fp32 master copy, m, v, gradient) 4 times `last_level_cache` (512 MiB where "
+        "no cache is reported; under a budget at most what it leaves the measurements), which no cache holds: the "
+        "rate of a step whose states exceed the cache; null: not measured (older profiles): `adam` holds.",
+        unit=PARAM_RATE, default=None, added=True)
+    last_level_cache_bytes: int | None = doc("The last-level caches of the cores this process may run on, summed over "
+                                             "distinct caches, as /sys reports them: host Adam runs at "
+                                             "`adam_beyond_cache` for a model whose states exceed them; null: not "
+                                             "reported (or an older profile): every model's do.", unit=SIZE, ge=0,
+                                             default=None, added=True)
     background_slowdown: float | None = doc(
         "Compute time on all cores while one host worker thread streams memory, over compute time alone (1: workers "
         "do not slow compute); null: not measured. Without a GPU the planner stretches compute by it while "

@@ -11,6 +11,7 @@ import torch
 from torch.nn.utils import clip_grad
 
 from hetero.cli.main import main
+from hetero.plan import axdimm
 from hetero.profile import conservative, machine, phases
 from hetero.run import process_memory
 from hetero.run.devices import workdir
@@ -129,13 +130,14 @@ def test_a_budget_plain_training_would_exceed_is_profiled_with_the_optimizer_on_
     rounded = measured * 0.005  # the text's three digits: a whole suite's process peaks past 1 GiB (3 MiB steps)
     assert -20 * 2**20 - rounded < held < rounded
     assert not (tmp_path / "disk").exists() or not list((tmp_path / "disk").rglob("*.bin"))
-    # its steps updated states on NVMe: plain's step is timed at the host Adam rate the machine phase measured, one
-    # launch per parameter tensor (recovering the count from the file's 4-digit figures fails where the launch
-    # measures near 0, as on a loaded machine: the formula is checked forward instead)
+    # its steps updated states on NVMe: plain's step is timed at the host Adam rate the machine phase measured (at
+    # the model's size: beyond the last-level cache where its states exceed it), one launch per parameter tensor
+    # (recovering the count from the file's 4-digit figures fails where the launch measures near 0, as on a loaded
+    # machine: the formula is checked forward instead)
     cpu, step = profile.machine.cpu, profile.training.optimizer_step_s
     tensors = sum(len(layer.params) for layer in profile.layers)
     assert tensors == 28  # 2 blocks of 12, wte, wpe, ln_f's 2; lm_head's weight is wte's
-    assert math.isclose(step, tensors * cpu.adam_launch_s + n / cpu.adam_params_per_s, rel_tol=1e-3)
+    assert math.isclose(step, tensors * cpu.adam_launch_s + n / axdimm.host_rate(cpu, n), rel_tol=1e-3)
     assert profile.training.iteration_s >= step
     # restored
     assert torch.nn.utils.clip_grad_norm_ is CLIP and clip_grad.clip_grad_norm_ is CLIP and torch.optim.AdamW is ADAMW

@@ -15,6 +15,7 @@ from hetero.schema.profile import (
     NumaNode,
     Peer,
     Profile,
+    ScriptOptimizer,
     Tier,
     Training,
 )
@@ -77,6 +78,57 @@ def gpu_profile(n: int, seed: int = 0, gpu_memory: int = 80 * GiB, peers: int = 
                         backward_s=backward_end - forward_end, optimizer_step_s=1e-3, overhead=0.02)
     model = ModelInfo(fingerprint=f"sha256:{seed:064x}", script="synthetic.py", num_params=num, dtype="float32")
     return Profile(model=model, training=training, machine=machine(gpu_memory, peers, axdimm), layers=ls)
+
+
+def gpt_profile(n_layer: int = 14, n_embd: int = 1024, n_head: int = 16, vocab: int = 8192, batch: int = 1,
+                seq: int = 256, implementation: str = "foreach") -> Profile:
+    """examples/train_gpt.py's GPT (tied head, AdamW of every parameter, stepped as `implementation`) as `hetero
+    profile` lists it: a layer per module owning parameters or saving tensors, in forward order. Parameters from the
+    model's shapes; saved storages from its shapes at `batch` x `seq`, by the rule a GPU profile of the script showed
+    (8 blocks of width 512, 8 heads, batch 8 x 256: every storage below at those shapes). Times from a compute rate
+    and the synthetic machine's DHA read rate, not measured; no memory section (a test adds plain's peaks)."""
+    f32, b, t, c = 4, batch, seq, n_embd
+    act, att, stats = b * t * c * f32, b * n_head * t * t * f32, b * t * f32  # activation, attention matrix, LN's
+
+    def linear(n_in: int, n_out: int) -> dict[str, int]:
+        return {"weight": n_in * n_out * f32, "bias": n_out * f32}
+
+    norm = {"weight": c * f32, "bias": c * f32}
+    block = [("ln_1", "LayerNorm", norm, [act, stats, stats]),  # its input, mean and rstd
+             ("attn.c_attn", "Linear", linear(c, 3 * c), [act, act, act, act, att, t * t]),  # q, k, v copies; mask
+             ("attn.c_proj", "Linear", linear(c, c), [act]),
+             ("ln_2", "LayerNorm", norm, [act, stats, stats]),
+             ("mlp.c_fc", "Linear", linear(c, 4 * c), [act, 4 * act]),  # GELU's input
+             ("mlp.c_proj", "Linear", linear(4 * c, c), [4 * act])]
+    specs = [("wte", "Embedding", {"weight": vocab * c * f32}, [b * t * 8]),  # int64 token and position indices
+             ("wpe", "Embedding", {"weight": t * c * f32}, [t * 8]),
+             *((f"h.{i}.{name}", kind, params, saved) for i in range(n_layer) for name, kind, params, saved in block),
+             ("ln_f", "LayerNorm", norm, [act, stats, stats]), ("lm_head", "Linear", {}, [act])]  # wte's weight
+    ls, clock = [], 0.0
+    for name, kind, params, saved in specs:
+        size = sum(params.values())
+        fp = 10e-6 + 2 * b * t * size / f32 / 100e12  # a launch, and a GEMM's flops over its weight
+        read = 8 * size / 10e9  # a DHA GEMM reads its weight several times over the link
+        clock += fp + 5e-6
+        ls.append(Layer(name=name, type=kind, num_params=size // f32, params=params, fp_s=fp, bp_s=2 * fp,
+                        fp_dha_s=fp + read, bp_dha_s=2 * fp + read, bp_grad_host_s=2 * fp + size / 9e9,
+                        saved_bytes=sum(saved), saved_storages_bytes=sorted(saved, reverse=True), fp_end_s=clock,
+                        bp_start_s=0.0))
+    forward_end = clock
+    for layer in reversed(ls):
+        clock += 5e-6
+        layer.bp_start_s = clock
+        clock += layer.bp_s
+    num = sum(x.num_params for x in ls)
+    adamw = ScriptOptimizer(name="optimizer", kind="adamw", model="GPT", num_params=num,
+                            implementation=implementation)
+    training = Training(optimizer="adamw", grad_accumulation=1, edits_grads=False, warmup_steps=2, steps_measured=5,
+                        granularity="module", iteration_s=clock + 2e-3, forward_s=forward_end,
+                        backward_s=clock - forward_end, optimizer_step_s=1e-3, overhead=0.02, optimizers=[adamw],
+                        output_bytes=b * t * vocab * f32)  # the logits
+    model = ModelInfo(fingerprint=f"sha256:{n_layer:064x}", script="examples/train_gpt.py", num_params=num,
+                      dtype="float32")
+    return Profile(model=model, training=training, machine=machine(), layers=ls)
 
 
 def search_case(n: int, seed: int, gpu_memory: int = 80 * GiB):

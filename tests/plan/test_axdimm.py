@@ -131,3 +131,80 @@ def test_host_adam_runs_on_its_driver_lane_and_slows_cpu_compute_as_measured(rep
     spans = predict(profile, hosted, record=True).spans
     assert any(s.lane == "host adam" for s in spans) and not any(s.lane == "compute" and "adam" in s.name
                                                                  for s in spans)
+
+
+def module_params(*modules: tuple[str, list[int]]) -> list[axdimm.Param]:
+    """Parameters by module, in order: ("h.0", [weight, bias]) is h.0.weight and h.0.bias of layer k; "" the root's."""
+    return [axdimm.Param(name=f"{m}.{local}" if m else local, layer=k, num_params=n)
+            for k, (m, counts) in enumerate(modules) for local, n in zip(("weight", "bias", "scale"), counts)]
+
+
+HOST = axdimm.Rates(adam_params_per_s=1e9, lanes=["host adam"], launch_s=2e-4, bucketed=True)
+
+
+def test_host_adam_pays_one_call_per_module_and_one_per_nvme_staged_parameter():
+    """The runtime's host Adam makes one fused call per bucket (the parameters a module owns directly), and stages
+    NVMe-held states one parameter at a time: the planner prices the same calls."""
+    ps = module_params(("h.0", [4000, 1000]), ("h.1", [4000, 1000]), ("", [10]))
+    placed = [StatePlacement(param=p.name, tier="nvme" if p.name.startswith("h.1") else "host") for p in ps]
+    profile = gpu_profile(3)
+    disk = axdimm.nvme_tier(profile)
+    rates = replace(HOST, nvme_read=tiering.disk_curves(disk)[1], nvme_write=tiering.disk_curves(disk)[0])
+    first, second, root = axdimm.updates(ps, placed, 3, rates)
+    assert [u.update_s for u in first] == [pytest.approx(2e-4 + 5000 / 1e9)]  # weight and bias: one call
+    assert [u.update_s for u in second] == [pytest.approx(2e-4 + 4000 / 1e9), pytest.approx(2e-4 + 1000 / 1e9)]
+    assert all(u.nvme_bytes for u in second) and [u.update_s for u in root] == [pytest.approx(2e-4 + 10 / 1e9)]
+    channels = axdimm.updates(ps[:2], [StatePlacement(param=p.name, tier="axdimm", channel=0) for p in ps[:2]], 1,
+                              replace(HOST, bucketed=False))
+    assert len(channels[0]) == 2  # an AXDIMM channel launches each parameter's update on its own
+
+
+def test_many_small_modules_cost_more_calls_than_the_same_parameters_in_few():
+    many = module_params(*((f"blocks.{k}.norm", [600, 400]) for k in range(16)))
+    few = module_params(("blocks.0.mlp", [12_000, 4000]))
+    cost = {}
+    for name, ps in (("many", many), ("few", few)):
+        placed = [StatePlacement(param=p.name, tier="host") for p in ps]
+        cost[name] = sum(u.update_s for per in axdimm.updates(ps, placed, len(ps), HOST) for u in per)
+    assert sum(p.num_params for p in many) == sum(p.num_params for p in few)
+    assert cost["many"] == pytest.approx(16 * 2e-4 + 16_000 / 1e9) and cost["few"] == pytest.approx(2e-4 + 16_000 / 1e9)
+
+
+def host_profile(num_params: int, cache: int | None = 32 * 2**20, beyond: float | None = 1.5e9):
+    """A GPU profile whose host Adam runs at 5G params/s on states a cache holds and at `beyond` on others."""
+    profile = gpu_profile(4, seed=2)
+    profile.model.num_params = num_params
+    profile.machine.cpu = replace(profile.machine.cpu, adam_params_per_s=5e9, adam_launch_s=2.5e-4,
+                                  adam_beyond_cache_params_per_s=beyond, last_level_cache_bytes=cache)
+    return profile
+
+
+def test_a_model_whose_states_exceed_the_last_level_cache_is_priced_at_the_rate_beyond_it():
+    large = axdimm.rates(host_profile(185_000_000), "host")
+    assert (large.adam_params_per_s, large.launch_s, large.bucketed) == (1.5e9, 2.5e-4, True)
+    assert "2.76GiB of states, beyond the 32MiB last-level cache" in axdimm.rate_text(large)
+    assert "per call (one per module)" in axdimm.rate_text(large)
+    small = axdimm.rates(host_profile(1_000_000), "host")  # 15 MiB of states: the cache holds them
+    assert small.adam_params_per_s == 5e9 and "within the 32MiB" in small.note
+    assert axdimm.rates(host_profile(1_000_000, cache=None), "host").adam_params_per_s == 1.5e9  # cache unknown
+    older = axdimm.rates(host_profile(185_000_000, cache=None, beyond=None), "host")  # profiled before it was timed
+    assert older.adam_params_per_s == 5e9 and older.note == ""
+
+
+def test_beside_compute_beyond_the_cache_host_adam_runs_no_faster_than_alone_there():
+    cpu = replace(host_profile(0).machine.cpu, adam_beside_compute_params_per_s=2e9)
+    assert axdimm.host_rate(cpu, 185_000_000, beside=True) == 1.5e9
+    assert axdimm.host_rate(cpu, 1_000_000, beside=True) == 2e9
+    assert axdimm.host_rate(replace(cpu, adam_beyond_cache_params_per_s=3e9), 185_000_000, beside=True) == 2e9
+
+
+def test_the_simulated_iteration_runs_one_host_adam_call_per_module():
+    profile = gpu_profile(6, seed=3)
+    for x in profile.layers:  # a weight and a bias per layer
+        x.params = {"weight": x.params["weight"], "bias": 4096}
+        x.num_params += 1024
+    profile.model.num_params = sum(x.num_params for x in profile.layers)
+    hosted = plan(profile, PlanOptions(optimizer_device="host", gpu_memory_bytes=GiB, reserve=0.0))
+    assert hosted.optimizer.device == "host" and {s.tier for s in hosted.optimizer.states} == {"host"}
+    adam = [s for s in predict(profile, hosted, record=True).spans if s.lane == "host adam"]
+    assert len(adam) == len(profile.layers)  # not one per parameter

@@ -1,8 +1,12 @@
 """The whole process's host memory in a plan, and the rules that keep a plan from costing memory for nothing."""
 
+from dataclasses import replace
+
 import pytest
 
 from hetero.errors import USAGE, HeteroError
+from hetero.plan.choices import host_tier
+from hetero.plan.sections import optimizer_bytes
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
 from hetero.schema.plan import ActivationPlan
@@ -37,6 +41,29 @@ def test_hosts_adam_without_a_gpu_adds_its_master_copies(cpu):
     p = plan(cpu, PlanOptions(optimizer_device="host"))
     assert p.optimizer.device == "host"
     assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK + 4 * params(cpu)  # m and v move; the fp32 master is new
+
+
+def test_hosts_adam_in_step_keeps_no_master_copy_of_its_own(cpu):
+    """A script that changes its gradients after backward is updated in step(), where the parameters' own bytes
+    are the master copies (OptimizerPlan.shares_master): m and v move, nothing is added."""
+    cpu.training.edits_grads = True
+    p = plan(cpu, PlanOptions(optimizer_device="host"))
+    assert (p.optimizer.device, p.optimizer.overlap_backward) == ("host", False)
+    assert p.predicted.peak_bytes["dram"] == PLAIN_PEAK
+    assert "save nothing" in plan(cpu, PlanOptions()).omitted["optimizer"]
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_shared_master_is_4_bytes_a_parameter_less_in_host_memory(cpu, gpu):
+    profile = gpu_profile(6, seed=2) if gpu else cpu
+    host = host_tier(profile)
+    overlapped = plan(profile, PlanOptions(optimizer_device="host")).optimizer
+    assert overlapped.overlap_backward and {s.tier for s in overlapped.states} == {"host"}
+    in_step = replace(overlapped, overlap_backward=False)
+    held = {o.overlap_backward: optimizer_bytes.static_bytes(profile, o, host)[host] for o in (overlapped, in_step)}
+    assert held[True] - held[False] == 4 * params(profile)
+    if not gpu:  # m and v alone, as the runtime's host homes hold them (tests/run/test_one_master.py)
+        assert held[False] == 8 * params(profile)
 
 
 def test_the_emulated_axdimm_is_opt_in_and_counted_in_host_memory(cpu):

@@ -9,7 +9,9 @@ import torch
 
 from hetero.profile import machine, timing, updates
 from hetero.profile.tier_steps import DiskBeside
-from hetero.schema.profile import CurvePoint, Tier
+from hetero.schema.profile import Cpu, CurvePoint, Tier
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def positive(x: float) -> bool:
@@ -84,6 +86,7 @@ def test_the_workers_run_while_compute_runs_and_stop_after():
 def test_with_a_gpu_the_slowdown_is_left_null_and_said_why(monkeypatch):
     monkeypatch.setattr(machine, "copy_bandwidth", lambda nbytes: 1e10)
     monkeypatch.setattr(machine, "host_adam", lambda slowdown, sizes: updates.Updates(launch_s=1e-4, rate=1e9))
+    monkeypatch.setattr(machine, "host_adam_beyond_cache", lambda params, launch_s: 5e8)
     monkeypatch.setattr(machine, "background_slowdown", lambda: pytest.fail("measured beside a GPU"))
     cpu = machine.measure_cpu(gpu=True)
     assert cpu.background_slowdown is None and cpu.adam_cpu is None and cpu.adam_beside_compute_params_per_s is None
@@ -112,3 +115,55 @@ def test_a_disk_timed_beside_training_keeps_its_curves_and_its_workers_measured_
     assert tier.read_beside_compute == timed.read and tier.write_beside_compute == timed.write
     assert tier.read_cpu == tier.write_cpu == 0.5  # 0.3 s lost per busy second, of a streaming worker's 0.6
     assert list(tmp_path.iterdir()) == []
+
+
+def sys_cache(root, cpu: int, index: int, level: int, kind: str, size: str, shared: str) -> None:
+    """One cache of one core as /sys/devices/system/cpu reports it, under `root`."""
+    entry = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    entry.mkdir(parents=True)
+    for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+        (entry / name).write_text(f"{value}\n")
+
+
+def test_the_last_level_cache_is_the_cores_own_summed_over_distinct_caches(tmp_path):
+    for cpu in range(3):  # cores 0 and 1 share a 32 MiB L3, core 2 has its own 16 MiB one
+        sys_cache(tmp_path, cpu, 0, 1, "Data", "32K", str(cpu))
+        sys_cache(tmp_path, cpu, 1, 1, "Instruction", "32K", str(cpu))
+        sys_cache(tmp_path, cpu, 2, 2, "Unified", "1024K", str(cpu))
+        sys_cache(tmp_path, cpu, 3, 3, "Unified", "32768K" if cpu < 2 else "16M", "0-1" if cpu < 2 else "2")
+    assert machine.last_level_cache_bytes({0, 1}, tmp_path) == 32 * MiB  # shared: counted once
+    assert machine.last_level_cache_bytes({0, 2}, tmp_path) == 48 * MiB
+    assert machine.last_level_cache_bytes({7}, tmp_path) is None  # nothing reported for that core
+    assert machine.last_level_cache_bytes(root=tmp_path / "gone") is None
+
+
+def test_host_adam_beyond_the_caches_is_timed_on_states_four_times_the_cache_within_a_bound():
+    assert machine.beyond_cache_params(32 * MiB, machine.BEYOND_BYTES) * 16 == 128 * MiB
+    assert machine.beyond_cache_params(GiB, machine.BEYOND_BYTES) * 16 == machine.BEYOND_BYTES
+    assert machine.beyond_cache_params(None, 64 * MiB) * 16 == 64 * MiB  # no cache reported: the bound
+    assert machine.beyond_cache_params(32 * MiB, 4 * MiB) * 16 == 4 * MiB  # under a budget: what it leaves
+
+
+def test_the_cpu_records_its_cache_and_host_adam_beyond_it_with_a_calls_fixed_cost(monkeypatch):
+    timed = []
+    real = machine.host_adam_beyond_cache
+    monkeypatch.setattr(machine, "last_level_cache_bytes", lambda: 64 * KiB)  # small: a cheap update beyond it
+    monkeypatch.setattr(machine, "host_adam_beyond_cache",
+                        lambda params, launch_s: timed.append((params, launch_s)) or real(params, launch_s))
+    cpu = machine.measure_cpu(gpu=True, copy_bytes=MiB, largest=4 * MiB, beyond_bytes=4 * MiB)
+    assert timed == [(4 * 64 * KiB // 16, pytest.approx(cpu.adam_launch_s, rel=1e-3))]  # 4x the cache of states
+    assert cpu.last_level_cache_bytes == 64 * KiB and positive(cpu.adam_beyond_cache_params_per_s)
+    assert cpu.adam_launch_s > 0 and positive(cpu.adam_params_per_s)
+
+
+def test_a_cache_the_system_does_not_report_is_said_and_an_older_records_is_not():
+    cpu = Cpu(model="m", cores=2, dram_bandwidth_bytes_per_s=1e10, adam_params_per_s=1e9,
+              adam_beyond_cache_params_per_s=5e8)
+    reasons = machine.unmeasured(torch.device("cpu"), [], [], cpu)
+    assert reasons["machine.cpu.last_level_cache"] == machine.NO_CACHE
+    older = Cpu(model="m", cores=2, dram_bandwidth_bytes_per_s=1e10, adam_params_per_s=1e9)
+    assert "machine.cpu.last_level_cache" not in machine.unmeasured(torch.device("cpu"), [], [], older)
+
+
+def test_host_adam_beyond_the_caches_is_a_rate_of_its_own_update():
+    assert positive(updates.host_adam_beyond_cache(2**16, launch_s=0.0))

@@ -104,3 +104,12 @@ def test_the_last_machine_measured_on_this_host_is_remembered_for_the_next_profi
     assert same_machine.remembered(None, cpu) is None  # another host's: measured again
     same_machine.cache_path().write_text("not: a profile\n")
     assert same_machine.remembered(None, cpu) is None  # damaged: measured again
+
+
+def test_a_machine_remembered_before_the_measurement_recorded_more_is_measured_again(here, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu = torch.device("cpu")
+    same_machine.remember(dataclasses.replace(files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml"), machine=here))
+    assert same_machine.remembered(None, cpu) == here
+    monkeypatch.setattr(machine, "RECORD", machine.RECORD + 1)  # a hetero whose machine record holds more
+    assert same_machine.remembered(None, cpu) is None

@@ -173,14 +173,14 @@ PINNED = {
     "p.data rebinds": 38,
     "parameter views": 10,
     "prefetch host to device": 24,
-    "prefetch_waits": 24,
+    "prefetch_waits": 48,  # an upload waits for its landing buffer's allocation and for the download it reads
     "record_compute": 59,
     "record_copy": 12,
     "record_d2h": 24,
     "record_prefetch": 24,
     "saved-tensor pack": 59,
     "saved-tensor unpack": 59,
-    "synchronize": 40,  # a bucket's gradients (15), an eviction's download (24), the copies before the step (1)
+    "synchronize": 16,  # a bucket's gradients (15), the copies before the step (1); none for an eviction's download
     "tensor hooks": 84,
     "tiering records": 24,  # storages of at least min_tensor only
     "tiering worker jobs": 38,  # evictions (24) and prefetch requests (14); a fetched copy in memory goes inline

@@ -237,7 +237,8 @@ def test_dfgb_backward_reads_the_device_copy_only(stand_in, grad):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_dfgb_with_tiering_and_host_gradients(stand_in, tmp_path, overlap):
     """DFGB's parameter views and tiering's evictions share the one saved-tensor hook pair: with both (and host
-    gradients, Adam on the host), training equals plain, tiering moved bytes, and the backward read no host copy."""
+    gradients, Adam on the host), training equals plain, tiering moved bytes, and the backward read no host copy
+    (poisoned from the forward's end until backward is done: updated in step(), the host copies are the master)."""
     from tests.run.test_tiering import tiering_plan
 
     ref_model, model = gpt(), gpt()
@@ -246,16 +247,23 @@ def test_dfgb_with_tiering_and_host_gradients(stand_in, tmp_path, overlap):
     plan.activations = tiering_plan(model, str(tmp_path / "nvme"), 1 << 30, min_tensor=256).activations
     plan.omitted.pop("activations")
     runtime = Runtime(plan, script=__file__)
+    saved = {}
 
     def poison(step):
         sm = shadow_of(runtime)
         sm.device.synchronize(sm.copied)
         for st in sm.layers:
             if st.spec.mode == "dfgb":
+                saved[id(st)] = st.host.clone()
                 st.host.fill_(255)
 
+    def restore(step):
+        for st in shadow_of(runtime).layers:
+            if id(st) in saved:
+                st.host.copy_(saved.pop(id(st)))
+
     with runtime:
-        out = train(model, steps=4, after_forward=poison)
+        out = train(model, steps=4, after_forward=poison, after_backward=restore)
         tiering = next(m for m in runtime.mechanisms if type(m).__name__ == "ActivationTiering")
         assert tiering.ledger.report().evictions > 0
     compare(model, ref_model, out, ref)

@@ -352,7 +352,8 @@ def test_an_exception_in_the_script_leaves_no_file(tmp_path):
 def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
     """GPU memory tiered to pinned host memory, through the stand-in's strict streams: training equals plain; every
     device buffer of the steps (fetched activations, partial evictions' kept tails) is allocated on the compute stream
-    by the thread running the model, side streams only copy, and no buffer is freed while a copy still uses it."""
+    by the thread running the model, side streams only copy, no buffer is freed while a copy still uses it, and
+    without a store below no eviction makes the host wait for its download."""
     from tests.standin import COMPUTE, PREFETCH
 
     ref_model, model = tiny_gpt(), tiny_gpt()
@@ -367,16 +368,46 @@ def test_gpu_tier_on_the_stand_in(stand_in, below, evict, tmp_path):
         hook = model.lm_head.register_forward_hook(written)
         out = train(model, "gpt", steps=4)
         hook.remove()
+        tier = runtime.find(ActivationTiering).mover.tier
+        assert below or tier.held_bytes == 0  # every download was done when the last backward returned
     assert_close(torch.tensor(out), torch.tensor(ref))
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert_close(p, q)
-    assert runtime.find(ActivationTiering).ledger.report().evictions > 0
+    assert runtime.find(ActivationTiering).ledger.report().evictions > 1
+    # no host wait per eviction: the writer issues each download and goes on (with a store below it waits for each,
+    # on its thread, to write the file); close may wait once for what is still running
+    waits = stand_in.synchronized
+    assert (sum(waits.values()) if not below else waits[threading.current_thread().name]) <= 1
     assert stand_in.allocations and {a.stream for a in stand_in.allocations} == {COMPUTE}
     assert {a.thread for a in stand_in.allocations} == {threading.current_thread().name}
     used = {s for a in stand_in.allocations for s in a.used_by}
     assert used == ({PREFETCH} if evict == "full" else {COMPUTE, PREFETCH})  # kept tails: written on compute
     assert not stand_in.violations
     assert not (tmp_path / "nvme").exists()
+
+
+def test_a_backward_returning_drops_the_evicted_storages_whose_downloads_are_done(stand_in, tmp_path):
+    """A step's end, where the optimizer may allocate next: the storages the GPU tier kept for their downloads go
+    once a backward returns, with no eviction or fetch since the downloads were done."""
+    model = tiny_gpt()
+    plan = tiering_plan(model, str(tmp_path), GiB)
+    plan.activations.fast, plan.activations.slow, plan.activations.slow_path = "gpu", "dram", None
+    with Runtime(plan, script=__file__) as runtime:
+        train(model, "gpt", steps=1)
+        tiering = runtime.find(ActivationTiering)
+        loss = model(batch("gpt", 1)[0]).sum()
+        until(tiering.mover.writer.idle)
+        held = tiering.mover.tier.held_bytes
+        assert held > 0  # the stand-in runs no download until something waits for it
+        ready = stand_in.event("test")
+        stand_in.record_compute(ready)
+        # a download of the test's own, queued after the tier's: waiting for it runs them all
+        stand_in.synchronize(stand_in.download(torch.empty(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8),
+                                               ready))
+        assert tiering.mover.tier.held_bytes == held
+        torch.autograd.backward(torch.ones(1, requires_grad=True).sum())  # any backward: the step's end
+        assert tiering.mover.tier.held_bytes == 0
+        loss.backward()
 
 
 @pytest.mark.gpu

@@ -210,3 +210,19 @@ def test_a_field_added_later_is_left_out_of_files_and_hashes_while_at_its_defaul
     plan.recompute = RecomputePlan(blocks=["h.0"])
     assert "recompute:" in files.dumps(plan) and files.content_sha256(plan) != before
     assert files.loads(files.dumps(plan)).recompute.blocks == ["h.0"]
+
+
+def test_host_adams_rate_beyond_the_cache_is_read_back_and_older_profiles_keep_their_hash(repo):
+    """cpu.adam_beyond_cache and cpu.last_level_cache came after profiles were written without them."""
+    profile = files.load(repo / "plans/gpt-tiny-cpu.profile.yaml")
+    cpu = profile.machine.cpu
+    assert cpu.adam_beyond_cache_params_per_s is None and cpu.last_level_cache_bytes is None
+    before = files.content_sha256(profile)
+    assert "beyond_cache" not in files.dumps(profile) and "last_level_cache" not in files.dumps(profile)
+    profile.machine.cpu = dataclasses.replace(profile.machine.cpu, adam_beyond_cache_params_per_s=1.25e9,
+                                              last_level_cache_bytes=32 * 2**20)
+    text = files.dumps(profile)
+    assert "adam_beyond_cache: 1.25B params/s" in text and "last_level_cache: 32MiB" in text, text
+    again = files.loads(text).machine.cpu
+    assert (again.adam_beyond_cache_params_per_s, again.last_level_cache_bytes) == (1.25e9, 32 * 2**20)
+    assert files.content_sha256(profile) != before

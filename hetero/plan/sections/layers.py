@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from hetero.errors import USAGE, HeteroError
-from hetero.plan import gpu_layers, gradient_offload, plain
+from hetero.plan import gpu_layers, gradient_offload
 from hetero.plan.context import Context
 from hetero.plan.model import LayerCosts
 from hetero.plan.policy import POLICY
@@ -24,9 +24,8 @@ class Layers(Section):
     name, phase = "layers", "whole"
 
     def solve(self, step: Step) -> list[LayerPlan]:
-        """Every layer's mode and gradient place, with the simulator's count of GPU bytes held within the GPU budget
-        less headroom (in the count's terms, hetero.plan.plain); at most `--reserve` of the gradient bytes kept on the
-        GPU where the fit turned `host_grads` on."""
+        """Every layer's mode and gradient place, with the predicted GPU peak within the GPU budget less headroom; at
+        most `--reserve` of the gradient bytes kept on the GPU where the fit turned `host_grads` on."""
         ctx, draft = step.ctx, step.draft
         if ctx.gpu is None:
             step.omitted["layers"] = NO_GPU
@@ -34,11 +33,9 @@ class Layers(Section):
         if draft.optimizer is None or draft.optimizer.device == "gpu":
             step.omitted["layers"] = ON_GPU
             return []
-        bare = step.plain_of(draft)
-        counted = plain.counted_budget_bytes(ctx.profile, bare, int(ctx.gpu_budget_bytes * (1 - POLICY.gpu_headroom)),
-                                             step.predict(bare))
+        room = int(ctx.gpu_budget_bytes * (1 - POLICY.gpu_headroom))
         reserve = ctx.options.reserve if "host_grads" in step.levers else 1.0
-        return gpu_layers.layer_modes(ctx, draft, step.pinned("layers") or {}, step.build, reserve, counted)
+        return gpu_layers.layer_modes(ctx, draft, step.pinned("layers") or {}, step.build, reserve, room)
 
     def settle(self, ctx: Context, out: Plan) -> Plan:
         """The budget names the size grid the gradient-offload DP solved on (from the model alone)."""

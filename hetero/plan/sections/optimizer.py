@@ -117,7 +117,7 @@ def _placed(ctx: Context, omitted: dict[str, str], levers: frozenset[str]) -> Op
     if ctx.gpu is not None and "offload" not in levers and device != "gpu":
         return None  # the script's own optimizer, on the GPU (hetero.plan.gpu_fit says why)
     if ctx.gpu is None and device == "host" and ctx.options.optimizer_device is None:
-        omitted["optimizer"] = _host_saves_nothing(ctx)
+        omitted["optimizer"] = _host_saves_nothing(ctx, overlap)
         return None
     if device == "gpu":
         return OptimizerPlan(kind=training.optimizer, device="gpu", overlap_backward=overlap, micro_batches=micro,
@@ -177,13 +177,15 @@ def _states_on_nvme(ctx: Context, grads: bool) -> OptimizerPlan:
     return replace(out, why=why)
 
 
-def _host_saves_nothing(ctx: Context) -> str:
+def _host_saves_nothing(ctx: Context, overlap: bool) -> str:
     n = sum(p.num_params for p in ctx.params)
-    states, master = optimizer_bytes.ADAM_STATE_BYTES_PER_PARAM * n, 4 * n
+    host = OptimizerPlan(kind=ctx.profile.training.optimizer, device="host", overlap_backward=overlap)
+    states = optimizer_bytes.ADAM_STATE_BYTES_PER_PARAM * n
+    adds = ("would update the parameters in place (their own bytes are its master copies)" if
+            host.shares_master("host") else f"would add {SIZE.format_short(4 * n)} of fp32 master copies there")
     return (f"without a GPU the script's {ctx.profile.training.optimizer} already keeps its states in host memory "
-            f"({SIZE.format_short(states)}); hetero's host Adam would add {SIZE.format_short(master)} of fp32 master "
-            "copies there and save nothing, so the script's own optimizer stays (--optimizer-device host uses "
-            f"hetero's, at {axdimm.rate_text(ctx.rates('host'))})")
+            f"({SIZE.format_short(states)}); hetero's host Adam {adds} and save nothing, so the script's own optimizer "
+            f"stays (--optimizer-device host uses hetero's, at {axdimm.rate_text(ctx.rates('host'))})")
 
 
 def _placement(ctx: Context, device: str) -> axdimm.Placement:

@@ -35,8 +35,7 @@ def static_bytes(profile: Profile, optimizer: OptimizerPlan | None, host: str) -
         out[host] -= sum(4 * p.num_params for p in ps if tier_of.get(p.name) == "nvme")
     for p in ps:
         tier = tier_of.get(p.name)
-        # without a GPU the host update reads the parameter's own `.grad` (counted with the model): no gradient buffer
-        size = axdimm.state_bytes(p) - (4 * p.num_params if tier == "host" and not gpu else 0)
+        size = axdimm.state_bytes(p) - 4 * p.num_params * _not_held(optimizer, tier, gpu)
         if tier == "host" or (tier == "axdimm" and m.axdimm.backend == "emulated"):
             out[host] += size
         elif tier == "gpu":
@@ -47,6 +46,15 @@ def static_bytes(profile: Profile, optimizer: OptimizerPlan | None, host: str) -
         if tier is not None:
             out[tier.name] = out.get(tier.name, 0) + optimizer.nvme.size_bytes
     return out
+
+
+def _not_held(optimizer: OptimizerPlan | None, tier: str | None, gpu: bool) -> int:
+    """How many of a parameter's four fp32 update buffers its home does not hold: without a GPU the host update
+    reads the parameter's own `.grad` (counted with the model), and where the plan's rule shares the master
+    (`OptimizerPlan.shares_master`) the parameter's own bytes are it."""
+    if optimizer is None or tier is None:
+        return 0
+    return int(tier == "host" and not gpu) + int(optimizer.shares_master(tier))
 
 
 def host_static_bytes(profile: Profile, optimizer: OptimizerPlan | None, host: str) -> int:

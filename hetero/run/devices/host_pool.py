@@ -9,24 +9,33 @@ model, and a side stream only uses memory its owner keeps alive until that work 
 `record_stream` (which would hold a freed block out of the compute stream's pool until the side stream's later work
 is done, and made per-stream pools grow: DESIGN §7).
 - an eviction's fast-tier tail (a partial eviction) is copied on the compute stream, when the eviction is queued
-  (`split`); the download of its head waits for the compute stream's `ready` event, and the writer thread keeps the
-  evicted storage until the download is done (the host waits, off the compute stream), so its memory goes back to
-  the compute stream's pool only once nothing reads it;
+  (`split`); the download of its head waits for the compute stream's `ready` event, and the tier keeps the evicted
+  storage until a query of the download's event finds it done (`reclaim`), so its memory goes back to the compute
+  stream's pool only once nothing reads it. Without a store below, nothing waits for a download on the host before
+  close: the writer issues the next one at once;
 - the buffers of the fetches one prefetch request asks for are one allocation on the compute stream, made when the
   request is (`landings`, with an event the uploads wait for: the block may have been freed by kernels still
   running), filled on the upload stream, and waited for by the stream that unpacks them (`wait`); a record freed
   before that wait (a graph dropped) waits for its upload on the host before its buffer can go;
+- an upload from a pinned buffer waits (on the device) for the download that filled it;
 - an eviction's pinned buffer, reused from the pool, is written by a download that waits (on the device) for the
   upload that last read it, not by the host.
-With an NVMe store below, an evicted head is written to a file once its download is done and the pinned buffer goes
-back to the pool; a prefetch reads the file into a pooled buffer first.
+Memory: an evicted storage held for its download is GPU memory beyond the ledger's fast-tier bytes (which drop when
+the download is issued; hetero.run.devices.residency), `held_bytes` here. The queries run at every eviction (writer),
+every prefetch request (`landings`: memory is allocated next), every fetch (reader), and when a backward returns
+(hetero.run.tiering calls `reclaim`: the optimizer may allocate next), so a storage outlives its download only until
+the next of those (in training, the next step's first eviction at the latest); close waits for the downloads still
+running.
+With an NVMe store below, the writer waits for each download on the host (the file is written from the pinned copy),
+writes the file and gives the pinned buffer back to the pool, and the storage goes at once; a prefetch reads the
+file into a pooled buffer first.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +153,8 @@ class PinnedTier:
         self.directory = str(store.directory) if store is not None else None
         self.pool = HostPool(pinned=True, allocate_pinned=link.pinned, synchronize=link.synchronize)
         self._held: dict[str, tuple[torch.Tensor, Any]] = {}  # key -> pinned copy, the last copy's event
+        self._downloading: deque[tuple[Any, torch.Tensor]] = deque()  # (download's event, its source), in issue order
+        self.held_bytes = 0  # of the sources held
         self._lock = threading.Lock()
 
     def ready(self) -> Any:
@@ -159,18 +170,45 @@ class PinnedTier:
         return rest
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
+        """Issue the download of `data[:evict_bytes]`; without a store, `data` is kept until it is done."""
+        self.reclaim()
         pinned, after = self.pool.take_unordered(evict_bytes)
         last_use = () if after is None or self.link.query(after) else (after,)
         done = self.link.download(pinned, data[:evict_bytes], ready, last_use)
-        self.link.synchronize(done)  # the caller drops `data` next: its memory may be reused once the copy read it
         if self.store is None:
             with self._lock:
-                self._held[key] = (pinned, None)
+                self._held[key] = (pinned, done)
+                self._downloading.append((done, data))  # the caller drops `data`: its memory is reused once read
+                self.held_bytes += data.numel()
             return
+        self.link.synchronize(done)  # the file is written from the pinned copy
         self.store.write(key, pinned)
         self.pool.give(pinned)
 
+    def reclaim(self) -> None:
+        """Drop the evicted storages whose downloads are done (the download stream runs them in order), without
+        waiting for any."""
+        with self._lock:
+            done = []
+            while self._downloading and self.link.query(self._downloading[0][0]):
+                done.append(self._downloading.popleft()[1])
+            self.held_bytes -= sum(data.numel() for data in done)
+        del done  # outside the lock: their memory goes back to the allocator here
+
+    def _settle(self) -> None:
+        """Wait for every download issued, then drop the storages they read."""
+        with self._lock:
+            last = self._downloading[-1][0] if self._downloading else None
+        try:
+            if last is not None:
+                self.link.synchronize(last)  # in order: the downloads before it are done too
+        finally:
+            with self._lock:
+                held, self._downloading, self.held_bytes = self._downloading, deque(), 0
+            del held
+
     def landings(self, sizes: list[int]) -> list[Landing]:
+        self.reclaim()  # memory is allocated next: what the downloads are done with goes back first
         where, total = offsets(sizes)
         buffer = self.link.buffer(total)
         allocated = self.link.event("prefetch buffers")
@@ -178,15 +216,18 @@ class PinnedTier:
         return [Landing(buffer[at:at + nbytes], allocated) for at, nbytes in zip(where, sizes)]
 
     def fetch(self, key: str, nbytes: int, rest: torch.Tensor | None, landing: Landing) -> tuple[torch.Tensor, Arrival]:
+        self.reclaim()
         stored = nbytes - (0 if rest is None else rest.numel())
+        after = (landing.allocated,)
         if self.store is None:
             with self._lock:
-                pinned, _ = self._held[key]
+                pinned, filled = self._held[key]
+            after += (filled,)  # the download that filled `pinned` may still be running
         else:
             pinned = self.pool.take(stored)
             self.store.read(key, pinned)
         out = landing.buffer
-        arrived = self.link.upload(out[:stored], pinned, (landing.allocated,))
+        arrived = self.link.upload(out[:stored], pinned, after)
         if rest is not None:
             arrived = self.link.upload(out[stored:], rest)
         if self.store is None:
@@ -215,8 +256,11 @@ class PinnedTier:
         self.pool.give(pinned, after)
 
     def close(self) -> None:
-        with self._lock:
-            self._held.clear()
-        self.pool.close()
-        if self.store is not None:
-            self.store.close()
+        try:
+            self._settle()
+        finally:
+            with self._lock:
+                self._held.clear()
+            self.pool.close()
+            if self.store is not None:
+                self.store.close()

@@ -29,8 +29,9 @@ GPU = "gpu"  # the plan's name for GPU memory as the fast tier
 
 
 class SlowTier(Protocol):
-    """Where evicted bytes wait. `evict`, `fetch` and `delete` block their worker until the tier is done with the
-    buffers given; the GPU tier's copies may still be in flight on its streams, ordered by the markers."""
+    """Where evicted bytes wait. `evict`, `fetch` and `delete` block their worker until the caller may drop the
+    buffers given; the GPU tier's copies may still be in flight on its streams, ordered by the markers, and it keeps
+    an evicted buffer itself until its copy is done."""
 
     name: str
     device: torch.device  # where the fast-tier copies live
@@ -44,7 +45,11 @@ class SlowTier(Protocol):
         eviction keeps (None: nothing kept)."""
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
-        """Writer: store `data[:evict_bytes]` under `key`. Once it returns, the caller may drop `data`."""
+        """Writer: store `data[:evict_bytes]` under `key`. Once it returns, the caller may drop `data` (the GPU tier
+        keeps it until its copy is done)."""
+
+    def reclaim(self) -> None:
+        """Any thread: drop what the tier still keeps of evicted data whose copies are done, waiting for none."""
 
     def landings(self, sizes: list[int]) -> list[Any]:
         """Hook thread, when fetches are requested: where each will put its bytes (None: the tier chooses)."""
@@ -86,6 +91,9 @@ class NvmeTier:
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: None) -> None:
         self.store.write(key, data[:evict_bytes])
+
+    def reclaim(self) -> None:
+        """Nothing: `evict` keeps nothing once it returns."""
 
     def landings(self, sizes: list[int]) -> list[None]:
         return [None] * len(sizes)

@@ -6,19 +6,22 @@ import os
 import tempfile
 import threading
 import time
+import weakref
+from collections import Counter
 
 import pytest
 import torch
 
 from hetero.errors import HeteroError
 from hetero.kernels.dha import pinned_host
-from hetero.run.devices.evictions import Worker
+from hetero.run.devices.evictions import EVICTED, Mover, Record, Worker
 from hetero.run.devices.host_pool import HostPool, PinnedTier, size_class
 from hetero.run.devices.residency import Ledger
 from hetero.run.devices.slow_tier import NvmeTier, open_tier
 from hetero.run.devices.workdir import LOCK, host
 from hetero.schema.plan import ActivationPlan
 from tests.standin import StandInDevice
+from tests.waits import until
 
 
 def plan(**kw) -> ActivationPlan:
@@ -210,6 +213,50 @@ def test_a_fetched_buffer_whose_record_goes_unwaited_waits_for_its_upload(tmp_pa
         assert device.violations
     finally:
         tier.close()
+
+
+def evicted_to_pinned(device: StandInDevice, count: int) -> tuple[Mover, list[Record], list[torch.Tensor]]:
+    """`count` device buffers of 4 KiB evicted whole to pinned memory, the writer done with them, and their bytes:
+    the records are the only owners of the buffers when they are queued."""
+    m = Mover(PinnedTier("dram", device), Ledger("gpu", "dram"))
+    expect = [torch.randint(0, 255, (4096,), dtype=torch.uint8) for _ in range(count)]
+    records = []
+    for want in expect:
+        data = device.buffer(want.numel())
+        data.copy_(want)
+        records.append(Record(m, data.untyped_storage(), movable=True))
+    m.evict([(r, r.nbytes) for r in records], "layer")
+    until(m.writer.idle)
+    return m, records, expect
+
+
+def test_pinned_evictions_wait_for_no_download_on_the_host():
+    """Storages evicted to pinned memory and fetched back: no thread waits on the host for a download (the tier keeps
+    each storage until a query finds its download done), no storage is freed while its download still reads it, and
+    each is freed once its download is seen done."""
+    device, count = StandInDevice(), 8
+    m, records, expect = evicted_to_pinned(device, count)
+    try:
+        assert all(r.state == EVICTED and r.data is None for r in records) and m.ledger.evictions == count
+        assert m.tier.held_bytes == count * 4096  # the stand-in runs no download until something waits for it
+        m.prefetch([weakref.ref(r) for r in reversed(records)])
+        until(m.reader.idle)
+        for r, want in zip(records, expect):
+            assert torch.equal(m.data(r), want)  # the uploads waited for the downloads on the device
+        m.tier.reclaim()
+        assert m.tier.held_bytes == 0 and all(r.alias.expired() for r in records)
+        assert not device.violations
+    finally:
+        m.close()
+    assert device.synchronized == Counter()
+
+
+def test_close_waits_once_for_the_downloads_still_running():
+    device, count = StandInDevice(), 8
+    m, records, _ = evicted_to_pinned(device, count)
+    m.close()
+    assert device.synchronized == Counter({threading.current_thread().name: 1})
+    assert m.tier.held_bytes == 0 and all(r.alias.expired() for r in records) and not device.violations
 
 
 @pytest.mark.gpu
