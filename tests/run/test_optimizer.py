@@ -227,19 +227,22 @@ def test_an_optimizer_of_another_model_stays_torchs_own():
 
 
 def test_the_runtimes_buckets_are_the_calls_the_planner_prices():
-    """One rule (hetero.schema.names.update_bucket) groups the updates the runtime hands its host Adam and the calls
-    the planner prices: a module's own parameters together, the root module's own as one more."""
+    """One rule (hetero.schema.names.update_buckets) groups the updates the runtime hands its host Adam and the calls
+    the planner prices: whole modules from the last one back, up to the target size (here 40 elements), the root
+    module's own parameters among them."""
     from hetero.plan import axdimm
     from hetero.run.offloaded_adam import buckets
+    from hetero.schema.names import UpdateBuckets
     from hetero.schema.plan import StatePlacement
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 2, bias=False)))
     model.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    policy = UpdateBuckets(target_bytes=40 * 4)
     named = dict(model.named_parameters())
-    of = buckets({p: n for n, p in named.items()})
+    of = buckets({p: n for n, p in named.items()}, policy)
     ran = {frozenset(n for n, p in named.items() if of[p] is bucket) for bucket in of.values()}
     params = [axdimm.Param(name=n, layer=0, num_params=p.numel()) for n, p in named.items()]
     where = {n: StatePlacement(param=n, tier="host") for n in named}
-    priced = {frozenset(p.name for p in call) for call in axdimm.calls(params, where, bucketed=True)}
-    assert ran == priced == {frozenset({"0.weight", "0.bias"}), frozenset({"1.0.weight", "1.0.bias"}),
-                             frozenset({"1.1.weight"}), frozenset({"scale"})}
+    priced = {frozenset(p.name for p in call) for call in axdimm.calls(params, where, bucketed=True, policy=policy)}
+    assert ran == priced == {frozenset({"0.weight", "0.bias"}), frozenset({"1.0.weight", "1.0.bias", "1.1.weight"}),
+                             frozenset({"scale"})}
