@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import tiering
 from hetero.plan.model import Curve, Update
-from hetero.schema.names import update_bucket
+from hetero.schema.names import UPDATE_BUCKETS, UpdateBuckets, update_buckets
 from hetero.schema.plan import NvmeOverflow, StatePlacement
 from hetero.schema.profile import Cpu, Profile, Tier
 from hetero.units import PARAM_RATE, SIZE, TIME
@@ -242,27 +242,29 @@ def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, ra
     return out
 
 
-def calls(params: list[Param], where: dict[str, StatePlacement], bucketed: bool) -> list[list[Param]]:
-    """The placed parameters (`where` names their states) as the runtime's calls, in order of each call's first
-    parameter: with `bucketed`, those not on NVMe by bucket (hetero.schema.names.update_bucket), else one each."""
+def calls(params: list[Param], where: dict[str, StatePlacement], bucketed: bool,
+          policy: UpdateBuckets = UPDATE_BUCKETS) -> list[list[Param]]:
+    """The placed parameters (`where` names their states; `params` in forward order) as the runtime's calls, in
+    order of each call's first parameter (its bucket's last gradient to become final): with `bucketed`, those not
+    on NVMe by bucket (hetero.schema.names.update_buckets), else one each."""
+    placed = [p for p in params if p.name in where]
+    grouped = [p for p in placed if bucketed and where[p.name].tier != "nvme"]
+    of = update_buckets([(p.name, p.num_params) for p in grouped], policy)
     out: list[list[Param]] = []
-    by_bucket: dict[str, list[Param]] = {}
-    for p in params:
-        s = where.get(p.name)
-        if s is None:
-            continue
-        if not bucketed or s.tier == "nvme":
+    by_bucket: dict[int, list[Param]] = {}
+    for p in placed:
+        if p.name not in of:
             out.append([p])
-        elif (key := update_bucket(p.name)) in by_bucket:
-            by_bucket[key].append(p)
+        elif of[p.name] in by_bucket:
+            by_bucket[of[p.name]].append(p)
         else:
-            out.append(by_bucket.setdefault(key, [p]))
+            out.append(by_bucket.setdefault(of[p.name], [p]))
     return out
 
 
 def rate_text(rates: Rates) -> str:
     each = " each" if len(rates.lanes) > 1 else ""
     note = f" ({rates.note})" if rates.note else ""
-    per = "call (one per module)" if rates.bucketed else "update"
+    per = "call (one per bucket)" if rates.bucketed else "update"
     launch = f" + {TIME.format_short(rates.launch_s)} per {per}" if rates.launch_s else ""
     return f"{PARAM_RATE.format_short(rates.adam_params_per_s)}{each}{note}{launch}"

@@ -19,7 +19,7 @@ from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import NvmeStaging, on_host
 from hetero.run.states import FP32, Update, launch
 from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
-from hetero.schema.names import update_bucket
+from hetero.schema.names import UPDATE_BUCKETS, UpdateBuckets, update_buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,9 @@ class Offloaded:
         self._homes = self.config.homes_for()
         self._params = self._homes.build([(names[p], p) for p in order])
         self._group_of = {p: group for group in self.param_groups for p in group["params"]}
-        self._buckets = buckets({p: names[p] for p, slot in self._params.items() if slot.home is not None})
+        # in the model's order, which the planner's buckets follow (NVMe-staged states update one by one at step())
+        self._buckets = buckets({p: n for p, n in names.items()
+                                 if p in self._params and self._params[p].home is not None})
         if self.config.overlap:
             self._edits = GradEdits(self._params.keys, by_value=True)  # values: the first step's
         if self._pending_state is not None:
@@ -296,7 +298,7 @@ class Offloaded:
 
 @dataclass(eq=False, slots=True)
 class Bucket:
-    """The parameters of one module: their updates go to the drivers together (hetero.run.states.launch)."""
+    """Parameters whose updates go to the drivers together (hetero.run.states.launch), once all are final."""
 
     size: int
     waiting: list[Update]
@@ -307,13 +309,15 @@ class Bucket:
         return out
 
 
-def buckets(names: dict[torch.nn.Parameter, str]) -> dict[torch.nn.Parameter, Bucket]:
-    """Each parameter's bucket: the parameters its module owns directly (a Linear's weight and bias, whose gradients
-    one backward node makes), by the rule the planner prices them by (hetero.schema.names.update_bucket)."""
-    by_module: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
+def buckets(names: dict[torch.nn.Parameter, str],
+            policy: UpdateBuckets = UPDATE_BUCKETS) -> dict[torch.nn.Parameter, Bucket]:
+    """Each parameter's bucket, `names` given in the model's order: by the rule the planner prices calls by
+    (hetero.schema.names.update_buckets), whole modules in backward order up to the policy's size."""
+    of = update_buckets([(name, p.numel()) for p, name in names.items()], policy)
+    members: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
     for p, name in names.items():
-        by_module[update_bucket(name)].append(p)
+        members[of[name]].append(p)
     out = {}
-    for params in by_module.values():
+    for params in members.values():
         out.update(dict.fromkeys(params, Bucket(len(params), [])))
     return out

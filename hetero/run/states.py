@@ -1,13 +1,14 @@
 """Where one parameter's fp32 master copy and Adam states live, and how its update runs there.
 
 A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in the middle of
-backward only enqueues work. Updates go to the drivers in buckets (`launch`: the parameters of one module, once the last
-of their gradients is final): one ready event, one job per driver and, on the host, one fused Adam call for the bucket,
-each parameter's arithmetic exactly as alone. On the AXDIMM each channel has a driver that alone switches the channel's
-arbiter (normal to copy the gradient in, acceleration to run Adam), so the paper's exclusivity holds by construction,
-and while one channel's kernel runs the other channel's driver copies (§5.2). The model's parameters change only in
-`optimizer.step()`: updates that overlapped backward wait in the homes' own master copies until `copy_back`; a host
-home updated in `step()` has none, its master is the parameter's own host bytes (`HostHome`).
+backward only enqueues work. Updates go to the drivers in buckets (`launch`: whole modules' parameters up to a size,
+hetero.schema.names.update_buckets, once the last of their gradients is final): one ready event, one job per driver
+and, on the host, one fused Adam call for the bucket, each parameter's arithmetic exactly as alone. On the AXDIMM each
+channel has a driver that alone switches the channel's arbiter (normal to copy the gradient in, acceleration to run
+Adam), so the paper's exclusivity holds by construction, and while one channel's kernel runs the other channel's
+driver copies (§5.2). The model's parameters change only in `optimizer.step()`: updates that overlapped backward wait
+in the homes' own master copies until `copy_back`; a host home updated in `step()` has none, its master is the
+parameter's own host bytes (`HostHome`).
 """
 
 from __future__ import annotations

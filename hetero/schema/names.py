@@ -1,12 +1,17 @@
 """The names a plan uses, checked against its profile: a layer or parameter name the profile does not have (a typo
 in an edited plan) is found by `hetero check`, not at run time once the model is built; and the one rule that groups
-parameters by name, which the planner and the runtime both follow. Pure: no torch, no I/O."""
+parameters' updates into buckets, which the planner and the runtime both follow. Pure: no torch, no I/O."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
 
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 from hetero.schema.yaml_read import did_you_mean
+
+FP32_BYTES = 4
 
 
 def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
@@ -27,9 +32,42 @@ def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
             for path, name, names, what in named if name is not None and name not in known[id(names)]]
 
 
-def update_bucket(param: str) -> str:
-    """The bucket of a parameter's update, by its qualified name (as in `model.named_parameters()`): the module that
-    owns it directly, its name up to the last dot ('' for the root module's own). hetero's host Adam updates a
-    bucket in one fused call once all of its gradients are final (hetero.run.offloaded_adam), and the planner
-    prices one call per bucket (hetero.plan.axdimm)."""
+@dataclass(frozen=True, slots=True)
+class UpdateBuckets:
+    """How hetero's host Adam groups parameters' updates into buckets, each run as one fused call per set of
+    constants once all of its gradients are final (hetero.run.offloaded_adam); the planner prices one call per
+    bucket (hetero.plan.axdimm). The defaults are documented field by field."""
+
+    # fp32 parameter bytes a bucket fills up to: large enough that a call's fixed cost is small beside its work,
+    # small enough that the first buckets run while backward still computes the rest
+    target_bytes: int = 32 << 20
+
+
+UPDATE_BUCKETS = UpdateBuckets()
+
+
+def update_buckets(params: list[tuple[str, int]], policy: UpdateBuckets = UPDATE_BUCKETS) -> dict[str, int]:
+    """Each parameter's bucket (0 first), from (qualified name as in `model.named_parameters()`, element count) in
+    forward order. Buckets are taken in backward order (the reverse: gradients become final roughly so), each the
+    parameters of whole modules (a name up to its last dot; a Linear's weight and bias come from one backward node)
+    added while their fp32 bytes stay within `policy.target_bytes`: a module larger than that is a bucket alone, and
+    a module's parameters are never split, even where the list does not give them in a row."""
+    module_bytes: dict[str, int] = defaultdict(int)
+    for name, numel in params:
+        module_bytes[_module(name)] += FP32_BYTES * numel
+    of_module: dict[str, int] = {}
+    bucket, filled = 0, 0
+    for name, _ in reversed(params):
+        module = _module(name)
+        if module in of_module:
+            continue
+        if filled and filled + module_bytes[module] > policy.target_bytes:
+            bucket, filled = bucket + 1, 0
+        of_module[module] = bucket
+        filled += module_bytes[module]
+    return {name: of_module[_module(name)] for name, _ in params}
+
+
+def _module(param: str) -> str:
+    """The module that owns a parameter directly: its name up to the last dot ('' for the root module's own)."""
     return param.rpartition(".")[0]

@@ -142,7 +142,7 @@ class Cpu:
                                           "which a large last-level cache holds.", unit=PARAM_RATE)
     adam_launch_s: float | None = doc("Fixed cost of one call there, whatever its size: handing it to the driver, "
                                       "one fused Adam call and waiting for it, timed on small updates. The runtime "
-                                      "makes one call per bucket (the parameters one module owns directly); null: "
+                                      "makes one call per bucket (whole modules' parameters, up to a size); null: "
                                       "not measured (older profiles).", unit=TIME, ge=0, default=None)
     adam_beyond_cache_params_per_s: float | None = doc(
         "`adam` on states (16 B/param: fp32 master copy, m, v, gradient) 4 times `last_level_cache` (512 MiB where "

@@ -9,6 +9,7 @@ from hetero.plan import axdimm, tiering
 from hetero.plan.sections.layers import ON_GPU
 from hetero.plan.solve import PlanOptions, build, plan, predict
 from hetero.schema import files
+from hetero.schema.names import UpdateBuckets, update_buckets
 from hetero.schema.plan import StatePlacement
 from hetero.schema.profile import Profile
 from tests.figures import figures
@@ -142,24 +143,25 @@ def module_params(*modules: tuple[str, list[int]]) -> list[axdimm.Param]:
 HOST = axdimm.Rates(adam_params_per_s=1e9, lanes=["host adam"], launch_s=2e-4, bucketed=True)
 
 
-def test_host_adam_pays_one_call_per_module_and_one_per_nvme_staged_parameter():
-    """The runtime's host Adam makes one fused call per bucket (the parameters a module owns directly), and stages
-    NVMe-held states one parameter at a time: the planner prices the same calls."""
+def test_host_adam_pays_one_call_per_bucket_and_one_per_nvme_staged_parameter():
+    """The runtime's host Adam makes one fused call per bucket (hetero.schema.names.update_buckets: small modules
+    share one), and stages NVMe-held states one parameter at a time: the planner prices the same calls, each with
+    the layer of its bucket's first parameter in forward order (whose gradient becomes final last)."""
     ps = module_params(("h.0", [4000, 1000]), ("h.1", [4000, 1000]), ("", [10]))
     placed = [StatePlacement(param=p.name, tier="nvme" if p.name.startswith("h.1") else "host") for p in ps]
     profile = gpu_profile(3)
     disk = axdimm.nvme_tier(profile)
     rates = replace(HOST, nvme_read=tiering.disk_curves(disk)[1], nvme_write=tiering.disk_curves(disk)[0])
     first, second, root = axdimm.updates(ps, placed, 3, rates)
-    assert [u.update_s for u in first] == [pytest.approx(2e-4 + 5000 / 1e9)]  # weight and bias: one call
+    assert [u.update_s for u in first] == [pytest.approx(2e-4 + 5010 / 1e9)]  # h.0 and the root's: one call
     assert [u.update_s for u in second] == [pytest.approx(2e-4 + 4000 / 1e9), pytest.approx(2e-4 + 1000 / 1e9)]
-    assert all(u.nvme_bytes for u in second) and [u.update_s for u in root] == [pytest.approx(2e-4 + 10 / 1e9)]
+    assert all(u.nvme_bytes for u in second) and root == []
     channels = axdimm.updates(ps[:2], [StatePlacement(param=p.name, tier="axdimm", channel=0) for p in ps[:2]], 1,
                               replace(HOST, bucketed=False))
     assert len(channels[0]) == 2  # an AXDIMM channel launches each parameter's update on its own
 
 
-def test_many_small_modules_cost_more_calls_than_the_same_parameters_in_few():
+def test_small_modules_cost_one_call_as_the_same_parameters_in_one_module():
     many = module_params(*((f"blocks.{k}.norm", [600, 400]) for k in range(16)))
     few = module_params(("blocks.0.mlp", [12_000, 4000]))
     cost = {}
@@ -167,7 +169,15 @@ def test_many_small_modules_cost_more_calls_than_the_same_parameters_in_few():
         placed = [StatePlacement(param=p.name, tier="host") for p in ps]
         cost[name] = sum(u.update_s for per in axdimm.updates(ps, placed, len(ps), HOST) for u in per)
     assert sum(p.num_params for p in many) == sum(p.num_params for p in few)
-    assert cost["many"] == pytest.approx(16 * 2e-4 + 16_000 / 1e9) and cost["few"] == pytest.approx(2e-4 + 16_000 / 1e9)
+    assert cost["many"] == pytest.approx(2e-4 + 16_000 / 1e9) == cost["few"]
+
+
+def test_buckets_beyond_the_target_size_are_calls_of_their_own():
+    """4 modules of 1000 elements, a target of 2 of them: 2 calls, modules taken from the last one back."""
+    ps = module_params(*((f"blocks.{k}.norm", [600, 400]) for k in range(4)))
+    where = {p.name: StatePlacement(param=p.name, tier="host") for p in ps}
+    made = axdimm.calls(ps, where, bucketed=True, policy=UpdateBuckets(target_bytes=2 * 4000))
+    assert [[p.name for p in call] for call in made] == [[p.name for p in ps[:4]], [p.name for p in ps[4:]]]
 
 
 def host_profile(num_params: int, cache: int | None = 32 * 2**20, beyond: float | None = 1.5e9):
@@ -183,7 +193,7 @@ def test_a_model_whose_states_exceed_the_last_level_cache_is_priced_at_the_rate_
     large = axdimm.rates(host_profile(185_000_000), "host")
     assert (large.adam_params_per_s, large.launch_s, large.bucketed) == (1.5e9, 2.5e-4, True)
     assert "2.76GiB of states, beyond the 32MiB last-level cache" in axdimm.rate_text(large)
-    assert "per call (one per module)" in axdimm.rate_text(large)
+    assert "per call (one per bucket)" in axdimm.rate_text(large)
     small = axdimm.rates(host_profile(1_000_000), "host")  # 15 MiB of states: the cache holds them
     assert small.adam_params_per_s == 5e9 and "within the 32MiB" in small.note
     assert axdimm.rates(host_profile(1_000_000, cache=None), "host").adam_params_per_s == 1.5e9  # cache unknown
@@ -198,7 +208,7 @@ def test_beside_compute_beyond_the_cache_host_adam_runs_no_faster_than_alone_the
     assert axdimm.host_rate(replace(cpu, adam_beyond_cache_params_per_s=3e9), 185_000_000, beside=True) == 2e9
 
 
-def test_the_simulated_iteration_runs_one_host_adam_call_per_module():
+def test_the_simulated_iteration_runs_one_host_adam_call_per_bucket():
     profile = gpu_profile(6, seed=3)
     for x in profile.layers:  # a weight and a bias per layer
         x.params = {"weight": x.params["weight"], "bias": 4096}
@@ -207,4 +217,5 @@ def test_the_simulated_iteration_runs_one_host_adam_call_per_module():
     hosted = plan(profile, PlanOptions(optimizer_device="host", gpu_memory_bytes=GiB, reserve=0.0))
     assert hosted.optimizer.device == "host" and {s.tier for s in hosted.optimizer.states} == {"host"}
     adam = [s for s in predict(profile, hosted, record=True).spans if s.lane == "host adam"]
-    assert len(adam) == len(profile.layers)  # not one per parameter
+    of = update_buckets([(p.name, p.num_params) for p in axdimm.params(profile)])
+    assert len(adam) == len(set(of.values())) < len(profile.layers)  # not one per parameter, nor per module

@@ -157,7 +157,8 @@ def by_kind(work: dict[str, float]) -> dict[str, float]:
 # Per steady step (torch 2.13's saved tensors for this model; every count but the saved-tensor hooks' is fixed by the
 # model's parameters, the plan and hetero). Before the lean-step changes (issue 30 item 3) these were, by kind:
 # synchronizations 106, event waits 88, event records 143, copies 78, device allocations 24, hook calls 268, queue
-# hand-offs 90, p.data rebinds 38, per-tensor records 48.
+# hand-offs 90, p.data rebinds 38, per-tensor records 48. With a bucket of updates per module (before issue 55 item 5):
+# synchronizations 31, event records 119, queue hand-offs 53.
 PINNED = {
     "allocations": 14,  # one per prefetch request (a layer's fetches share one buffer)
     "backward pre-hooks": 20,
@@ -167,20 +168,20 @@ PINNED = {
     "copy_waits": 6,
     "d2h device to host": 24,
     "d2h_waits": 24,
-    "driver waits": 15,  # one job per module's bucket of updates
+    "driver waits": 1,  # one job per bucket of updates: this model's modules all fit in one
     "module hooks": 46,
-    "optimizer driver jobs": 15,
+    "optimizer driver jobs": 1,
     "p.data rebinds": 38,
     "parameter views": 10,
     "prefetch host to device": 24,
     "prefetch_waits": 48,  # an upload waits for its landing buffer's allocation and for the download it reads
-    "record_compute": 59,
+    "record_compute": 45,
     "record_copy": 12,
     "record_d2h": 24,
     "record_prefetch": 24,
     "saved-tensor pack": 59,
     "saved-tensor unpack": 59,
-    "synchronize": 16,  # a bucket's gradients (15), the copies before the step (1); none for an eviction's download
+    "synchronize": 2,  # the bucket's gradients (1), the copies before the step (1); none for an eviction's download
     "tensor hooks": 84,
     "tiering records": 24,  # storages of at least min_tensor only
     "tiering worker jobs": 38,  # evictions (24) and prefetch requests (14); a fetched copy in memory goes inline

@@ -1,5 +1,6 @@
 """Equivalence: training under the offloaded optimizer equals plain torch.optim.AdamW from the same seed."""
 
+import functools
 import os
 
 import pytest
@@ -9,8 +10,12 @@ from torch import nn
 from torch.testing import assert_close
 
 from hetero.harness.script import StopScript
+from hetero.kernels.adam import AdamKernel
+from hetero.run import offloaded_adam
 from hetero.run.offloaded_adam import Offloaded
 from hetero.run.runtime import Runtime
+from hetero.run.states import Driver
+from hetero.schema.names import UPDATE_BUCKETS, UpdateBuckets, update_buckets
 from tests.figures import figures
 from tests.run.plans import optimizer_plan
 
@@ -179,6 +184,44 @@ def test_updates_are_bit_for_bit_torchs_fused_adamw(device):
     assert not all(torch.equal(p, q) for p, q in zip(ours.parameters(), default.parameters()))
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("policy", [UPDATE_BUCKETS, UpdateBuckets(target_bytes=200 * 4)], ids=["default", "small"])
+def test_a_step_makes_one_adam_call_and_one_driver_job_per_bucket(monkeypatch, overlap, policy):
+    """3 modules far smaller than the default target share one bucket: one fused Adam call and one job for the host's
+    driver (one wait) per step, launched from the gradient hooks or from step(); with a target of 200 elements the
+    schema's rule makes 2 buckets, and the runtime as many calls. Training stays torch's fused AdamW, bit for bit."""
+    calls: list[str] = []
+    for cls, name in ((AdamKernel, "many"), (Driver, "submit")):
+        monkeypatch.setattr(cls, name, counted(calls, name, getattr(cls, name)))
+    monkeypatch.setattr(offloaded_adam, "buckets", functools.partial(offloaded_adam.buckets, policy=policy))
+    fused, ours = make_model(), make_model()
+    expected = len(set(update_buckets([(n, p.numel()) for n, p in ours.named_parameters()], policy).values()))
+    modules = len({n.rpartition(".")[0] for n, _ in ours.named_parameters()})
+    train_fused(fused)
+    with Runtime(optimizer_plan(ours, device="host", overlap=overlap), script=__file__):
+        train_fused(ours, fused=None)
+    assert expected < modules == 3
+    assert calls.count("many") == calls.count("submit") == STEPS * expected
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), fused.parameters()))
+
+
+def counted(calls: list[str], name: str, fn):
+    @functools.wraps(fn)
+    def counting(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return counting
+
+
+def train_fused(model, fused=True):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    for step in range(STEPS):
+        x, y = batch(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_an_accumulation_mismatch_stops_the_script_even_through_its_except_exception():
     model = make_model()
     with pytest.raises(StopScript) as stop, Runtime(optimizer_plan(model, micro_batches=2), script=__file__):
@@ -227,19 +270,22 @@ def test_an_optimizer_of_another_model_stays_torchs_own():
 
 
 def test_the_runtimes_buckets_are_the_calls_the_planner_prices():
-    """One rule (hetero.schema.names.update_bucket) groups the updates the runtime hands its host Adam and the calls
-    the planner prices: a module's own parameters together, the root module's own as one more."""
+    """One rule (hetero.schema.names.update_buckets) groups the updates the runtime hands its host Adam and the calls
+    the planner prices: whole modules from the last one back, up to the target size (here 40 elements), the root
+    module's own parameters among them."""
     from hetero.plan import axdimm
     from hetero.run.offloaded_adam import buckets
+    from hetero.schema.names import UpdateBuckets
     from hetero.schema.plan import StatePlacement
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 2, bias=False)))
     model.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    policy = UpdateBuckets(target_bytes=40 * 4)
     named = dict(model.named_parameters())
-    of = buckets({p: n for n, p in named.items()})
+    of = buckets({p: n for n, p in named.items()}, policy)
     ran = {frozenset(n for n, p in named.items() if of[p] is bucket) for bucket in of.values()}
     params = [axdimm.Param(name=n, layer=0, num_params=p.numel()) for n, p in named.items()]
     where = {n: StatePlacement(param=n, tier="host") for n in named}
-    priced = {frozenset(p.name for p in call) for call in axdimm.calls(params, where, bucketed=True)}
-    assert ran == priced == {frozenset({"0.weight", "0.bias"}), frozenset({"1.0.weight", "1.0.bias"}),
-                             frozenset({"1.1.weight"}), frozenset({"scale"})}
+    priced = {frozenset(p.name for p in call) for call in axdimm.calls(params, where, bucketed=True, policy=policy)}
+    assert ran == priced == {frozenset({"0.weight", "0.bias"}), frozenset({"1.0.weight", "1.0.bias", "1.1.weight"}),
+                             frozenset({"scale"})}
