@@ -224,21 +224,21 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
         result = run_script(script, args)
     if len(steps.ends) < warmup + policy.timed_steps or not (result.stopped or result.exit_code == 0):
         return result.exit_code or 1
-    timed = steps.ends[-policy.timed_steps - 1:]
-    beside = steps.beside_bytes or process_memory.charged_beside_bytes()  # the script ended before it settled
     with open(out, "w") as f:
-        json.dump({"peak_bytes": process_memory.dram_peak_bytes(), "beside_bytes": beside,
-                   "step_s": (timed[-1] - timed[0]) / policy.timed_steps, "steps": len(steps.ends)}, f)
+        json.dump({"peak_bytes": process_memory.dram_peak_bytes(), "beside_bytes": steps.beside_bytes,
+                   "step_s": steps.step_s(policy.timed_steps), "steps": len(steps.ends)}, f)
     return 0
 
 
 class _Steps:
-    """The script's steps in a trial process: after the warm-up, the file pages used are counted afresh; it stops
+    """The script's steps in a trial process: after the warm-up, the file pages used are counted afresh, and read at
+    each step's end, so that what the script does after its last step (an evaluation, a save) is not counted; it stops
     once its peak has settled (`settled`)."""
 
     def __init__(self, warmup: int, policy: MemoryPolicy):
         self.warmup, self.policy = warmup, policy
         self.ends: list[float] = []
+        self.reading_s: list[float] = []  # per step: the time its end spent reading the file pages used
         self.peaks: list[int] = []
         self.first: list = []  # the first optimizer to step: its steps are the script's
         self.beside_bytes = 0
@@ -271,9 +271,16 @@ class _Steps:
         self.peaks.append(process_memory.dram_peak_bytes())
         if len(self.ends) == self.warmup:
             process_memory.clear_referenced()
-        if settled(self.peaks, self.warmup + self.policy.timed_steps, self.policy):
+        elif len(self.ends) > self.warmup:
             self.beside_bytes = process_memory.charged_beside_bytes()
+        self.reading_s.append(time.perf_counter() - self.ends[-1])
+        if settled(self.peaks, self.warmup + self.policy.timed_steps, self.policy):
             raise StopScript()
+
+    def step_s(self, timed_steps: int) -> float:
+        """The mean of the last `timed_steps` steps, less the time their starts spent in `ended`."""
+        ends, reading = self.ends[-timed_steps - 1:], self.reading_s[-timed_steps - 1:-1]
+        return (ends[-1] - ends[0] - sum(reading)) / timed_steps
 
 
 def settled(peaks: list[int], least_steps: int, policy: MemoryPolicy = POLICY) -> bool:

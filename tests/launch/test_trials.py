@@ -124,3 +124,37 @@ def test_a_killed_hetero_plan_takes_its_trial_with_it_and_the_next_start_sweeps_
     line = workdir.sweep_earlier([str(temp)])
     assert line is not None and f"pid {planning.pid}" in line and str(temp) in line
     assert os.listdir(temp) == []
+
+
+
+GROWING_THEN_READING = """
+import mmap, sys
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+held = []
+for step in range(8):
+    opt.zero_grad()
+    F.cross_entropy(model(torch.randn(8, 16)), torch.randint(4, (8,))).backward()
+    opt.step()
+    held.append(torch.ones(1 << 20))  # the peak rises every step: a trial process runs the script to its end
+with open(sys.argv[0] + ".data", "rb") as f:
+    sys.kept = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # mapped beyond the script, as code it ran is
+print("read after training", sum(sys.kept[i] for i in range(0, len(sys.kept), 4096)))
+"""
+
+
+@pytest.mark.slow
+def test_file_pages_are_counted_in_the_steps_not_after_the_script_trains(tmp_path, monkeypatch):
+    """A process that runs the script to its end (its peak never settles) counts the file pages its steps used, not
+    those the script reads after its last step."""
+    monkeypatch.chdir(tmp_path)
+    script = scripts.write(tmp_path, GROWING_THEN_READING)
+    Path(script + ".data").write_bytes(os.urandom(96 * MiB))
+    run = measure_script(script, [], ProfileOptions(steps=2, warmup=1))
+    machine = files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml", expect=Profile).machine
+    profile = assemble(run, machine)
+    chosen = plan(profile, PlanOptions(dram_budget_bytes=4096 * MiB))
+    measured = trials.measure(chosen, frozenset(), 1, trials.Command.of(profile), 4096 * MiB, TWO)
+    assert measured.stopped == 0 and len(measured.peaks_bytes) == 2 and measured.step_s > 0
+    assert 0 < measured.mapped_bytes < 64 * MiB
