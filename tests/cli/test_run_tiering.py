@@ -37,6 +37,8 @@ for step in range(int(sys.argv[1])):
         time.sleep(0.5)  # evicted activations are in files now
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(30)
+    if sys.argv[2] == "plain":
+        time.sleep(0.2)  # the writer writes this step's evictions before backward starts and calls off the rest
     loss.backward()
     opt.step(); opt.zero_grad()
 print("done", step + 1)
