@@ -141,9 +141,13 @@ def remembered(nvme_dir: str | None, device: torch.device) -> Machine | None:
 
 
 def remember(profile: Profile) -> None:
-    """Keep `profile` (its machine measured in full) for the next profile on this host; nothing where the cache
-    directory cannot be written."""
+    """Keep `profile` (its machine measured in full) for the next profile on this host, and remove what an earlier
+    record kept for this host (no hetero of this record reads it); nothing where the cache directory cannot be
+    written."""
     path = cache_path()
     with suppress(OSError):
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         files.save(profile, path)
+        for older in path.parent.glob(f"machine-{workdir.host()}*.profile.yaml"):
+            if older != path:
+                older.unlink(missing_ok=True)

@@ -113,3 +113,7 @@ def test_a_machine_remembered_before_the_measurement_recorded_more_is_measured_a
     assert same_machine.remembered(None, cpu) == here
     monkeypatch.setattr(machine, "RECORD", machine.RECORD + 1)  # a hetero whose machine record holds more
     assert same_machine.remembered(None, cpu) is None
+    older = list(same_machine.cache_path().parent.iterdir())
+    same_machine.remember(dataclasses.replace(files.load(REPO / "plans/gpt-tiny-cpu.profile.yaml"), machine=here))
+    assert list(same_machine.cache_path().parent.iterdir()) == [same_machine.cache_path()]  # the older one removed
+    assert older and same_machine.cache_path() not in older
