@@ -163,23 +163,25 @@ def train_on(model, device: str, steps: int = 10):
     return losses, opt
 
 
+def train_fused(model, fused=True):
+    """The test script: AdamW(fused=`fused`; None: torch's default), weight decay on, STEPS steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    for step in range(STEPS):
+        x, y = batch(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("device", ["host", "axdimm"])
 def test_updates_are_bit_for_bit_torchs_fused_adamw(device):
     """What "exactly" means: hetero's update is torch's fused AdamW op on flat buffers, bit for bit; torch's default
     single-tensor AdamW on CPU rounds differently, about 1 ULP per step (the other tests' assert_close)."""
-    def script(model, fused):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
-        for step in range(STEPS):
-            x, y = batch(step)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
     fused, default, ours = make_model(), make_model(), make_model()
-    script(fused, True)
-    script(default, None)
+    train_fused(fused)
+    train_fused(default, fused=None)
     with Runtime(optimizer_plan(ours, device=device), script=__file__):
-        script(ours, None)
+        train_fused(ours, fused=None)
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), fused.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(ours.parameters(), default.parameters()))
 
@@ -212,14 +214,6 @@ def counted(calls: list[str], name: str, fn):
         return fn(*args, **kwargs)
     return counting
 
-
-def train_fused(model, fused=True):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
-    for step in range(STEPS):
-        x, y = batch(step)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def test_an_accumulation_mismatch_stops_the_script_even_through_its_except_exception():
