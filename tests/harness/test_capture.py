@@ -26,19 +26,21 @@ def test_teacher_and_student_picks_the_one_being_trained(tmp_path):
 
 def test_a_model_called_only_inside_the_closure_step_runs_is_found_and_its_step_timed_after_it(tmp_path):
     path = scripts.write(tmp_path, """
+        import time
         model = Net()
         opt = torch.optim.AdamW(model.parameters())
         def closure():
             opt.zero_grad()
             loss = F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 4))
             loss.backward()
+            time.sleep(0.3)  # a step span that began before the closure ended would hold this
             return loss
         for _ in range(5):
             opt.step(closure)
     """)
     run = measure_script(path, [], ONE_STEP)
     assert run.training.optimizer == "adamw" and all(layer.fp_s > 0 for layer in run.layers)
-    assert run.training.optimizer_step_s < run.training.forward_s + run.training.backward_s
+    assert run.training.optimizer_step_s < 0.3  # Adam on 1,796 parameters alone
 
 
 def test_an_optimizer_of_no_module_called_by_its_step_is_refused_as_unsupported(tmp_path):
