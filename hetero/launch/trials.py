@@ -141,6 +141,7 @@ def _request(chosen: Plan, levers: frozenset[str], predicted_bytes: int, command
                policy.trial_processes, "env": huge_pages.env(os.environ) if chosen.allocator is not None else {},
                "budget_bytes": chosen.budget.dram_budget_bytes, "levers": sorted(levers),
                "blocks": len(chosen.recompute.blocks) if chosen.recompute else None,
+               "mmap_threshold_bytes": chosen.allocator.mmap_threshold_bytes if chosen.allocator else None,
                "predicted_bytes": predicted_bytes}
     if state is not None:
         recorded = _state(state)
@@ -185,12 +186,14 @@ def _trial(request: dict, results: list[dict | int | None], stop: int) -> Trial:
                           f"({' / '.join(tail) or 'no output'})", exit_code=FAILURE,
                           hint="run the plan with hetero run to see why, or plan without --dram-budget")
     done = [r for r in results if r is not None]
-    steps = [r["step_s"] for r in done]
+    steps, system = [r["step_s"] for r in done], [r["system_s"] for r in done]
     return Trial(levers=request["levers"], blocks=request["blocks"], predicted_bytes=request["predicted_bytes"],
                  peaks_bytes=[r["peak_bytes"] for r in done], stopped=len(results) - len(done), stop_bytes=stop,
                  mapped_bytes=max((r["beside_bytes"] for r in done), default=0),
                  step_s=round(statistics.median(steps), 9) if steps else None,
-                 step_range_s=round(max(steps) - min(steps), 9) if steps else 0.0)
+                 step_range_s=round(max(steps) - min(steps), 9) if steps else 0.0,
+                 mmap_threshold_bytes=request["mmap_threshold_bytes"],
+                 system_s=round(statistics.median(system), 9) if system else None)
 
 
 def _said(trial: Trial, policy: MemoryPolicy) -> str:
@@ -226,7 +229,8 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
         return result.exit_code or 1
     with open(out, "w") as f:
         json.dump({"peak_bytes": process_memory.dram_peak_bytes(), "beside_bytes": steps.beside_bytes,
-                   "step_s": steps.step_s(policy.timed_steps), "steps": len(steps.ends)}, f)
+                   "step_s": steps.step_s(policy.timed_steps), "system_s": steps.system_s(policy.timed_steps),
+                   "steps": len(steps.ends)}, f)
     return 0
 
 
@@ -240,6 +244,8 @@ class _Steps:
         self.ends: list[float] = []
         self.reading_s: list[float] = []  # per step: the time its end spent reading the file pages used
         self.peaks: list[int] = []
+        self.system: list[float] = []  # the process's time in the kernel at each step's end ...
+        self.reading_system_s: list[float] = []  # ... and what reading the file pages used added to it
         self.first: list = []  # the first optimizer to step: its steps are the script's
         self.beside_bytes = 0
 
@@ -268,12 +274,14 @@ class _Steps:
                 return
             self.first.append(optimizer)
         self.ends.append(time.perf_counter())
+        self.system.append(os.times().system)
         self.peaks.append(process_memory.dram_peak_bytes())
         if len(self.ends) == self.warmup:
             process_memory.clear_referenced()
         elif len(self.ends) > self.warmup:
             self.beside_bytes = process_memory.charged_beside_bytes()
         self.reading_s.append(time.perf_counter() - self.ends[-1])
+        self.reading_system_s.append(os.times().system - self.system[-1])
         if settled(self.peaks, self.warmup + self.policy.timed_steps, self.policy):
             raise StopScript()
 
@@ -281,6 +289,11 @@ class _Steps:
         """The mean of the last `timed_steps` steps, less the time their starts spent in `ended`."""
         ends, reading = self.ends[-timed_steps - 1:], self.reading_s[-timed_steps - 1:-1]
         return (ends[-1] - ends[0] - sum(reading)) / timed_steps
+
+    def system_s(self, timed_steps: int) -> float:
+        """The mean time in the kernel of the last `timed_steps` steps, less what their starts spent in `ended`."""
+        system, reading = self.system[-timed_steps - 1:], self.reading_system_s[-timed_steps - 1:-1]
+        return (system[-1] - system[0] - sum(reading)) / timed_steps
 
 
 def settled(peaks: list[int], least_steps: int, policy: MemoryPolicy = POLICY) -> bool:

@@ -77,11 +77,13 @@ class Candidate:
 def margins(trials: list[Trial]) -> dict[bool, int]:
     """What trials measured above their plans' predictions (their margins included), by whether the plan returns
     freed memory (malloc's settings move the peak most): the most of each, a lower bound where a trial reached the
-    budget; where no trial has those settings, the most file pages any trial used beside its peak."""
+    budget; where no trial has those settings, the most file pages any trial used beside its peak. A trial at a rung
+    the profile did not measure (`at_rung`) has no prediction of its own and counts for none."""
     beside = max((t.mapped_bytes for t in trials), default=0)
+    predicted = [t for t in trials if t.mmap_threshold_bytes in (None, AllocatorPlan.RETURNING)]
     out = {}
     for returning in (False, True):
-        errors = [POLICY.held_bytes(t) - t.predicted_bytes for t in trials if ("allocator" in t.levers) == returning]
+        errors = [POLICY.held_bytes(t) - t.predicted_bytes for t in predicted if ("allocator" in t.levers) == returning]
         out[returning] = max(errors, default=beside)
     return out
 
@@ -149,11 +151,11 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
                     any(pair <= chosen for pair in EXCLUDES) or chosen in seen:
                 continue
             seen[chosen] = _candidate(chosen, solve(chosen), host, trials)
-    # a trial of fewer recomputed blocks than all (`_fewest_blocks` chose them) is a candidate of its own
-    fewer = [_candidate(frozenset(t.levers), solve(frozenset(t.levers), blocks=t.blocks), host, trials)
-             for t in trials if t.blocks is not None and frozenset(t.levers) in seen
-             and not _same(t, frozenset(t.levers), seen[frozenset(t.levers)].plan)]
-    budget, every = ctx.dram_budget_bytes, [*seen.values(), *fewer]
+    # a trial of fewer recomputed blocks than all (`_fewest_blocks` chose them), or of malloc's thresholds a rung
+    # higher (`_next_rung`), is a candidate of its own
+    other = [_candidate(levers, at_rung(solve(levers, blocks=t.blocks), t.mmap_threshold_bytes), host, trials)
+             for t in trials if (levers := frozenset(t.levers)) in seen and not _same(t, levers, seen[levers].plan)]
+    budget, every = ctx.dram_budget_bytes, [*seen.values(), *other]
     pool = [c for c in every if c.trial is not None or len(trials) < POLICY.max_trials]
     fitting = [c for c in pool if c.fits(budget)]
     if not fitting:
@@ -172,6 +174,11 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
         c.iteration_s, "tiering" in c.levers, c.plan.allocator is not None, len(c.levers), c.held_bytes))
     best = _fewest_blocks(ctx, solve, best, host, trials)
     why = _why(ctx, best, seen, len(fitting)) + _unusable_text(unusable)
+    if (higher := _next_rung(ctx, solve, best, host, trials)) is not None:
+        why = (f"{why}; its trial's processes spent {short_time(best.trial.system_s)} of a step in the kernel, more "
+               f"than their steps varied ({short_time(best.trial.step_range_s)}): malloc's thresholds a rung higher, "
+               "tried before written")
+        return replace(higher.plan, budget=replace(higher.plan.budget, why=why, trials=trials))
     return _as_tried(replace(best.plan, budget=replace(best.plan.budget, why=why, trials=trials)), best, host)
 
 
@@ -184,9 +191,37 @@ def _candidate(levers: frozenset[str], plan: Plan, host: str, trials: list[Trial
 
 
 def _same(trial: Trial, levers: frozenset[str], plan: Plan) -> bool:
-    """Whether `trial` measured `plan`: the same levers, and as many recomputed blocks."""
+    """Whether `trial` measured `plan`: the same levers, as many recomputed blocks, malloc's same thresholds."""
     blocks = len(plan.recompute.blocks) if plan.recompute is not None else None
-    return frozenset(trial.levers) == levers and trial.blocks == blocks
+    threshold = plan.allocator.mmap_threshold_bytes if plan.allocator is not None else None
+    return frozenset(trial.levers) == levers and trial.blocks == blocks and trial.mmap_threshold_bytes == threshold
+
+
+def at_rung(plan: Plan, threshold: int | None) -> Plan:
+    """`plan` with its allocator's thresholds at `threshold` (`AllocatorPlan.RUNGS`), as a trial ran it; unchanged
+    without an allocator or at the first rung (the one the profile measured)."""
+    a = plan.allocator
+    if a is None or threshold is None or threshold == a.mmap_threshold_bytes:
+        return plan
+    why = (f"{a.why}; at {SIZE.format_short(threshold)} thresholds, a rung above the one the profile measured: fewer "
+           "page faults for more memory kept, as a trial measured")
+    return replace(plan, allocator=replace(a, mmap_threshold_bytes=threshold, trim_threshold_bytes=threshold,
+                                           why=why))
+
+
+def _next_rung(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial]) -> Candidate | None:
+    """Where `best` returns freed memory and its trial's processes spent more of a step in the kernel (page faults,
+    mostly) than their steps varied: the same levers, every block they can recompute, at malloc's next rung, untried
+    (`hetero plan` tries it, and keeps it where it fits and is faster); else None."""
+    a, t = best.plan.allocator, best.trial
+    if a is None or t is None or t.system_s is None or t.system_s <= t.step_range_s or \
+            not ctx.options.measuring or len(trials) >= POLICY.max_trials:
+        return None
+    higher = [rung for rung in AllocatorPlan.RUNGS if rung > a.mmap_threshold_bytes]
+    if not higher:
+        return None
+    candidate = _candidate(best.levers, at_rung(solve(best.levers), higher[0]), host, trials)
+    return candidate if candidate.trial is None else None
 
 
 def recompute_levers(ctx) -> frozenset[str]:

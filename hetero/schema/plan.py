@@ -75,6 +75,10 @@ class Trial:
                             "limit charges beside the peak.", unit=SIZE, ge=0)
     step_s: float | None = doc("The processes' median step time; null: none settled.", unit=TIME)
     step_range_s: float = doc("The range of their step times.", unit=TIME, ge=0)
+    mmap_threshold_bytes: int | None = doc("The `allocator` thresholds it ran with; null: malloc's defaults.",
+                                           unit=SIZE, ge=0, default=None)
+    system_s: float | None = doc("The processes' median time in the kernel per step (page faults, file I/O); "
+                                 "null: not measured.", unit=TIME, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,7 +264,11 @@ class AllocatorPlan:
     default keeps it, and a memory limit counts it); `hetero run` starts the process asking glibc for transparent huge
     pages, which makes mapping the blocks again cheaper (unless GLIBC_TUNABLES sets glibc.malloc.hugetlb already)."""
 
-    RETURNING: ClassVar[int] = 128 << 10  # both thresholds when `hetero plan` returns memory; the profile measures so
+    # The thresholds a plan returns freed memory at, least memory kept first: the profile measures at the first,
+    # `hetero plan` tries the next in a trial where the last one's processes spent more of a step in the kernel (page
+    # faults) than their steps varied (hetero.plan.fit).
+    RUNGS: ClassVar[tuple[int, ...]] = (128 << 10, 1 << 20, 8 << 20)
+    RETURNING: ClassVar[int] = RUNGS[0]
 
     mmap_threshold_bytes: int = doc("Blocks at least this large are mapped on their own and unmapped when freed "
                                     "(M_MMAP_THRESHOLD).", unit=SIZE, ge=0)

@@ -158,3 +158,4 @@ def test_file_pages_are_counted_in_the_steps_not_after_the_script_trains(tmp_pat
     measured = trials.measure(chosen, frozenset(), 1, trials.Command.of(profile), 4096 * MiB, TWO)
     assert measured.stopped == 0 and len(measured.peaks_bytes) == 2 and measured.step_s > 0
     assert 0 < measured.mapped_bytes < 64 * MiB
+    assert measured.system_s >= 0 and measured.mmap_threshold_bytes is None  # plain training: malloc's defaults

@@ -15,7 +15,7 @@ from hetero.plan.in_backward import grads_freed_in_backward
 from hetero.plan.policy import POLICY
 from hetero.plan.solve import PlanOptions, plan
 from hetero.schema import files
-from hetero.schema.plan import Trial
+from hetero.schema.plan import AllocatorPlan, Trial
 from hetero.schema.profile import Memory, Profile
 from hetero.units import SIZE, short_time
 from tests.figures import figures
@@ -61,12 +61,13 @@ def refused(why: str, lever: str) -> str | None:
     return said[1] if said else None
 
 
-def trial(p, peaks: list[int], step_s: float, stopped: int = 0, mapped: int = 4 * MiB) -> Trial:
+def trial(p, peaks: list[int], step_s: float, stopped: int = 0, mapped: int = 4 * MiB,
+          system_s: float | None = None) -> Trial:
     """What `hetero plan` would have measured of plan `p` in fresh processes."""
     return Trial(levers=sorted(fit.levers_of(None, p)), blocks=len(p.recompute.blocks) if p.recompute else None,
                  predicted_bytes=peak(p), peaks_bytes=peaks, stopped=stopped, stop_bytes=p.budget.dram_budget_bytes or 0,
-                 mapped_bytes=mapped, step_s=step_s,
-                 step_range_s=0.0)
+                 mapped_bytes=mapped, step_s=step_s, step_range_s=0.0,
+                 mmap_threshold_bytes=p.allocator.mmap_threshold_bytes if p.allocator else None, system_s=system_s)
 
 
 def test_the_peak_is_the_sum_of_the_plans_own_account(cpu):
@@ -187,6 +188,37 @@ def test_a_trial_slower_than_predicted_is_ranked_by_its_measured_step(cpu):
     second = plan(cpu, replace(options, trials=(slow,)))
     assert fit.levers_of(cpu, second) != fit.levers_of(cpu, first)
     assert second.predicted.iteration_s < slow.step_s
+
+
+def rung_of(p) -> int | None:
+    return p.allocator.mmap_threshold_bytes if p.allocator is not None else None
+
+
+@pytest.mark.parametrize("rung_fits", [True, False])
+def test_a_trial_paying_page_faults_beyond_its_noise_has_the_next_rung_tried(cpu, rung_fits):
+    options = PlanOptions(dram_budget_bytes=RETURNED + 40 * MiB, measuring=True)
+    first = plan(cpu, options)
+    assert rung_of(first) == AllocatorPlan.RUNGS[0]
+    faulting = trial(first, [RETURNED] * 3, step_s=1.0, mapped=0, system_s=0.3)
+    second = plan(cpu, replace(options, trials=(faulting,)))
+    assert rung_of(second) == AllocatorPlan.RUNGS[1] and fit.wants_trial(cpu, options, second, [faulting])
+    assert fit.levers_of(cpu, second) == fit.levers_of(cpu, first)
+    tried = replace(trial(second, [RETURNED + 20 * MiB] * 3, step_s=0.8, mapped=0, system_s=0.05,
+                          stopped=0 if rung_fits else 3), step_range_s=0.1)
+    third = plan(cpu, replace(options, trials=(faulting, tried)))
+    assert not fit.wants_trial(cpu, options, third, [faulting, tried])  # a verified plan: written
+    if rung_fits:  # faster, and its processes' kernel time within their noise: no rung higher
+        assert rung_of(third) == AllocatorPlan.RUNGS[1] and third.predicted.iteration_s == 0.8
+    else:
+        assert rung_of(third) == AllocatorPlan.RUNGS[0] and third.predicted.iteration_s == 1.0
+
+
+def test_kernel_time_within_the_steps_noise_keeps_the_first_rung(cpu):
+    options = PlanOptions(dram_budget_bytes=RETURNED + 40 * MiB, measuring=True)
+    first = plan(cpu, options)
+    quiet = replace(trial(first, [RETURNED] * 3, step_s=1.0, mapped=0, system_s=0.02), step_range_s=0.05)
+    second = plan(cpu, replace(options, trials=(quiet,)))
+    assert rung_of(second) == AllocatorPlan.RUNGS[0] and not fit.wants_trial(cpu, options, second, [quiet])
 
 
 def test_after_the_last_trial_only_tried_candidates_are_chosen_and_the_floor_says_what_was_measured(cpu):

@@ -131,6 +131,7 @@ def test_a_trial_of_fewer_blocks_that_did_not_fit_has_the_planner_recompute_more
     first = plan(cpu, options)
     k = len(first.recompute.blocks)
     over = Trial(levers=sorted(fit.levers_of(cpu, first)), blocks=k, predicted_bytes=first.predicted.peak_bytes["dram"],
-                 peaks_bytes=[660 * MiB] * 3, stopped=0, stop_bytes=650 * MiB, mapped_bytes=0, step_s=1.0, step_range_s=0.0)
+                 peaks_bytes=[660 * MiB] * 3, stopped=0, stop_bytes=650 * MiB, mapped_bytes=0, step_s=1.0, step_range_s=0.0,
+                 mmap_threshold_bytes=first.allocator.mmap_threshold_bytes)
     second = plan(cpu, replace(options, trials=(over,)))
     assert second.recompute is not None and len(second.recompute.blocks) > k  # the trial's error added
