@@ -1,20 +1,11 @@
 """The Adam/AdamW step over flat fp32 buffers, in place, with exactly the math of `torch.optim.Adam`/`AdamW`.
 
-`AdamKernel` is the fast path: torch's fused CPU/CUDA op, through torch's public functional API
-(`torch.optim.adam.adam`/`torch.optim.adamw.adamw` with `fused=True`), which reads each of param, grad, exp_avg and
-exp_avg_sq once and writes param, exp_avg and exp_avg_sq once (28 bytes per parameter). `many` updates several
-tensors in one call, each exactly as alone (the op is elementwise, tensor by tensor).
-It is torch's fused op without the optimizer's bookkeeping, so it runs at about the memory-bandwidth bound; a
-hand-written kernel could only win by fusing more work into the pass, such as a low-precision copy of the weights
-once the runtime needs one (measured: docs/benchmarks.md).
+`AdamKernel` is the fast path: torch's fused CPU/CUDA op through its functional API (`fused=True`), one pass over
+param, grad, exp_avg and exp_avg_sq; `many` updates several tensors in one call, each exactly as alone.
+`adam_reference` is the spec the tests hold it to: torch's single-tensor algorithm in plain ops (slow).
 
-`adam_reference` is the spec: torch's single-tensor algorithm in a few plain ops, which the tests hold the fast
-path to. It allocates temporaries and is slow; never use it for training.
-
-Step counting follows torch: the caller passes `step`, the 1-based number of this update (torch's `state["step"]`
-after it increments it), so the first update uses step=1 and bias corrections 1 - beta**step.
+`step` is the 1-based number of this update (torch's `state["step"]` after it increments it).
 """
-
 from __future__ import annotations
 
 import math

@@ -1,21 +1,13 @@
-"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU device the
-shadow model and the optimizer's gradient copies drive, found through `devices` (the one seam through which another
-implementation of `Devices` and `Device`, such as the tests' CPU stand-in, takes the GPU's place). Memory is handled as
-flat bytes; `carve` views a parameter in them.
+"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU devices
+the shadow model and the optimizer's gradient copies drive, found through `devices` (the seam where the tests put a
+CPU stand-in). Memory is handled as flat bytes; `carve` views a parameter in them.
 
-The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
-`torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` would cost a
-slow first build and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to the
-interface object, which owns the host tensor: the host memory lives exactly as long as the last view, autograd's saved
-views included. The device pointer comes from `cudaHostGetDevicePointer`, called through ctypes on the CUDA runtime
-torch already loaded. Where that library cannot be found (a statically linked torch), the host pointer itself is used:
-with unified addressing (every 64-bit process on a device of compute capability >= 2.0) CUDA guarantees that the pointer
-of `cudaHostAlloc` memory, which is what `pin_memory()` returns, is valid on the device. A device without unified
-addressing would need memory allocated with `cudaHostAllocMapped` after `cudaSetDeviceFlags(cudaDeviceMapHost)`, before
-torch creates its context; hetero refuses that case with a clear error instead (plan without DHA there). Copies to and
-from a view are correct too: under unified addressing CUDA infers from the pointers where both ends live.
+A zero-copy view is `torch.as_tensor` over an object exposing `__cuda_array_interface__` (no compiler needed); the
+view's storage keeps that object, and so the host tensor, alive. The device pointer comes from
+`cudaHostGetDevicePointer` through ctypes on torch's CUDA runtime; where that library cannot be found, the host
+pointer itself, valid on the device under unified addressing. A device without unified addressing is refused
+(plan without DHA there).
 """
-
 from __future__ import annotations
 
 import bisect
@@ -148,15 +140,12 @@ def carve(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
 
 class Device(Protocol):
     """Memory and ordering for the shadow model, the optimizer's gradient copies and activations tiered to host
-    memory, on one device. `compute` is the stream the model runs on (where a call happens); `copy` is one dedicated
-    stream serving host-to-device copies in the order they are issued; `download` copies device to host on a second
-    side stream, `upload` host to device on a third, never on `compute`.
+    memory, on one device. `compute` is the stream the model runs on; `copy` serves host-to-device copies in issue
+    order; `download` (device to host) and `upload` (host to device) use two more side streams, never `compute`.
 
-    Memory rules (what keeps reserved GPU memory close to allocated): device memory is allocated with `buffer` by the
-    threads running the model, so on the compute stream, never inside a side stream; side streams only read and
-    write memory whose owner keeps it alive until the side stream's work is known done (an event waited for by the
-    compute stream, or synchronized by the host) and never `record_stream` it, which would keep a freed block out of
-    the compute stream's pool until the side stream's later work is done."""
+    Memory rules (keeping reserved GPU memory close to allocated): `buffer` allocates on the compute stream only;
+    side streams only touch memory whose owner keeps it alive until their work is known done, and never
+    `record_stream` it."""
 
     kind: str
     name: str
@@ -229,8 +218,7 @@ class CudaDevice:
         return view
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        # On the calling thread's current stream, the compute stream (see Device). Its owner frees it only once the
-        # side streams' work on it is done, so no record_stream.
+        # on the calling thread's current stream, the compute stream; no record_stream (see Device)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def event(self, name: str) -> torch.cuda.Event:
@@ -242,19 +230,16 @@ class CudaDevice:
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event,
                  after: tuple = ()) -> torch.cuda.Event:
-        # Not on the compute stream (a driver thread's current stream is the legacy default one, where the script
-        # computes): the copy would queue behind every backward kernel issued so far and delay the next ones.
+        # not on the compute stream: the copy would queue behind every backward kernel issued so far
         return _side_copy(self.d2h, dst, src, (ready, *after))
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> torch.cuda.Event:
         return _side_copy(self.h2d, dst, src, after)
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
-        if t.device != self.device:
-            return None
         ptr = t.data_ptr()
         i = bisect.bisect_right(self.starts, ptr) - 1
-        if i < 0:
+        if t.device != self.device or i < 0:
             return None
         start = self.starts[i]
         end, host = self.mapped[start]
