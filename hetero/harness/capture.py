@@ -1,16 +1,10 @@
 """Find the model(s) and their optimizers inside a script we did not write.
 
-The model is the root module (one called outside any other module's forward) whose parameters the first optimizer
-to step owns (`Capture` says how several models and a hand-written update loop are found). Roots are seen through
-global module hooks until that first `optimizer.step()` (or, where the script calls its model inside the closure it
-passes to `step()`, until that closure returns); DDP, FSDP and `torch.compile` wrappers are unwrapped. Several
-candidates for one optimizer are an error that lists them by the names the script gives them, so `--model NAME` can
-choose.
-
-What hetero cannot carry out is found here, at profile time, so that `hetero run` never meets it first (exit code
-UNSUPPORTED_SCRIPT): a script that ends without training, or an optimizer stepping that owns parameters of no
-model found by the first step. An optimizer hetero's Adam cannot replace (amsgrad, parameters outside the model,
-sharded parameters) is not refused: it stays the script's own (`offloadable`), and the plan says why.
+The model is the root module (called outside any other module's forward) whose parameters the first optimizer to
+step owns, seen through global module hooks until that first `optimizer.step()` (or the end of the closure it runs);
+DDP, FSDP and `torch.compile` wrappers are unwrapped. Several candidates are an error listing them by the script's
+names, for `--model NAME`. What `hetero run` could not carry out is refused here (UNSUPPORTED_SCRIPT); an optimizer
+hetero's Adam cannot replace stays the script's own (`offloadable`).
 """
 
 from __future__ import annotations
@@ -84,17 +78,14 @@ def check_planned(model: nn.Module, planned: str, allow_stale: bool) -> None:
 class Capture:
     """Watches the script until it knows the model(s), then calls `on_found(model, optimizers)` once.
 
-    `hetero profile` (no `fingerprint`): decided at the first `optimizer.step()`, among the root modules called so
-    far and the optimizers built so far. Each optimizer whose parameters one root owns makes that root a model;
-    several models (a GAN's generator and discriminator) are one `Models` view, named by the script's variables.
-    `optimizers` lists theirs, the stepping one first. A script that ends a backward call having built no optimizer
-    of the roots that got gradients (a hand-written update loop) is decided there: those roots are the model(s),
-    and `optimizers` is empty.
+    `hetero profile` (no `fingerprint`): decided at the first `optimizer.step()`: each optimizer built so far whose
+    parameters one root owns makes that root a model (several: one `Models` view); `optimizers` lists theirs, the
+    stepping one first. A backward call ending with no optimizer of the roots that got gradients (a hand-written
+    update loop) decides there, with no optimizers.
 
-    `hetero run` (`fingerprint`; `parts`, the plan's (name, fingerprint) of each model, where several): a root with
-    the plan's fingerprint (or a part's) is taken as soon as its first forward with gradients enabled starts (an
-    evaluation of an EMA copy with the same fingerprint does not count), before anything runs on it, with the other
-    parts found among the roots seen and the modules the script's variables hold; `on_found(model, [])` then.
+    `hetero run` (`fingerprint`; `parts`: the plan's (name, fingerprint) of each model): a root with the plan's
+    fingerprint (or a part's) is taken as its first forward with gradients starts, the other parts found among the
+    roots seen and the script's variables; `on_found(model, [])` then.
     """
 
     def __init__(self, on_found: Callable[[nn.Module, list[torch.optim.Optimizer]], None], script: str,
@@ -111,8 +102,7 @@ class Capture:
         self.handles: list = []
 
     def __enter__(self) -> Capture:
-        # torch warns that global hooks fire once more for a compiled wrapper: ours do, and `unwrap` sees through it.
-        # The warning would name no culprit the user can act on.
+        # torch warns that global hooks fire for a compiled wrapper too: `unwrap` sees through it
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
         self.handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
                         nn.modules.module.register_module_forward_hook(self._post, always_call=True),

@@ -1,16 +1,10 @@
 """Per-layer times and saved-activation bytes of training micro-batches, measured with hooks only.
 
-Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors:
-a `saved_tensors_hooks` pair around the model's forward attributes every tensor autograd saves (parameters
-excluded, each storage once) to the layer running, or to the last one that ended when it is saved between
-layers, also between the layers nested in a running one (a root module owning a parameter of its own, an attention
-module between its projections: the tensors its own ops save between its children are needed back when backward
-reaches that point, before the last child's backward); a storage saved by several layers belongs to the last of
-them. Backward: the first unpack of a layer's
-saved tensors is its backward start (TierTrain's ts^B: the moment they must be back in fast memory);
-gradient-accumulation hooks on the parameters mark the end of backward.
-Nothing blocks inside a step: the clock hands out tokens (perf_counter values, or CUDA events) that are resolved
-to seconds once all steps are done.
+Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors: a
+`saved_tensors_hooks` pair attributes each storage autograd saves (parameters excluded) to the layer running, or
+between layers to the last one that ended; a storage saved by several layers belongs to the last. Backward: the
+first unpack of a layer's saved tensors is its start (TierTrain's ts^B); the parameters' gradient hooks mark its
+end. The clock hands out tokens (perf_counter values or CUDA events), resolved to seconds after the last step.
 """
 
 from __future__ import annotations
@@ -89,14 +83,11 @@ COMPILED = ("the model is compiled (torch.compile): hetero's per-layer hooks wou
 
 
 class LayerProfiler:
-    """Hooks on one model; every forward with grad enabled while attached is recorded as a PassTokens (one micro-batch).
-    Of several models (hetero.harness.models), every call of each is one, and a backward ends the last one of the
-    model whose parameters it reaches.
+    """Hooks on one model; every forward with grad enabled while attached is one micro-batch (PassTokens). Of several
+    models, every call of each is one, and a backward ends the last one of the model whose parameters it reaches.
 
-    `compiled`: the script calls the model through torch.compile. Module and saved-tensor hooks would be traced into
-    the compiled graph (their clocks read once, at trace time), so none are registered; the parameters' gradient
-    hooks, which autograd runs outside the graph, count the backward passes (micro-batches) alone, and every layer
-    is reported with zero times and bytes (`COMPILED` says why).
+    `compiled`: module and saved-tensor hooks would be traced into the graph, so only the parameters' gradient hooks
+    count the micro-batches, and every layer is reported with zero times and bytes (`COMPILED`).
     """
 
     def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock,

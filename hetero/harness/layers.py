@@ -3,6 +3,7 @@ tensors in a module's output: what the profiler, the recorder and the mechanisms
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,9 +147,4 @@ def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dic
 
 
 def _shared(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a.split("."), b.split(".")]))

@@ -1,10 +1,5 @@
-"""Several models one script trains (a GAN's generator and discriminator, each with its own optimizer), seen by
-hetero as one model.
-
-`Models` holds them under the script's names for them, so that every layer and parameter name starts with its
-model's (`netD.0.weight`), and a plan names each without ambiguity. It is never called itself: the hooks that
-mark a model's forward go on each of its parts (`roots`), and every call of a part is a forward of the model. A
-script that trains one model is seen as that model, as before.
+"""Several models one script trains (a GAN's generator and discriminator), seen by hetero as one model: `Models`,
+under the script's names for them (`netD.0.weight`). It is never called itself: each part is a root (`roots`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Run a training script we did not write exactly as `python script.py args` would, in this process (a torchrun
-worker too: `hetero.launch.worker` calls it).
+"""Run a training script we did not write exactly as `python script.py args` would, in this process.
 
-`hetero profile` and `hetero run` install their hooks first, then call `run_script`. The script sees its own
-`sys.argv` and `sys.path[0]`, runs as `__main__`, and its exit code passes through. A crash prints the script's
-traceback starting at the script's own frames (hetero's and runpy's frames are dropped) and gives exit code 1.
+The script sees its own `sys.argv` and `sys.path[0]`, runs as `__main__`, and its exit code passes through. A crash
+prints the traceback from the script's own frames on and gives exit code 1.
 """
 
 from __future__ import annotations
