@@ -63,8 +63,8 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def check_planned(model: nn.Module, planned: str, allow_stale: bool) -> None:
-    """The model found in `hetero run` (several models: their `Models` view) is the one the plan was made for (its
-    fingerprint `planned`): else a HeteroError (STALE_PLAN), or with `allow_stale` a warning on stderr."""
+    """The model found in `hetero run` has the fingerprint `planned`: else a HeteroError (STALE_PLAN), or with
+    `allow_stale` a warning on stderr."""
     actual = fingerprint(model)
     if actual == planned:
         return
@@ -156,9 +156,8 @@ class Capture:
                 self._found(lambda: (combine(found), []))
 
     def planned_parts(self, first: nn.Module | None) -> dict[str, nn.Module] | None:
-        """The plan's models by name, found among `first`, the roots seen and the script's variables (where several
-        have a part's fingerprint, e.g. an EMA copy, the variable of the part's name, then the first called);
-        None while one is missing."""
+        """The plan's models by name, found among `first`, the roots seen and the script's variables (among twins,
+        e.g. an EMA copy: the variable of the part's name, else the first); None while one is missing."""
         pool = [("", m) for m in ([first] if first is not None else []) + [unwrap(r) for r in self.roots]]
         pool += script_values(self.script, nn.Module, unwrap)
         prints: dict[int, str] = {}
@@ -173,7 +172,7 @@ class Capture:
 
     def _backward_ended(self) -> None:
         """A backward call returned: where no optimizer built so far updates what got gradients, the script updates
-        its parameters by hand, and its models are known now."""
+        its parameters by hand, and its models are known."""
         if self.found:
             return
         graded = self._roots_where(lambda root: any(p.grad is not None for p in root.parameters()))
@@ -293,9 +292,8 @@ def no_training() -> HeteroError:
 
 
 class OtherOptimizers:
-    """Refuses an optimizer stepping that is not one of the models' (an optimizer of a model the script had not yet
-    called by its first step, or any optimizer of a script that updates its parameters by hand): the profile, the
-    plan and the runtime follow the models found then. With `--model`, other models' optimizers step untouched."""
+    """Refuses an optimizer stepping that is not one of the models' (its model was not called by the first step,
+    or the script updates its parameters by hand). With `--model`, other models' optimizers step untouched."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], model: nn.Module, chosen: bool):
         self.optimizers, self.model, self.chosen = optimizers, model, chosen

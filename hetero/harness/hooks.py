@@ -108,8 +108,7 @@ def _track(module: nn.Module, handle) -> Handle:
 
 
 def _patch(cls: type) -> None:
-    """Filter hetero's hooks out of the `__getstate__` that `cls` resolves to (under `_lock`). A class's own that
-    calls nn.Module's passes through both filters once both are patched, which is no harm."""
+    """Filter hetero's hooks out of the `__getstate__` that `cls` resolves to (under `_lock`)."""
     owner = next(c for c in cls.__mro__ if "__getstate__" in c.__dict__)  # nn.Module at the latest
     if owner not in _originals:
         _originals[owner] = owner.__dict__["__getstate__"]

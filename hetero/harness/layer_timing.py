@@ -108,8 +108,8 @@ class LayerProfiler:
         self.backward_calls = 0  # that returned while attached (0: not counted, a compiled model)
         self.stack: list[list] = []  # [layer, start token, depth, last nested layer ended] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
-        # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
-        # innermost pair of hooks runs. Backward starts then come from the outputs' gradients alone.
+        # off where another owner of the saved-tensor hooks must see every tensor: backward starts then come from
+        # the outputs' gradients alone
         self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if saved_tensors \
             else contextlib.nullcontext()
         self.hook_s = 0.0  # time spent inside these hooks: the profiler's own cost
@@ -254,9 +254,7 @@ class Summary:
 
 def summarize(profiler: LayerProfiler) -> Summary:
     """Layers in forward order, each quantity the mean over the recorded micro-batches. A layer whose module never
-    ran (its parameters used functionally, e.g. `nn.MultiheadAttention`'s `out_proj` through `F.linear`) is no layer
-    of its own: its parameters count for the nearest enclosing layer that ran, whose time includes their use; with
-    none, it is a layer of its own timed as the layer nearest to it by name (every parameter belongs to a layer)."""
+    ran (e.g. `nn.MultiheadAttention`'s `out_proj`, used through `F.linear`) is placed by `adopt_unseen`."""
     profiler.clock.finish()
     if profiler.compiled:
         return _untimed(profiler)

@@ -75,9 +75,8 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def storages(params) -> set[int]:
-    """Addresses of the storages these parameters own in this process. A sharded parameter (FSDP2's DTensor) owns
-    none here: during its module's forward FSDP2 puts an unsharded parameter in its place, which does, so a hook that
-    must know parameters' storages then reads them again at each layer's forward start (`sharded`)."""
+    """Addresses of the storages these parameters own in this process (a sharded parameter, FSDP2's DTensor, owns
+    none: read them again at each layer's forward start, `sharded`)."""
     out = set()
     for p in params:
         try:
@@ -123,9 +122,8 @@ def before_backward(output: Any, hook) -> None:
 def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],
                                                                   dict[int, int]]:
     """(layers in forward order, each layer's parameters by local name, unseen layer -> the ran layer it is timed
-    as). An unseen layer's parameters join the nearest ran layer enclosing it (local names extended by the path
-    between them); an unseen layer with no ran ancestor stays a layer, placed after the ran layer whose name shares
-    the longest dotted prefix with its own."""
+    as). An unseen layer's parameters join the nearest ran layer enclosing it; with none, it stays a layer, placed
+    after the ran layer whose name shares the longest dotted prefix with its own."""
     params = {i: dict(spec.params) for i, spec in enumerate(specs)}
     order, timed_as = list(ran), {}
     if not ran:

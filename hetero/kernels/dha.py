@@ -70,9 +70,8 @@ def _cudart() -> ctypes.CDLL | None:
 
 
 def pinned_host(nbytes: int) -> torch.Tensor:
-    """`nbytes` of page-locked host memory (uint8). Registered with CUDA directly where hetero can ask CUDA for its
-    device address: torch's pinned allocator rounds every block up to a power of two, up to twice a large model's
-    host footprint. Otherwise torch's (cudaHostAlloc memory, whose device address is its host address)."""
+    """`nbytes` of page-locked host memory (uint8): registered with CUDA directly where hetero can ask for its device
+    address (torch's pinned allocator rounds up to a power of two), else torch's."""
     if _cudart() is None or nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     size = -(-nbytes // PAGE) * PAGE
@@ -190,8 +189,7 @@ NO_CUDA = HeteroError("the plan places layers on a GPU (its `layers` section), b
 
 
 class CudaDevice:
-    """One GPU: DHA views of pinned memory, GPU buffers, a copy stream (host to device) and a download stream (device
-    to host) for the whole run, both on this device whatever the thread's current device is."""
+    """One GPU: DHA views of pinned memory, GPU buffers, and its side streams for the whole run."""
 
     kind = "cuda"
 
@@ -286,9 +284,7 @@ def _side_copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor, 
 
 
 class CudaDevices:
-    """The GPUs of this process, one `CudaDevice` each, opened when first needed: by the device a model's or a
-    parameter's tensors are on, never by the current device at some earlier moment (a torchrun worker calls
-    `torch.cuda.set_device(local_rank)` after hetero's runtime was made)."""
+    """The GPUs of this process, one `CudaDevice` each, opened when first needed by the device a tensor is on."""
 
     kind = "cuda"
 
@@ -329,8 +325,7 @@ class Devices(Protocol):
         """The device the model's parameters are on (the current one while they are still on the host)."""
 
 
-# Where the GPU code paths find their devices: this process's GPUs, unless something else was put here (the tests
-# put a CPU stand-in, so that these paths run without a GPU).
+# where the GPU code paths find their devices: this process's GPUs, or the tests' CPU stand-in
 devices: Devices = CudaDevices()
 
 
