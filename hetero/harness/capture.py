@@ -31,6 +31,7 @@ from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 _binding: list[nn.Module] = []  # the modules whose call found the model, while it is being bound
 
 
@@ -43,15 +44,11 @@ def calling(model: nn.Module) -> bool:
 def unwrap(module: nn.Module) -> nn.Module:
     """The user's model inside DDP/FSDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     while True:
-        inner = getattr(module, "_orig_mod", None) or _wrapped(module)
+        wrapped = getattr(module, "module", None) if type(module).__name__ in _WRAPPERS else None
+        inner = getattr(module, "_orig_mod", None) or wrapped
         if not isinstance(inner, nn.Module):
             return module
         module = inner
-
-
-def _wrapped(module: nn.Module) -> nn.Module | None:
-    wrappers = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
-    return getattr(module, "module", None) if type(module).__name__ in wrappers else None
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -78,14 +75,12 @@ def check_planned(model: nn.Module, planned: str, allow_stale: bool) -> None:
 class Capture:
     """Watches the script until it knows the model(s), then calls `on_found(model, optimizers)` once.
 
-    `hetero profile` (no `fingerprint`): decided at the first `optimizer.step()`: each optimizer built so far whose
-    parameters one root owns makes that root a model (several: one `Models` view); `optimizers` lists theirs, the
-    stepping one first. A backward call ending with no optimizer of the roots that got gradients (a hand-written
-    update loop) decides there, with no optimizers.
-
+    `hetero profile` (no `fingerprint`): at the first `optimizer.step()`, each optimizer built so far whose parameters
+    one root owns makes that root a model (several: one `Models` view), its optimizer listed, the stepping one first;
+    or, with no optimizer of the roots that got gradients (a hand-written update), at the end of a backward call.
     `hetero run` (`fingerprint`; `parts`: the plan's (name, fingerprint) of each model): a root with the plan's
-    fingerprint (or a part's) is taken as its first forward with gradients starts, the other parts found among the
-    roots seen and the script's variables; `on_found(model, [])` then.
+    fingerprint (or a part's) as its first forward with gradients starts, the other parts found among the roots seen
+    and the script's variables; `on_found(model, [])` then.
     """
 
     def __init__(self, on_found: Callable[[nn.Module, list[torch.optim.Optimizer]], None], script: str,

@@ -85,10 +85,8 @@ COMPILED = ("the model is compiled (torch.compile): hetero's per-layer hooks wou
 class LayerProfiler:
     """Hooks on one model; every forward with grad enabled while attached is one micro-batch (PassTokens). Of several
     models, every call of each is one, and a backward ends the last one of the model whose parameters it reaches.
-
-    `compiled`: module and saved-tensor hooks would be traced into the graph, so only the parameters' gradient hooks
-    count the micro-batches, and every layer is reported with zero times and bytes (`COMPILED`).
-    """
+    `compiled`: only the parameters' gradient hooks count the micro-batches (other hooks would be traced into the
+    graph), and every layer is reported with zero times and bytes (`COMPILED`)."""
 
     def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock,
                  saved_tensors: bool = True, compiled: bool = False):

@@ -3,6 +3,7 @@ tensors in a module's output: what the profiler, the recorder and the mechanisms
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -79,10 +80,8 @@ def storages(params) -> set[int]:
     none: read them again at each layer's forward start, `sharded`)."""
     out = set()
     for p in params:
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
             out.add(p.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
-            pass
     return out
 
 
@@ -95,11 +94,9 @@ def tensors(output: Any) -> list[torch.Tensor]:
     """Every tensor in a module's output (nested tuples, lists and dicts)."""
     if isinstance(output, torch.Tensor):
         return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in tensors(o)]
     if isinstance(output, dict):
-        return [t for o in output.values() for t in tensors(o)]
-    return []
+        output = list(output.values())
+    return [t for o in output for t in tensors(o)] if isinstance(output, (tuple, list)) else []
 
 
 def unique_storages(ts: list[torch.Tensor]) -> list[torch.Tensor]:

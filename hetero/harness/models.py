@@ -62,12 +62,8 @@ def script_values(script: str, kind: type, unwrap: Callable[[nn.Module], nn.Modu
 def names(objects: list, script: str, unwrap: Callable[[nn.Module], nn.Module] | None = None) -> list[str]:
     """The variable each object (a module, an optimizer) has in the script's frames (innermost first), else its
     class name; a repeated name gets a number (`Net`, `Net_1`)."""
-    found = [type(o).__name__ for o in objects]
-    named = [False] * len(objects)
-    for var, value in script_values(script, object, unwrap):
-        for i, o in enumerate(objects):
-            if not named[i] and value is o:
-                found[i], named[i] = var, True
+    held = script_values(script, object, unwrap)
+    found = [next((var for var, value in held if value is o), type(o).__name__) for o in objects]
     out: list[str] = []
     for name in found:
         unique, k = name, 0

@@ -22,10 +22,8 @@ from hetero.errors import HeteroError
 
 @dataclass(frozen=True, slots=True)
 class Hyperparameters:
-    """One Adam(W) update's constants; `lr` may change between steps (build a new one, or `dataclasses.replace`).
-
-    `decoupled_weight_decay=True` is AdamW (param *= 1 - lr * weight_decay); False is Adam (grad += wd * param).
-    """
+    """One Adam(W) update's constants. `decoupled_weight_decay=True` is AdamW (param *= 1 - lr * weight_decay);
+    False is Adam (grad += wd * param)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -60,10 +58,8 @@ class Hyperparameters:
 
 
 class AdamKernel:
-    """The fused Adam(W) step. Owns the preallocated step scalars the fused op reads, so a step allocates nothing.
-
-    Not thread-safe: give each thread that runs updates its own kernel (the AXDIMM emulation has one per channel).
-    """
+    """The fused Adam(W) step, owning the step scalars the fused op reads (a step allocates nothing). Not
+    thread-safe: give each thread that runs updates its own kernel."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = device

@@ -11,6 +11,7 @@ pointer itself, valid on the device under unified addressing. A device without u
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 from typing import Any, Protocol
@@ -62,10 +63,8 @@ def _cudart() -> ctypes.CDLL | None:
     except OSError:
         return None
     for path in sorted(paths):
-        try:
+        with contextlib.suppress(OSError):
             return ctypes.CDLL(path)
-        except OSError:
-            continue
     return None
 
 
@@ -140,11 +139,8 @@ def carve(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
 class Device(Protocol):
     """Memory and ordering for the shadow model, the optimizer's gradient copies and activations tiered to host
     memory, on one device. `compute` is the stream the model runs on; `copy` serves host-to-device copies in issue
-    order; `download` (device to host) and `upload` (host to device) use two more side streams, never `compute`.
-
-    Memory rules (keeping reserved GPU memory close to allocated): `buffer` allocates on the compute stream only;
-    side streams only touch memory whose owner keeps it alive until their work is known done, and never
-    `record_stream` it."""
+    order; `download` and `upload` use two more side streams. `buffer` allocates on the compute stream only; side
+    streams only touch memory whose owner keeps it alive until their work is known done, never `record_stream`."""
 
     kind: str
     name: str
@@ -171,9 +167,8 @@ class Device(Protocol):
         """The most memory this process has reserved on the device."""
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, after: tuple = ()) -> Any:
-        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written)
-        and the events `after` (copies that last used `dst`); the returned event completes when `dst` holds the
-        bytes. The caller's thread does not wait; it keeps `src` alive until the event is done."""
+        """Copy device `src` into host `dst` after `ready` (`src` written) and the events `after`, without waiting;
+        the returned event completes when `dst` holds the bytes. The caller keeps `src` alive until then."""
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> Any:
         """Copy `src` into device `dst` on the upload stream, after the events `after`; the returned event completes
