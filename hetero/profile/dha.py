@@ -116,8 +116,7 @@ def _layer_inputs(model: nn.Module, call: tuple[tuple, dict], specs: dict[str, L
         with contextlib.suppress(Exception):  # a model that cannot be replayed keeps null DHA fields
             model(*call[0], **call[1])
     finally:
-        for h in handles:
-            h.remove()
+        hooks.removed(handles)
     return seen
 
 

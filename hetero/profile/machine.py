@@ -5,6 +5,7 @@ timing is the median of several repeats on buffers allocated and touched beforeh
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -51,9 +52,8 @@ RECORD = 2
 def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,
             peers: list[Peer] | None = None, disk_beside: DiskBeside | None = None,
             room_bytes: int | None = None) -> Machine:
-    """The machine as seen from `device` (the model's device); `peers`: the links between ranks, measured before;
-    `disk_beside`: the disk's trips timed beside the script's training (hetero.profile.tier_steps); `room_bytes`:
-    host memory a budget leaves the measurements (None: no budget), which sizes the bandwidth copy."""
+    """The machine as seen from `device` (the model's); `peers`: the links between ranks; `disk_beside`: the disk
+    timed beside the script's training; `room_bytes`: host memory a budget leaves the measurements (None: no budget)."""
     report = functools.partial(progress or (lambda *a: None), "machine")  # (done, total) of cpu, gpu, tiers, axdimm
     largest = largest_buffer(room_bytes)
     report(0, 4)
@@ -77,12 +77,11 @@ def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier]
     memory = [t for t in tiers if t.path is None and (t.read or t.write)]
     beyond = cpu is not None and cpu.adam_beyond_cache_params_per_s is not None  # measured by this hetero
     cache = {"machine.cpu.last_level_cache": NO_CACHE} if beyond and cpu.last_level_cache_bytes is None else {}
-    copies = {f"machine.tiers.{t.name}.{f}": why for t in memory
-              for f, why in (("read_cpu", MEMORY_COPY_CPU), ("write_cpu", MEMORY_COPY_CPU),
-                             ("read_beside_compute", MEMORY_BESIDE), ("write_beside_compute", MEMORY_BESIDE))
-              if not getattr(t, f)}
+    sides = ("read_cpu", "write_cpu", "read_beside_compute", "write_beside_compute")
+    copies = {f"machine.tiers.{t.name}.{f}": MEMORY_COPY_CPU if f.endswith("_cpu") else MEMORY_BESIDE
+              for t in memory for f in sides if not getattr(t, f)}
     disk = {f"machine.tiers.{t.name}.{f}": ON_GPU for t in tiers if t.path is not None
-            for f in ("read_cpu", "write_cpu", "read_beside_compute", "write_beside_compute") if not getattr(t, f)}
+            for f in sides if not getattr(t, f)}
     if device.type != "cuda":
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
@@ -153,13 +152,11 @@ def last_level_cache_bytes(cpus: set[int] | None = None, root: Path = CPU_SYS) -
     caches: dict[tuple[int, str], int] = {}  # (level, the cores that share it): bytes
     for cpu in sorted(os.sched_getaffinity(0) if cpus is None else cpus):
         for index in (root / f"cpu{cpu}" / "cache").glob("index[0-9]*"):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a cache whose entry cannot be read is left out
                 if (index / "type").read_text().strip() == "Instruction":
                     continue
                 level = int((index / "level").read_text())
                 caches[level, (index / "shared_cpu_list").read_text().strip()] = _size((index / "size").read_text())
-            except (OSError, ValueError):  # a cache whose entry cannot be read is left out
-                continue
     top = max((level for level, _ in caches), default=None)
     return None if top is None else sum(size for (level, _), size in caches.items() if level == top)
 
@@ -286,10 +283,9 @@ def _private_store(nvme_dir: str | None, workers: int = 2):
 
 
 def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
-    """A tensor's trip to the disk and back beside a GEMM loop, at BESIDE_SIZES, through the runtime's slow tier
-    (hetero.run.devices.slow_tier) from one worker thread: evict to a new file; bring it back into a pooled buffer,
-    release it and delete the file (counted with the read). The 1 MiB trip's share of a streaming worker's slowdown
-    of compute is the figure for both directions."""
+    """A tensor's trip to the disk and back beside a GEMM loop, at BESIDE_SIZES, through the runtime's slow tier from
+    one worker thread: evict to a new file; bring it back, release it and delete the file (counted with the read).
+    The 1 MiB trip's share of a streaming worker's slowdown of compute is the figure for both directions."""
     from hetero.run.devices.slow_tier import NvmeTier
 
     points: dict[str, list[CurvePoint]] = {"read": [], "write": []}

@@ -28,9 +28,8 @@ def rank() -> int:
 def measure(device: torch.device, sizes: tuple[int, ...] = HOST_SIZES, repeats: int = REPEATS) -> list[Peer]:
     """Every pair's curve, on rank 0 ([] on the others); [] without a process group of several ranks. Collective:
     every rank of the script's group must call it."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return []
-    if (backend := _backend(device)) is None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 \
+            or (backend := _backend(device)) is None:
         return []
     on = device if backend == "nccl" else torch.device("cpu")
     side = dist.new_group(backend="gloo")  # barriers and the gather on the CPU, whatever the backend

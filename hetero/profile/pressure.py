@@ -106,9 +106,8 @@ class UnderPressure:
 
     def fill(self, layers: list[Layer], output_bytes: int, grads_gone: bool) -> tuple[list[Layer], int]:
         """`layers` with every engaged block's layers given what the same layer of a measured block of its class
-        saved (with none, what `saved_by_layer` counts of its class's last recomputed block), and what recomputing
-        the engaged blocks took off the peak by the planner's rule (hetero.plan.backward; `grads_gone`: the
-        gradients went to NVMe, Conservative)."""
+        saved (with none, what `saved_by_layer` counts), and what recomputing the engaged blocks took off the peak
+        by the planner's rule (hetero.plan.backward; `grads_gone`: the gradients went to NVMe)."""
         measured = [b for b in self.classes if b not in self.engaged]
         by_name = {layer.name: layer for layer in layers}
         counted = {cls: self.saved_by_layer(*call) for cls, call in self.calls.items()
@@ -128,8 +127,7 @@ class UnderPressure:
                 elif (source := by_name.get(twin + rest)) is not None:
                     out[k] = replace(layer, saved_bytes=source.saved_bytes,
                                      saved_storages_bytes=list(source.saved_storages_bytes))
-        gradients = backward.Held(gone_grads=frozenset(x.name for x in out), step=True) if grads_gone else \
-            backward.Held(step=True)
+        gradients = backward.Held(gone_grads=frozenset(x.name for x in out) if grads_gone else frozenset(), step=True)
         return out, backward.drop_bytes(out, {b: self.inputs.get(b, 0) for b in self.engaged}, output_bytes,
                                         gradients)
 
@@ -161,8 +159,7 @@ class UnderPressure:
                 type(block).forward(block, *args, **kwargs)  # the class's: the instance's is the checkpoint
         finally:
             torch.set_rng_state(rng)
-            for handle in starts:
-                handle.remove()
+            hooks.removed(starts)
         return {rel: sorted(sizes, reverse=True) for rel, sizes in storages.items()}
 
     def described(self, added: int) -> str:

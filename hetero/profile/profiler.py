@@ -92,9 +92,8 @@ class ProfileOptions:
 
 def profile_script(script: str, args: list[str], options: ProfileOptions,
                    progress: Progress | None = None) -> Profile | None:
-    """Profile `script args`: its layers, the links between its ranks, then the machine. HeteroError if it crashes
-    or ends too early. Under torchrun every rank calls this; rank 0 measures the machine and returns the profile,
-    the other ranks None."""
+    """Profile `script args`: its layers, the links between its ranks, then the machine (HeteroError if it crashes
+    or ends too early). Under torchrun every rank calls this; rank 0 returns the profile, the others None."""
     run = measure_script(script, args, options, progress)
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
@@ -161,23 +160,17 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         session.budget.end()
 
 
-def _release(model: nn.Module) -> None:
-    """Free the stopped script's weights and buffers, and give the memory back before the machine is measured (the
-    hooks torch holds on the parameters would otherwise keep them alive)."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.grad = None
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    gc.collect()
-    allocator.trim()
-
-
-def _release_training(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Free the stopped script's gradients and optimizer states (its weights stay) before the blocks' check."""
-    for p in model.parameters():
-        p.grad = None
+def _release(model: nn.Module, optimizers: list[torch.optim.Optimizer], weights: bool) -> None:
+    """Free the stopped script's gradients and optimizer states (before the blocks' check), and with `weights` its
+    weights and buffers (before the machine is measured: the hooks torch holds on the parameters would otherwise keep
+    them alive); give the memory back."""
     for optimizer in optimizers:
         optimizer.state.clear()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *(model.buffers() if weights else ())]:
+            tensor.grad = None
+            if weights:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     gc.collect()
     allocator.trim()
 
@@ -327,14 +320,14 @@ class _Session:
         layers = [replace(x, model=part_of(found.model, x.name)) for x in layers]
         self.budget.least()  # the check's forward under the budget too
         model_info = _model_info(found.model, found.optimizers, self.script, args, self.cwd)
-        _release_training(found.model, found.optimizers)  # the check needs the weights only
+        _release(found.model, found.optimizers, weights=False)  # the check needs the weights only
         blocks = recompute.check(found.model, found.blocks)  # one more forward: after every profiler hook
         out = ScriptMeasurement(model=model_info, training=self._training(found, summary, output_bytes),
                                 layers=layers, device=found.device,
                                 disk_beside=self.disk.measured() if self.disk is not None else None, memory=memory,
                                 compiled=found.compiled, budget_bytes=self.budget.budget_bytes,
                                 moved_tensors=self.budget.moved_tensors, blocks=blocks)
-        _release(found.model)  # before the machine is measured: it must not come on top of it
+        _release(found.model, [], weights=True)  # before the machine is measured: it must not come on top of it
         if self.returned is not None and self.returned.result is not None:
             # plain training's peak and step with freed memory returned, against the measured steps'
             memory.dram_peak_returned_bytes, step_s = self.returned.result

@@ -72,8 +72,7 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
         why = f"the check's forward of the model's last call failed ({type(e).__name__}: {_gist(e)})"
         return [Block(name=name, input_bytes=s.input_bytes, recomputable=False, why=why) for name, s in seen.items()]
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.removed(handles)
     return [Block(name=name, input_bytes=s.input_bytes, recomputable=s.done and s.why is None,
                   why=s.why if s.done else NOT_RUN) for name, s in seen.items()]
 

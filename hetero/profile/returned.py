@@ -32,8 +32,11 @@ def returning() -> bool:
     return allocator.set_thresholds(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING) and allocator.trim()
 
 
-def restore() -> None:
-    allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
+def restore(applied: bool) -> bool:
+    """Malloc's defaults again where `returning` was `applied`; False: applied no more."""
+    if applied:
+        allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
+    return False
 
 
 class ReturnedSteps(Instrument):
@@ -66,9 +69,7 @@ class ReturnedSteps(Instrument):
         return True
 
     def close(self) -> None:
-        if self.applied:
-            restore()
-            self.applied = False
+        self.applied = restore(self.applied)
 
 
 class Budget(Instrument):
@@ -116,7 +117,7 @@ class Budget(Instrument):
         self.conservative.bind(model)
         if self.conservative.ample and not self.asked and not self.pressure.engaged:
             self.kept = None
-            self._restore()
+            self.applied = restore(self.applied)
             self.end()
 
     def memory(self, device: torch.device) -> Memory:
@@ -156,12 +157,7 @@ class Budget(Instrument):
     def close(self) -> None:
         if self.conservative is not None:
             self.conservative.close()
-        self._restore()
-
-    def _restore(self) -> None:
-        if self.applied:
-            restore()
-            self.applied = False
+        self.applied = restore(self.applied)
 
     def end(self) -> None:
         """After the profile's check of the blocks: their overrides taken back."""

@@ -62,9 +62,8 @@ def reuse(known: Machine, device: torch.device, nvme_dir: str | None, peers: lis
     axdimm = known.axdimm
     if axdimm is not None and axdimm.backend == "emulated":
         axdimm = replace(axdimm, channel_capacity_bytes=machine.emulated_channel_capacity(axdimm.channels))
-    slowdown = known.cpu.background_slowdown
     return replace(known, numa=machine.numa_nodes(), peers=peers, axdimm=axdimm,
-                   tiers=[_now(t, nvme_dir, slowdown, disk_beside) for t in known.tiers],
+                   tiers=[_now(t, nvme_dir, known.cpu.background_slowdown, disk_beside) for t in known.tiers],
                    memory_limit_bytes=process_memory.memory_limit_bytes())
 
 
