@@ -1,16 +1,10 @@
 """Find the model(s) and their optimizers inside a script we did not write.
 
-The model is the root module (one called outside any other module's forward) whose parameters the first optimizer
-to step owns (`Capture` says how several models and a hand-written update loop are found). Roots are seen through
-global module hooks until that first `optimizer.step()` (or, where the script calls its model inside the closure it
-passes to `step()`, until that closure returns); DDP, FSDP and `torch.compile` wrappers are unwrapped. Several
-candidates for one optimizer are an error that lists them by the names the script gives them, so `--model NAME` can
-choose.
-
-What hetero cannot carry out is found here, at profile time, so that `hetero run` never meets it first (exit code
-UNSUPPORTED_SCRIPT): a script that ends without training, or an optimizer stepping that owns parameters of no
-model found by the first step. An optimizer hetero's Adam cannot replace (amsgrad, parameters outside the model,
-sharded parameters) is not refused: it stays the script's own (`offloadable`), and the plan says why.
+The model is the root module (called outside any other module's forward) whose parameters the first optimizer to
+step owns, seen through global module hooks until that first `optimizer.step()` (or the end of the closure it runs);
+DDP, FSDP and `torch.compile` wrappers are unwrapped. Several candidates are an error listing them by the script's
+names, for `--model NAME`. What `hetero run` could not carry out is refused here (UNSUPPORTED_SCRIPT); an optimizer
+hetero's Adam cannot replace stays the script's own (`offloadable`).
 """
 
 from __future__ import annotations
@@ -37,6 +31,7 @@ from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 _binding: list[nn.Module] = []  # the modules whose call found the model, while it is being bound
 
 
@@ -49,15 +44,11 @@ def calling(model: nn.Module) -> bool:
 def unwrap(module: nn.Module) -> nn.Module:
     """The user's model inside DDP/FSDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     while True:
-        inner = getattr(module, "_orig_mod", None) or _wrapped(module)
+        wrapped = getattr(module, "module", None) if type(module).__name__ in _WRAPPERS else None
+        inner = getattr(module, "_orig_mod", None) or wrapped
         if not isinstance(inner, nn.Module):
             return module
         module = inner
-
-
-def _wrapped(module: nn.Module) -> nn.Module | None:
-    wrappers = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
-    return getattr(module, "module", None) if type(module).__name__ in wrappers else None
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -69,8 +60,8 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def check_planned(model: nn.Module, planned: str, allow_stale: bool) -> None:
-    """The model found in `hetero run` (several models: their `Models` view) is the one the plan was made for (its
-    fingerprint `planned`): else a HeteroError (STALE_PLAN), or with `allow_stale` a warning on stderr."""
+    """The model found in `hetero run` has the fingerprint `planned`: else a HeteroError (STALE_PLAN), or with
+    `allow_stale` a warning on stderr."""
     actual = fingerprint(model)
     if actual == planned:
         return
@@ -84,17 +75,12 @@ def check_planned(model: nn.Module, planned: str, allow_stale: bool) -> None:
 class Capture:
     """Watches the script until it knows the model(s), then calls `on_found(model, optimizers)` once.
 
-    `hetero profile` (no `fingerprint`): decided at the first `optimizer.step()`, among the root modules called so
-    far and the optimizers built so far. Each optimizer whose parameters one root owns makes that root a model;
-    several models (a GAN's generator and discriminator) are one `Models` view, named by the script's variables.
-    `optimizers` lists theirs, the stepping one first. A script that ends a backward call having built no optimizer
-    of the roots that got gradients (a hand-written update loop) is decided there: those roots are the model(s),
-    and `optimizers` is empty.
-
-    `hetero run` (`fingerprint`; `parts`, the plan's (name, fingerprint) of each model, where several): a root with
-    the plan's fingerprint (or a part's) is taken as soon as its first forward with gradients enabled starts (an
-    evaluation of an EMA copy with the same fingerprint does not count), before anything runs on it, with the other
-    parts found among the roots seen and the modules the script's variables hold; `on_found(model, [])` then.
+    `hetero profile` (no `fingerprint`): at the first `optimizer.step()`, each optimizer built so far whose parameters
+    one root owns makes that root a model (several: one `Models` view), its optimizer listed, the stepping one first;
+    or, with no optimizer of the roots that got gradients (a hand-written update), at the end of a backward call.
+    `hetero run` (`fingerprint`; `parts`: the plan's (name, fingerprint) of each model): a root with the plan's
+    fingerprint (or a part's) as its first forward with gradients starts, the other parts found among the roots seen
+    and the script's variables; `on_found(model, [])` then.
     """
 
     def __init__(self, on_found: Callable[[nn.Module, list[torch.optim.Optimizer]], None], script: str,
@@ -111,8 +97,7 @@ class Capture:
         self.handles: list = []
 
     def __enter__(self) -> Capture:
-        # torch warns that global hooks fire once more for a compiled wrapper: ours do, and `unwrap` sees through it.
-        # The warning would name no culprit the user can act on.
+        # torch warns that global hooks fire for a compiled wrapper too: `unwrap` sees through it
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
         self.handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
                         nn.modules.module.register_module_forward_hook(self._post, always_call=True),
@@ -166,9 +151,8 @@ class Capture:
                 self._found(lambda: (combine(found), []))
 
     def planned_parts(self, first: nn.Module | None) -> dict[str, nn.Module] | None:
-        """The plan's models by name, found among `first`, the roots seen and the script's variables (where several
-        have a part's fingerprint, e.g. an EMA copy, the variable of the part's name, then the first called);
-        None while one is missing."""
+        """The plan's models by name, found among `first`, the roots seen and the script's variables (among twins,
+        e.g. an EMA copy: the variable of the part's name, else the first); None while one is missing."""
         pool = [("", m) for m in ([first] if first is not None else []) + [unwrap(r) for r in self.roots]]
         pool += script_values(self.script, nn.Module, unwrap)
         prints: dict[int, str] = {}
@@ -183,7 +167,7 @@ class Capture:
 
     def _backward_ended(self) -> None:
         """A backward call returned: where no optimizer built so far updates what got gradients, the script updates
-        its parameters by hand, and its models are known now."""
+        its parameters by hand, and its models are known."""
         if self.found:
             return
         graded = self._roots_where(lambda root: any(p.grad is not None for p in root.parameters()))
@@ -303,9 +287,8 @@ def no_training() -> HeteroError:
 
 
 class OtherOptimizers:
-    """Refuses an optimizer stepping that is not one of the models' (an optimizer of a model the script had not yet
-    called by its first step, or any optimizer of a script that updates its parameters by hand): the profile, the
-    plan and the runtime follow the models found then. With `--model`, other models' optimizers step untouched."""
+    """Refuses an optimizer stepping that is not one of the models' (its model was not called by the first step,
+    or the script updates its parameters by hand). With `--model`, other models' optimizers step untouched."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], model: nn.Module, chosen: bool):
         self.optimizers, self.model, self.chosen = optimizers, model, chosen

@@ -1,15 +1,11 @@
 """Gradients the script changes between backward and `optimizer.step()`: the one rule the profile and the runtime
 share for whether an update may use a gradient before `step()` sees it.
 
-Clipping (`clip_grad_norm_`, `clip_grad_value_`, `get_total_norm` with `clip_grads_with_norm_`, accelerate's and
-Lightning's, which call torch's), `GradScaler.unscale_`, foreach ops over the gradients and any in-place op on
-`.grad` write the gradient tensor in place, which advances its version counter; assigning `.grad` replaces the
-tensor. So each gradient is marked when a backward call returns (by then DDP's all-reduce and FSDP's reduction have
-written it) and compared with its mark where an update would use it: a different tensor, or the same one at
-another version, is an edit, whatever API made it. Reading a gradient changes nothing. Two edits leave the version
-as it was: `GradScaler.unscale_` (torch's AMP op), which is watched by name (hetero.harness.watch.unscaled), and
-a write through `.grad.data`, which only the gradients' values show: with `by_value`, the first step's marks also
-hold each gradient's sum and norm (two reductions, no copy), which the profile compares.
+Each gradient is marked (tensor and version counter) when a backward call returns, and compared with its mark where
+an update would use it: another tensor, or the same at another version, is an edit (clipping, foreach ops, any
+in-place op or assignment). Two edits keep the version: `GradScaler.unscale_`, watched by name
+(hetero.harness.watch.unscaled), and writes through `.grad.data`, which `by_value` catches on the first step by
+comparing each gradient's sum and norm.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Module hooks that `copy.deepcopy(model)` and `torch.save(model)` do not see.
 
-hetero's profiler and runtime put forward hooks on the script's modules. torch keeps a module's hooks in its
-`__dict__`, so a deep copy or a pickle of the model would copy them too: bound methods of hetero's objects, which hold
-locks and threads (`TypeError: cannot pickle '_thread.RLock' object`), and which a copy must not carry anyway (an EMA
-copy made with `deepcopy` would report into the profiler, or evict its activations under the original's schedule).
-
-Contract: a hook registered through `forward_pre`/`forward` works as torch's own while its handle lives; while any
-such hook exists, the module's `__getstate__` (what deepcopy and pickle read) leaves hetero's hooks out of the state,
-so the copy has exactly the hooks the script registered, and runs hetero's `state_dict_pre` hooks of the module first,
-as `state_dict()` does (weights a copy must not read in flight). `forward_override` likewise: a module's instance
-`forward`, left out of its copies (which run their class's forward on their own parameters). The `__getstate__`
-patched is the one each hooked module's class resolves to: nn.Module's, or that of a class defining its own
-(nn.LSTM's RNNBase and DDP copy `__dict__` without calling nn.Module's). The patches are installed with the first
-live hook and removed with the last one (removed through its handle, or gone with its module), so torch and the
-script's classes are untouched outside hetero's hooks' lifetime.
+torch keeps a module's hooks in its `__dict__`, so a copy or pickle would carry hetero's bound methods (which hold
+locks and threads, and which an EMA copy must not report into). While any hook registered here lives, the
+`__getstate__` each hooked module's class resolves to (nn.Module's, or a class's own, e.g. RNNBase's) leaves hetero's
+hooks and `forward_override`s out of the state, after running hetero's `state_dict_pre` hooks as `state_dict()`
+does. The patches come with the first live hook and go with the last, so torch is untouched otherwise.
 """
 
 from __future__ import annotations
@@ -117,8 +108,7 @@ def _track(module: nn.Module, handle) -> Handle:
 
 
 def _patch(cls: type) -> None:
-    """Filter hetero's hooks out of the `__getstate__` that `cls` resolves to (under `_lock`). A class's own that
-    calls nn.Module's passes through both filters once both are patched, which is no harm."""
+    """Filter hetero's hooks out of the `__getstate__` that `cls` resolves to (under `_lock`)."""
     owner = next(c for c in cls.__mro__ if "__getstate__" in c.__dict__)  # nn.Module at the latest
     if owner not in _originals:
         _originals[owner] = owner.__dict__["__getstate__"]

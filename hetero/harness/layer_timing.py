@@ -1,16 +1,10 @@
 """Per-layer times and saved-activation bytes of training micro-batches, measured with hooks only.
 
-Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors:
-a `saved_tensors_hooks` pair around the model's forward attributes every tensor autograd saves (parameters
-excluded, each storage once) to the layer running, or to the last one that ended when it is saved between
-layers, also between the layers nested in a running one (a root module owning a parameter of its own, an attention
-module between its projections: the tensors its own ops save between its children are needed back when backward
-reaches that point, before the last child's backward); a storage saved by several layers belongs to the last of
-them. Backward: the first unpack of a layer's
-saved tensors is its backward start (TierTrain's ts^B: the moment they must be back in fast memory);
-gradient-accumulation hooks on the parameters mark the end of backward.
-Nothing blocks inside a step: the clock hands out tokens (perf_counter values, or CUDA events) that are resolved
-to seconds once all steps are done.
+Forward: module pre/post hooks give each layer's own time (nested layers subtracted) and its end. Saved tensors: a
+`saved_tensors_hooks` pair attributes each storage autograd saves (parameters excluded) to the layer running, or
+between layers to the last one that ended; a storage saved by several layers belongs to the last. Backward: the
+first unpack of a layer's saved tensors is its start (TierTrain's ts^B); the parameters' gradient hooks mark its
+end. The clock hands out tokens (perf_counter values or CUDA events), resolved to seconds after the last step.
 """
 
 from __future__ import annotations
@@ -89,15 +83,10 @@ COMPILED = ("the model is compiled (torch.compile): hetero's per-layer hooks wou
 
 
 class LayerProfiler:
-    """Hooks on one model; every forward with grad enabled while attached is recorded as a PassTokens (one micro-batch).
-    Of several models (hetero.harness.models), every call of each is one, and a backward ends the last one of the
-    model whose parameters it reaches.
-
-    `compiled`: the script calls the model through torch.compile. Module and saved-tensor hooks would be traced into
-    the compiled graph (their clocks read once, at trace time), so none are registered; the parameters' gradient
-    hooks, which autograd runs outside the graph, count the backward passes (micro-batches) alone, and every layer
-    is reported with zero times and bytes (`COMPILED` says why).
-    """
+    """Hooks on one model; every forward with grad enabled while attached is one micro-batch (PassTokens). Of several
+    models, every call of each is one, and a backward ends the last one of the model whose parameters it reaches.
+    `compiled`: only the parameters' gradient hooks count the micro-batches (other hooks would be traced into the
+    graph), and every layer is reported with zero times and bytes (`COMPILED`)."""
 
     def __init__(self, model: nn.Module, layers: list[LayerSpec], clock: CpuClock | CudaClock,
                  saved_tensors: bool = True, compiled: bool = False):
@@ -117,8 +106,8 @@ class LayerProfiler:
         self.backward_calls = 0  # that returned while attached (0: not counted, a compiled model)
         self.stack: list[list] = []  # [layer, start token, depth, last nested layer ended] of layers running
         self.last_ended = -2  # -2: no layer yet (tensors saved before the first layer go to it)
-        # Off where another owner of the saved-tensor hooks (activation tiering) must see every tensor: only the
-        # innermost pair of hooks runs. Backward starts then come from the outputs' gradients alone.
+        # off where another owner of the saved-tensor hooks must see every tensor: backward starts then come from
+        # the outputs' gradients alone
         self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if saved_tensors \
             else contextlib.nullcontext()
         self.hook_s = 0.0  # time spent inside these hooks: the profiler's own cost
@@ -263,9 +252,7 @@ class Summary:
 
 def summarize(profiler: LayerProfiler) -> Summary:
     """Layers in forward order, each quantity the mean over the recorded micro-batches. A layer whose module never
-    ran (its parameters used functionally, e.g. `nn.MultiheadAttention`'s `out_proj` through `F.linear`) is no layer
-    of its own: its parameters count for the nearest enclosing layer that ran, whose time includes their use; with
-    none, it is a layer of its own timed as the layer nearest to it by name (every parameter belongs to a layer)."""
+    ran (e.g. `nn.MultiheadAttention`'s `out_proj`, used through `F.linear`) is placed by `adopt_unseen`."""
     profiler.clock.finish()
     if profiler.compiled:
         return _untimed(profiler)

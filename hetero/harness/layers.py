@@ -3,6 +3,8 @@ tensors in a module's output: what the profiler, the recorder and the mechanisms
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +76,12 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def storages(params) -> set[int]:
-    """Addresses of the storages these parameters own in this process. A sharded parameter (FSDP2's DTensor) owns
-    none here: during its module's forward FSDP2 puts an unsharded parameter in its place, which does, so a hook that
-    must know parameters' storages then reads them again at each layer's forward start (`sharded`)."""
+    """Addresses of the storages these parameters own in this process (a sharded parameter, FSDP2's DTensor, owns
+    none: read them again at each layer's forward start, `sharded`)."""
     out = set()
     for p in params:
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
             out.add(p.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
-            pass
     return out
 
 
@@ -95,11 +94,9 @@ def tensors(output: Any) -> list[torch.Tensor]:
     """Every tensor in a module's output (nested tuples, lists and dicts)."""
     if isinstance(output, torch.Tensor):
         return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in tensors(o)]
     if isinstance(output, dict):
-        return [t for o in output.values() for t in tensors(o)]
-    return []
+        output = list(output.values())
+    return [t for o in output for t in tensors(o)] if isinstance(output, (tuple, list)) else []
 
 
 def unique_storages(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,9 +119,8 @@ def before_backward(output: Any, hook) -> None:
 def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dict[int, dict[str, nn.Parameter]],
                                                                   dict[int, int]]:
     """(layers in forward order, each layer's parameters by local name, unseen layer -> the ran layer it is timed
-    as). An unseen layer's parameters join the nearest ran layer enclosing it (local names extended by the path
-    between them); an unseen layer with no ran ancestor stays a layer, placed after the ran layer whose name shares
-    the longest dotted prefix with its own."""
+    as). An unseen layer's parameters join the nearest ran layer enclosing it; with none, it stays a layer, placed
+    after the ran layer whose name shares the longest dotted prefix with its own."""
     params = {i: dict(spec.params) for i, spec in enumerate(specs)}
     order, timed_as = list(ran), {}
     if not ran:
@@ -146,9 +142,4 @@ def adopt_unseen(specs: list[LayerSpec], ran: list[int]) -> tuple[list[int], dic
 
 
 def _shared(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a.split("."), b.split(".")]))

@@ -1,10 +1,5 @@
-"""Several models one script trains (a GAN's generator and discriminator, each with its own optimizer), seen by
-hetero as one model.
-
-`Models` holds them under the script's names for them, so that every layer and parameter name starts with its
-model's (`netD.0.weight`), and a plan names each without ambiguity. It is never called itself: the hooks that
-mark a model's forward go on each of its parts (`roots`), and every call of a part is a forward of the model. A
-script that trains one model is seen as that model, as before.
+"""Several models one script trains (a GAN's generator and discriminator), seen by hetero as one model: `Models`,
+under the script's names for them (`netD.0.weight`). It is never called itself: each part is a root (`roots`).
 """
 
 from __future__ import annotations
@@ -67,12 +62,8 @@ def script_values(script: str, kind: type, unwrap: Callable[[nn.Module], nn.Modu
 def names(objects: list, script: str, unwrap: Callable[[nn.Module], nn.Module] | None = None) -> list[str]:
     """The variable each object (a module, an optimizer) has in the script's frames (innermost first), else its
     class name; a repeated name gets a number (`Net`, `Net_1`)."""
-    found = [type(o).__name__ for o in objects]
-    named = [False] * len(objects)
-    for var, value in script_values(script, object, unwrap):
-        for i, o in enumerate(objects):
-            if not named[i] and value is o:
-                found[i], named[i] = var, True
+    held = script_values(script, object, unwrap)
+    found = [next((var for var, value in held if value is o), type(o).__name__) for o in objects]
     out: list[str] = []
     for name in found:
         unique, k = name, 0

@@ -1,15 +1,9 @@
 """One `saved_tensors_hooks` pair for every mechanism that packs what autograd saves.
 
-torch keeps a stack of (pack, unpack) pairs and calls only the innermost one, so two mechanisms each entering their own
-pair around the same forward would silently lose one of them (DFGB's parameter views, or tiering's evictions). `chain`
-is the one pair of this process: mechanisms join it as handlers, each at a fixed rank, and the first handler (lowest
-rank) whose `pack` claims a tensor packs it; its `unpack` brings it back. A tensor nobody claims is saved as a detached
-alias of itself (a pack hook may not return its input: an output saved that way would hold its own grad_fn, a reference
-cycle autograd cannot break).
-
-The pair is entered while at least one opener holds it open (each mechanism opens it at its model's forward start and
-closes it at the end), on the thread running the forward: torch's stack is per thread, and autograd carries the pair to
-the threads that run backward. Unpacking does not need the pair entered: a packed tensor remembers its handler.
+torch calls only the innermost pair, so two mechanisms with their own pairs would lose one. `chain` is the one pair
+of this process: handlers join it at a fixed rank, and the first (lowest rank) whose `pack` claims a tensor packs it.
+An unclaimed tensor is saved as a detached alias (a pack hook may not return its input: a reference cycle). The pair
+is entered, on the forward's thread, while at least one opener holds it open; unpacking needs no pair entered.
 """
 
 from __future__ import annotations

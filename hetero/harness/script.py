@@ -1,9 +1,7 @@
-"""Run a training script we did not write exactly as `python script.py args` would, in this process (a torchrun
-worker too: `hetero.launch.worker` calls it).
+"""Run a training script we did not write exactly as `python script.py args` would, in this process.
 
-`hetero profile` and `hetero run` install their hooks first, then call `run_script`. The script sees its own
-`sys.argv` and `sys.path[0]`, runs as `__main__`, and its exit code passes through. A crash prints the script's
-traceback starting at the script's own frames (hetero's and runpy's frames are dropped) and gives exit code 1.
+The script sees its own `sys.argv` and `sys.path[0]`, runs as `__main__`, and its exit code passes through. A crash
+prints the traceback from the script's own frames on and gives exit code 1.
 """
 
 from __future__ import annotations
@@ -20,11 +18,8 @@ from hetero.errors import USAGE, HeteroError
 
 
 class StopScript(BaseException):
-    """Raised from a hook to end the script early: the profiler has seen enough steps, or hetero found a problem
-    (`error`) that `run_script` re-raises once it is outside the script.
-
-    A BaseException so that the script's own `except Exception:` cannot swallow it; its `finally` blocks run.
-    """
+    """Raised from a hook to end the script early (a BaseException: the script's `except Exception:` cannot
+    swallow it); `error`, hetero's problem, is re-raised by `run_script` outside the script."""
 
     def __init__(self, error: HeteroError | None = None):
         super().__init__(error.message if error else "stop")
@@ -60,10 +55,9 @@ def check_script(script: str) -> Path:
 
 def run_script(script: str, args: list[str], tracebacks: TextIO | None = None,
                explain: Callable[[BaseException], HeteroError | None] | None = None) -> ScriptResult:
-    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C (Interrupted) propagates, and so does a
-    HeteroError raised by hetero's own code inside the script (a damaged state file met in `optimizer.step()`): hetero's
-    error, not a crash of the script; so does the HeteroError `explain` gives for the script's exception (a budget the
-    run overran), instead of its traceback. The script's traceback goes to `tracebacks` (default: stderr)."""
+    """Run `script` as `__main__` with `args`; returns how it ended. Ctrl-C propagates, and so does a HeteroError
+    raised by hetero's code inside the script, or given by `explain` for the script's exception instead of its
+    traceback. The script's traceback goes to `tracebacks` (default: stderr)."""
     path = check_script(script)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = script_argv(script, args)

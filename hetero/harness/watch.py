@@ -1,10 +1,6 @@
-"""The moments, besides `optimizer.step()`, at which a script we did not write reveals how it trains: an optimizer being
-built, a backward call returning, and a GradScaler unscaling an optimizer's gradients.
-
-torch has global hooks for module calls and optimizer steps, none for these. Every torch.optim optimizer's constructor
-runs `torch.optim.Optimizer.__init__`, `loss.backward()` runs `torch.autograd.backward`, and `GradScaler.step` calls
-`unscale_` through its class (each looked up at each call), so each is wrapped while someone listens: the wrapper is
-installed with the first listener and removed with the last, and torch is untouched otherwise.
+"""The moments, besides `optimizer.step()`, at which a script reveals how it trains, which torch has no global hooks
+for: an optimizer being built, a backward call returning, a GradScaler unscaling an optimizer's gradients. Each
+torch function is wrapped while someone listens (installed with the first listener, removed with the last).
 """
 
 from __future__ import annotations
@@ -52,35 +48,22 @@ class Handle:
         self.listeners.remove(self.listener)
 
 
-def _after_backward(original: Callable, call: Callable[[], None]) -> Callable:
-    @functools.wraps(original)
-    def backward(*args, **kwargs):
-        out = original(*args, **kwargs)
-        call()
-        return out
-    return backward
+def _after(heard: Callable[..., tuple]) -> Callable[[Callable, Callable[..., None]], Callable]:
+    """A wrapper of a torch function that calls `call(*heard(*args, **kwargs))` once the original returned."""
+    def wrap(original: Callable, call: Callable[..., None]) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            call(*heard(*args, **kwargs))
+            return out
+        return wrapper
+    return wrap
 
 
-def _after_init(original: Callable, call: Callable[[torch.optim.Optimizer], None]) -> Callable:
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        call(self)
-    return __init__
-
-
-def _after_unscale(original: Callable, call: Callable[[torch.optim.Optimizer], None]) -> Callable:
-    @functools.wraps(original)
-    def unscale_(self, optimizer):
-        original(self, optimizer)
-        call(optimizer)
-    return unscale_
-
-
-_BACKWARD = _Listeners(torch.autograd, "backward", _after_backward)
-_BUILT = _Listeners(torch.optim.Optimizer, "__init__", _after_init)
+_BACKWARD = _Listeners(torch.autograd, "backward", _after(lambda *args, **kwargs: ()))
+_BUILT = _Listeners(torch.optim.Optimizer, "__init__", _after(lambda optimizer, *args, **kwargs: (optimizer,)))
 # the in-place unscale of torch's AMP op does not advance the gradients' version counters (hetero.harness.grads)
-_UNSCALED = _Listeners(torch.amp.GradScaler, "unscale_", _after_unscale)
+_UNSCALED = _Listeners(torch.amp.GradScaler, "unscale_", _after(lambda scaler, optimizer: (optimizer,)))
 
 
 def backward_calls(listener: Callable[[], None]) -> Handle:

@@ -1,20 +1,11 @@
 """The Adam/AdamW step over flat fp32 buffers, in place, with exactly the math of `torch.optim.Adam`/`AdamW`.
 
-`AdamKernel` is the fast path: torch's fused CPU/CUDA op, through torch's public functional API
-(`torch.optim.adam.adam`/`torch.optim.adamw.adamw` with `fused=True`), which reads each of param, grad, exp_avg and
-exp_avg_sq once and writes param, exp_avg and exp_avg_sq once (28 bytes per parameter). `many` updates several
-tensors in one call, each exactly as alone (the op is elementwise, tensor by tensor).
-It is torch's fused op without the optimizer's bookkeeping, so it runs at about the memory-bandwidth bound; a
-hand-written kernel could only win by fusing more work into the pass, such as a low-precision copy of the weights
-once the runtime needs one (measured: docs/benchmarks.md).
+`AdamKernel` is the fast path: torch's fused CPU/CUDA op through its functional API (`fused=True`), one pass over
+param, grad, exp_avg and exp_avg_sq; `many` updates several tensors in one call, each exactly as alone.
+`adam_reference` is the spec the tests hold it to: torch's single-tensor algorithm in plain ops (slow).
 
-`adam_reference` is the spec: torch's single-tensor algorithm in a few plain ops, which the tests hold the fast
-path to. It allocates temporaries and is slow; never use it for training.
-
-Step counting follows torch: the caller passes `step`, the 1-based number of this update (torch's `state["step"]`
-after it increments it), so the first update uses step=1 and bias corrections 1 - beta**step.
+`step` is the 1-based number of this update (torch's `state["step"]` after it increments it).
 """
-
 from __future__ import annotations
 
 import math
@@ -31,10 +22,8 @@ from hetero.errors import HeteroError
 
 @dataclass(frozen=True, slots=True)
 class Hyperparameters:
-    """One Adam(W) update's constants; `lr` may change between steps (build a new one, or `dataclasses.replace`).
-
-    `decoupled_weight_decay=True` is AdamW (param *= 1 - lr * weight_decay); False is Adam (grad += wd * param).
-    """
+    """One Adam(W) update's constants. `decoupled_weight_decay=True` is AdamW (param *= 1 - lr * weight_decay);
+    False is Adam (grad += wd * param)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -69,10 +58,8 @@ class Hyperparameters:
 
 
 class AdamKernel:
-    """The fused Adam(W) step. Owns the preallocated step scalars the fused op reads, so a step allocates nothing.
-
-    Not thread-safe: give each thread that runs updates its own kernel (the AXDIMM emulation has one per channel).
-    """
+    """The fused Adam(W) step, owning the step scalars the fused op reads (a step allocates nothing). Not
+    thread-safe: give each thread that runs updates its own kernel."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = device

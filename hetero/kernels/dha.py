@@ -1,24 +1,17 @@
-"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU device the
-shadow model and the optimizer's gradient copies drive, found through `devices` (the one seam through which another
-implementation of `Devices` and `Device`, such as the tests' CPU stand-in, takes the GPU's place). Memory is handled as
-flat bytes; `carve` views a parameter in them.
+"""Direct Host Access (MemFerry §III-B): CUDA tensors whose bytes stay in pinned host memory, and the GPU devices
+the shadow model and the optimizer's gradient copies drive, found through `devices` (the seam where the tests put a
+CPU stand-in). Memory is handled as flat bytes; `carve` views a parameter in them.
 
-The route to a zero-copy view: an object exposing `__cuda_array_interface__` over a pinned torch tensor, consumed by
-`torch.as_tensor`. It needs no compiler on the GPU machine (a `cpp_extension` around `torch::from_blob` would cost a
-slow first build and a toolchain there), and torch's CAI consumer makes the view's storage own a reference to the
-interface object, which owns the host tensor: the host memory lives exactly as long as the last view, autograd's saved
-views included. The device pointer comes from `cudaHostGetDevicePointer`, called through ctypes on the CUDA runtime
-torch already loaded. Where that library cannot be found (a statically linked torch), the host pointer itself is used:
-with unified addressing (every 64-bit process on a device of compute capability >= 2.0) CUDA guarantees that the pointer
-of `cudaHostAlloc` memory, which is what `pin_memory()` returns, is valid on the device. A device without unified
-addressing would need memory allocated with `cudaHostAllocMapped` after `cudaSetDeviceFlags(cudaDeviceMapHost)`, before
-torch creates its context; hetero refuses that case with a clear error instead (plan without DHA there). Copies to and
-from a view are correct too: under unified addressing CUDA infers from the pointers where both ends live.
+A zero-copy view is `torch.as_tensor` over an object exposing `__cuda_array_interface__` (no compiler needed); the
+view's storage keeps that object, and so the host tensor, alive. The device pointer comes from
+`cudaHostGetDevicePointer` through ctypes on torch's CUDA runtime; where that library cannot be found, the host
+pointer itself, valid on the device under unified addressing. A device without unified addressing is refused
+(plan without DHA there).
 """
-
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 from typing import Any, Protocol
@@ -70,17 +63,14 @@ def _cudart() -> ctypes.CDLL | None:
     except OSError:
         return None
     for path in sorted(paths):
-        try:
+        with contextlib.suppress(OSError):
             return ctypes.CDLL(path)
-        except OSError:
-            continue
     return None
 
 
 def pinned_host(nbytes: int) -> torch.Tensor:
-    """`nbytes` of page-locked host memory (uint8). Registered with CUDA directly where hetero can ask CUDA for its
-    device address: torch's pinned allocator rounds every block up to a power of two, up to twice a large model's
-    host footprint. Otherwise torch's (cudaHostAlloc memory, whose device address is its host address)."""
+    """`nbytes` of page-locked host memory (uint8): registered with CUDA directly where hetero can ask for its device
+    address (torch's pinned allocator rounds up to a power of two), else torch's."""
     if _cudart() is None or nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     size = -(-nbytes // PAGE) * PAGE
@@ -148,15 +138,9 @@ def carve(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
 
 class Device(Protocol):
     """Memory and ordering for the shadow model, the optimizer's gradient copies and activations tiered to host
-    memory, on one device. `compute` is the stream the model runs on (where a call happens); `copy` is one dedicated
-    stream serving host-to-device copies in the order they are issued; `download` copies device to host on a second
-    side stream, `upload` host to device on a third, never on `compute`.
-
-    Memory rules (what keeps reserved GPU memory close to allocated): device memory is allocated with `buffer` by the
-    threads running the model, so on the compute stream, never inside a side stream; side streams only read and
-    write memory whose owner keeps it alive until the side stream's work is known done (an event waited for by the
-    compute stream, or synchronized by the host) and never `record_stream` it, which would keep a freed block out of
-    the compute stream's pool until the side stream's later work is done."""
+    memory, on one device. `compute` is the stream the model runs on; `copy` serves host-to-device copies in issue
+    order; `download` and `upload` use two more side streams. `buffer` allocates on the compute stream only; side
+    streams only touch memory whose owner keeps it alive until their work is known done, never `record_stream`."""
 
     kind: str
     name: str
@@ -183,9 +167,8 @@ class Device(Protocol):
         """The most memory this process has reserved on the device."""
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, after: tuple = ()) -> Any:
-        """Copy device `src` into host `dst` after `ready` (recorded on the compute stream once `src` was written)
-        and the events `after` (copies that last used `dst`); the returned event completes when `dst` holds the
-        bytes. The caller's thread does not wait; it keeps `src` alive until the event is done."""
+        """Copy device `src` into host `dst` after `ready` (`src` written) and the events `after`, without waiting;
+        the returned event completes when `dst` holds the bytes. The caller keeps `src` alive until then."""
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> Any:
         """Copy `src` into device `dst` on the upload stream, after the events `after`; the returned event completes
@@ -201,8 +184,7 @@ NO_CUDA = HeteroError("the plan places layers on a GPU (its `layers` section), b
 
 
 class CudaDevice:
-    """One GPU: DHA views of pinned memory, GPU buffers, a copy stream (host to device) and a download stream (device
-    to host) for the whole run, both on this device whatever the thread's current device is."""
+    """One GPU: DHA views of pinned memory, GPU buffers, and its side streams for the whole run."""
 
     kind = "cuda"
 
@@ -229,8 +211,7 @@ class CudaDevice:
         return view
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        # On the calling thread's current stream, the compute stream (see Device). Its owner frees it only once the
-        # side streams' work on it is done, so no record_stream.
+        # on the calling thread's current stream, the compute stream; no record_stream (see Device)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def event(self, name: str) -> torch.cuda.Event:
@@ -242,19 +223,16 @@ class CudaDevice:
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event,
                  after: tuple = ()) -> torch.cuda.Event:
-        # Not on the compute stream (a driver thread's current stream is the legacy default one, where the script
-        # computes): the copy would queue behind every backward kernel issued so far and delay the next ones.
+        # not on the compute stream: the copy would queue behind every backward kernel issued so far
         return _side_copy(self.d2h, dst, src, (ready, *after))
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after: tuple = ()) -> torch.cuda.Event:
         return _side_copy(self.h2d, dst, src, after)
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
-        if t.device != self.device:
-            return None
         ptr = t.data_ptr()
         i = bisect.bisect_right(self.starts, ptr) - 1
-        if i < 0:
+        if t.device != self.device or i < 0:
             return None
         start = self.starts[i]
         end, host = self.mapped[start]
@@ -301,9 +279,7 @@ def _side_copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor, 
 
 
 class CudaDevices:
-    """The GPUs of this process, one `CudaDevice` each, opened when first needed: by the device a model's or a
-    parameter's tensors are on, never by the current device at some earlier moment (a torchrun worker calls
-    `torch.cuda.set_device(local_rank)` after hetero's runtime was made)."""
+    """The GPUs of this process, one `CudaDevice` each, opened when first needed by the device a tensor is on."""
 
     kind = "cuda"
 
@@ -344,8 +320,7 @@ class Devices(Protocol):
         """The device the model's parameters are on (the current one while they are still on the host)."""
 
 
-# Where the GPU code paths find their devices: this process's GPUs, unless something else was put here (the tests
-# put a CPU stand-in, so that these paths run without a GPU).
+# where the GPU code paths find their devices: this process's GPUs, or the tests' CPU stand-in
 devices: Devices = CudaDevices()
 
 

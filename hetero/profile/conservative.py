@@ -1,20 +1,14 @@
-"""The profile of a script whose plain training may not fit the budget it must keep: everything hetero can move without
-a plan, moved, once the profile sees that plain training would not fit.
+"""The profile of a script whose plain training may not fit the budget it must keep: everything hetero can move
+without a plan, moved, once the profile sees that plain training would not fit.
 
-The script's Adam(W) is hetero's (hetero.run.optimizer) from its construction, still acting as torch's own. When the
-first gradient arrives the model is known, and with it what plain training would add to what the process holds then: a
-gradient and two Adam states per parameter (`PLAIN_BYTES_PER_PARAM`), room for torch's multi-tensor step's temporaries
-(`STEP_SLACK_BYTES_PER_PARAM`), and what the rest of backward holds beside them (a block rebuilt, the activations'
-gradients), not known yet: as hetero.profile.pressure takes a block before any ran, `profile_block_share` of the budget (hetero.plan.policy). If
-that stays under the budget less the plan's headroom, the optimizer stays torch's and the profile measures plain
-training. Otherwise every Adam state, fp32 master copy and gradient waits on NVMe as the plan's `states` and `grads`
-levers place them (hetero.plan.fit), and the profile measures training that way: it says so, and writes plain training's
-peak as an estimate, the measured one plus what plain would hold instead (`plain_estimate`), and plain's optimizer step
-as timed at the host Adam rate the machine phase measures (hetero.profile.profiler). Its layers' backward times include
-writing their gradients to NVMe. Moved, it says so to `progress` (hetero.profile.phases.MOVED), for hetero.launch.guard.
-Where plain training needs under the policy's `profile_ample_share` of the budget (`ample`), the budget binds nothing and the profile goes on
-as without one. Where the first gradient comes before every optimizer's model was called (a GAN), the model cannot be
-known yet: the optimizers stay torch's and the profile measures plain training.
+The script's Adam(W) is hetero's (hetero.run.optimizer) from its construction, acting as torch's own. At the first
+gradient the model is known, and with it what plain training would add: a gradient and two Adam states per parameter
+(`PLAIN_BYTES_PER_PARAM`), the multi-tensor step's temporaries (`STEP_SLACK_BYTES_PER_PARAM`) and the policy's
+`profile_block_share` of the budget for the rest of backward. Under the budget less the plan's headroom the optimizer
+stays torch's; otherwise every state, master copy and gradient waits on NVMe, and the profile says so, writes plain
+training's peak as an estimate (`plain_estimate`) and reports hetero.profile.phases.MOVED to `progress`. Under
+`profile_ample_share` of the budget (`ample`) the budget binds nothing. A first gradient before every optimizer's
+model was called (a GAN) leaves the optimizers torch's.
 """
 
 from __future__ import annotations
@@ -26,8 +20,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from hetero.plan.policy import POLICY
 from hetero.plan.footprint import ADAM_STATE_BYTES_PER_PARAM
+from hetero.plan.policy import POLICY
 from hetero.profile import phases
 from hetero.run import process_memory
 from hetero.run.ddp_sync import DdpSync
@@ -56,8 +50,7 @@ class Conservative:
 
     def install(self, need_model, model_known: Callable[[], bool]) -> None:
         """`need_model(optimizer)` decides the model now (then `bind` is called); `model_known()` says whether it
-        can be decided yet. Where it cannot (a GAN's first gradient comes before its generator's first call), the
-        optimizers stay torch's and the profile measures plain training, as without a budget."""
+        can be decided yet (where not, the optimizers stay torch's)."""
         def first_gradient(optimizer) -> None:
             if model_known():
                 need_model(optimizer)
@@ -74,9 +67,10 @@ class Conservative:
         named = list(model.named_parameters())
         n = sum(p.numel() for _, p in named)
         self.held_at_bind = process_memory.resident_bytes()
-        added = (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n + int(self.budget_bytes * POLICY.profile_block_share)
-        fits = self.held_at_bind + added <= self.budget_bytes * (1 - POLICY.profile_headroom)
-        self.ample = self.held_at_bind + added <= self.budget_bytes * POLICY.profile_ample_share
+        needed = self.held_at_bind + (PLAIN_BYTES_PER_PARAM + STEP_SLACK_BYTES_PER_PARAM) * n \
+            + int(self.budget_bytes * POLICY.profile_block_share)
+        fits = needed <= self.budget_bytes * (1 - POLICY.profile_headroom)
+        self.ample = needed <= self.budget_bytes * POLICY.profile_ample_share
         if fits or not _movable(named):
             self.offload.leave_to_torch()
             return

@@ -1,13 +1,10 @@
 """What Direct Host Access costs on this machine, for the planner: the link's DHA read and write bandwidth, and per
-layer MemFerry's T_FP^H and T_BP^H (forward and backward with the layer's parameters in pinned host memory) and
-GO-MemFerry's T_GBP (backward writing its gradients to host memory).
+layer MemFerry's T_FP^H and T_BP^H (parameters in pinned host memory) and GO-MemFerry's T_GBP (gradients written
+to host memory).
 
-The layer times come from running each layer alone, after the script stopped, in each mode through the runtime's own
-code (hetero.kernels.dha views, hetero.run.grad_offload): the model's last training call is kept (one root pre-hook,
-nothing per layer while the script runs), one forward is replayed to record every layer's inputs, and each layer then
-runs forward and backward with its parameters on the GPU, as DHA views, and with host gradients. The profiler's own T_FP
-and T_BP stay the reference: each DHA time is it plus the slowdown measured here, so nested layers, which run in every
-mode alike, cancel out. Timing uses the profiler's clocks (CUDA events, read once per mode).
+After the script stopped, the model's last training call is replayed once to record every layer's inputs, and each
+layer runs alone through the runtime's own code in each mode. Each DHA time is the profiler's own T_FP or T_BP plus
+the slowdown measured here, so nested layers cancel out.
 """
 
 from __future__ import annotations
@@ -119,8 +116,7 @@ def _layer_inputs(model: nn.Module, call: tuple[tuple, dict], specs: dict[str, L
         with contextlib.suppress(Exception):  # a model that cannot be replayed keeps null DHA fields
             model(*call[0], **call[1])
     finally:
-        for h in handles:
-            h.remove()
+        hooks.removed(handles)
     return seen
 
 
@@ -137,14 +133,14 @@ def _leaves(value: Any) -> Any:
 
 def _times(spec: LayerSpec, call: tuple, device: Device, clock) -> dict[str, float] | None:
     """Slowdowns of the layer with its parameters read from host memory, and with its gradients written there."""
-    params = list(spec.params.items())
+    params = list(spec.params.values())
     try:
-        f_gpu, b_gpu = _run(spec.module, call, [p for _, p in params], clock)
-        with _on_host(device, [p for _, p in params]):
-            f_dha, b_dha = _run(spec.module, call, [p for _, p in params], clock)
-        grads = HostGrads(device, params, spec.module)
+        f_gpu, b_gpu = _run(spec.module, call, params, clock)
+        with _on_host(device, params):
+            f_dha, b_dha = _run(spec.module, call, params, clock)
+        grads = HostGrads(device, list(spec.params.items()), spec.module)
         try:
-            _, b_host = _run(spec.module, call, [p for _, p in params], clock)
+            _, b_host = _run(spec.module, call, params, clock)
         finally:
             grads.close()
     except Exception:  # e.g. a forward that needs state only the whole model sets up
@@ -157,7 +153,7 @@ def _run(module: nn.Module, call: tuple, params: list[nn.Parameter], clock, repe
          ) -> tuple[float, float]:
     """Median forward and backward time of the layer alone; the first run warms up."""
     args, kwargs = call
-    leaves = [t for t in tensors([args, list(kwargs.values())]) if t.requires_grad]
+    leaves = [t for t in tensors([args, kwargs]) if t.requires_grad]
     marks = []
     for _ in range(repeats + 1):
         for t in leaves + params:

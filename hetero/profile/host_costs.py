@@ -1,9 +1,6 @@
-"""What the runtime's host-side work costs on this machine, per unit, for the planner to count beside the kernels and
-copies it simulates: a module's pair of Python hooks (what the runtime does per layer: wait for a copy, mark a
-layer's end), a saved tensor's trip through Python pack and unpack hooks (what activation tiering does per tensor),
-and on a GPU a CUDA event recorded on one stream and waited on by another (what every ordered hand-off costs the
-thread that issues it). Each is the difference between the same tiny call with and without that work, the median of
-repeats, so it is the work's own cost in this interpreter on these cores, not a constant from elsewhere.
+"""What the runtime's host-side work costs on this machine, per unit: a module's pair of Python hooks, a saved
+tensor's trip through Python pack and unpack hooks, and on a GPU a CUDA event handed from one stream to another.
+Each is the median difference between the same tiny call with and without that work.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The seam every measurement of the profile's script sits behind, as hetero.run.mechanism is the runtime's: the
-`Instrument` base class, and the instruments of the script's own steps. Others live with their measurement
-(hetero.profile.returned, tier_steps, dha). hetero.profile.profiler makes each one before the script runs, as the
-model is found, or as the phase it measures starts, and walks them through the profile's phases.
+"""The seam every measurement of the profile's script sits behind: the `Instrument` base class, and the instruments of
+the script's own steps (others live with their measurement: hetero.profile.returned, tier_steps, dha).
 """
 
 from __future__ import annotations
@@ -33,15 +31,13 @@ class Instrument:
         return False
 
     def close(self) -> None:
-        """After the script, however it ended (or once its phase is done): every hook and setting taken back; what
-        it measured stays readable. Twice is harmless."""
+        """Every hook and setting taken back; what it measured stays readable. Twice is harmless."""
 
 
 class StepClock(Instrument):
-    """The warm-up and measured steps on the layer profiler's clock: each step's end and its optimizer steps' own
-    spans (from after a closure's forward and backward). A step ends as the first optimizer's step returns, or,
-    without an optimizer, as a backward call returns: `on_step()` is called then. An optimizer of no model found
-    stepping ends the profile (hetero.harness.capture.OtherOptimizers)."""
+    """The warm-up and measured steps on the layer profiler's clock: each step's end and its optimizer steps' spans.
+    A step ends, calling `on_step()`, as the first optimizer's step returns (without one: as a backward call returns).
+    An optimizer of no model found stepping ends the profile (hetero.harness.capture.OtherOptimizers)."""
 
     def __init__(self, clock: CpuClock | CudaClock, optimizers: list[torch.optim.Optimizer], warmup: int, steps: int,
                  on_step: Callable[[], None], chosen: bool):
@@ -142,9 +138,8 @@ class OutputBytes(Instrument):
 
 
 class EditedGrads(Instrument):
-    """Counts the optimizer steps whose gradients the script changed after backward (clipping, unscaling, any in-place
-    op: hetero.harness.grads): an update overlapped with backward, or run in it, would have used them before the change.
-    It watches `optimizers()` from its making, before the capture's hooks (whose step hook removes itself)."""
+    """Counts the optimizer steps whose gradients the script changed after backward (hetero.harness.grads); made
+    before the capture's hooks (whose step hook removes itself)."""
 
     def __init__(self, optimizers: Callable[[], list[torch.optim.Optimizer]]):
         self.steps = 0

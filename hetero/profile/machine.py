@@ -1,12 +1,12 @@
 """Measure the machine: CPU and memory bandwidth, NUMA nodes, memory tiers with transfer-time curves, the GPU and
-its PCIe link, and the (emulated) AXDIMM. What cannot be measured is null, with the reason in `unmeasured`.
-
-Every timing is the median of several repeats on buffers allocated and touched beforehand (first touch of fresh
-memory is slow in VMs and would be measured instead of the transfer).
+its PCIe link, and the (emulated) AXDIMM. What cannot be measured is null, with the reason in `unmeasured`. Every
+timing is the median of several repeats on buffers allocated and touched beforehand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 import shutil
@@ -45,30 +45,27 @@ DEFAULT_BYTES = 640 * MiB  # what the measurements hold at most with their defau
 BEYOND_CACHE = 4  # host Adam's rate beyond the caches is timed on states this many times the last-level cache
 BEYOND_BYTES = 512 * MiB  # those states at most (and where no cache is reported): with a gradient, DEFAULT_BYTES
 CPU_SYS = Path("/sys/devices/system/cpu")
-# What `measure` records, as a number: raised whenever it records something new, so that a machine remembered for a
-# host before (hetero.profile.same_machine) is measured again rather than taken without it.
+# What `measure` records: raised whenever it records something new, so a remembered machine is measured again
 RECORD = 2
 
 
 def measure(device: torch.device, nvme_dir: str | None, progress: Callable | None = None,
             peers: list[Peer] | None = None, disk_beside: DiskBeside | None = None,
             room_bytes: int | None = None) -> Machine:
-    """The machine as seen from `device` (the model's device); `peers`: the links between ranks, measured before;
-    `disk_beside`: the disk's trips timed beside the script's training (hetero.profile.tier_steps); `room_bytes`:
-    host memory a budget leaves the measurements (None: no budget), which sizes the bandwidth copy."""
-    report = progress or (lambda *a: None)
-    phases = ["cpu", "gpu", "tiers", "axdimm"]
+    """The machine as seen from `device` (the model's); `peers`: the links between ranks; `disk_beside`: the disk
+    timed beside the script's training; `room_bytes`: host memory a budget leaves the measurements (None: no budget)."""
+    report = functools.partial(progress or (lambda *a: None), "machine")  # (done, total) of cpu, gpu, tiers, axdimm
     largest = largest_buffer(room_bytes)
-    report("machine", 0, len(phases))
+    report(0, 4)
     cpu = measure_cpu(gpu=device.type == "cuda", copy_bytes=copy_size(room_bytes), largest=largest,
                       beyond_bytes=BEYOND_BYTES if room_bytes is None else largest)
-    report("machine", 1, len(phases))
+    report(1, 4)
     gpu = measure_gpu(device) if device.type == "cuda" else None
-    report("machine", 2, len(phases))
+    report(2, 4)
     tiers = measure_tiers(gpu, device, nvme_dir, cpu.background_slowdown, disk_beside, largest)
-    report("machine", 3, len(phases))
+    report(3, 4)
     axdimm = measure_axdimm(sizes=update_sizes(largest), slowdown=cpu.background_slowdown)
-    report("machine", 4, len(phases))
+    report(4, 4)
     return Machine(cpu=cpu, numa=numa_nodes(), gpu=gpu, tiers=tiers, axdimm=axdimm, peers=peers or [],
                    memory_limit_bytes=process_memory.memory_limit_bytes(), host=workdir.host())
 
@@ -80,12 +77,11 @@ def unmeasured(device: torch.device, layers: list[Layer] = (), tiers: list[Tier]
     memory = [t for t in tiers if t.path is None and (t.read or t.write)]
     beyond = cpu is not None and cpu.adam_beyond_cache_params_per_s is not None  # measured by this hetero
     cache = {"machine.cpu.last_level_cache": NO_CACHE} if beyond and cpu.last_level_cache_bytes is None else {}
-    copies = {f"machine.tiers.{t.name}.{f}": why for t in memory
-              for f, why in (("read_cpu", MEMORY_COPY_CPU), ("write_cpu", MEMORY_COPY_CPU),
-                             ("read_beside_compute", MEMORY_BESIDE), ("write_beside_compute", MEMORY_BESIDE))
-              if not getattr(t, f)}
+    sides = ("read_cpu", "write_cpu", "read_beside_compute", "write_beside_compute")
+    copies = {f"machine.tiers.{t.name}.{f}": MEMORY_COPY_CPU if f.endswith("_cpu") else MEMORY_BESIDE
+              for t in memory for f in sides if not getattr(t, f)}
     disk = {f"machine.tiers.{t.name}.{f}": ON_GPU for t in tiers if t.path is not None
-            for f in ("read_cpu", "write_cpu", "read_beside_compute", "write_beside_compute") if not getattr(t, f)}
+            for f in sides if not getattr(t, f)}
     if device.type != "cuda":
         gone = "needs a CUDA device; the model trains on the CPU"
         return {"machine.gpu": "no CUDA device in use", "layers.*.fp_dha": gone, "layers.*.bp_dha": gone,
@@ -114,8 +110,7 @@ def copy_size(room_bytes: int | None) -> int:
 
 def largest_buffer(room_bytes: int | None) -> int:
     """The largest buffer a measurement of the host, the disk and the updates allocates: 64 MiB, or under a budget
-    an eighth of the room it leaves (each holds a few such buffers at once, and the threads it starts take their
-    own heaps), at least 4 MiB: a profile under a budget must not need more than the run it plans for."""
+    an eighth of the room it leaves (each holds a few at once), at least 4 MiB."""
     if room_bytes is None:
         return 64 * MiB
     return max(4 * MiB, min(64 * MiB, 1 << max(0, (room_bytes // 8).bit_length() - 1)))
@@ -157,13 +152,11 @@ def last_level_cache_bytes(cpus: set[int] | None = None, root: Path = CPU_SYS) -
     caches: dict[tuple[int, str], int] = {}  # (level, the cores that share it): bytes
     for cpu in sorted(os.sched_getaffinity(0) if cpus is None else cpus):
         for index in (root / f"cpu{cpu}" / "cache").glob("index[0-9]*"):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a cache whose entry cannot be read is left out
                 if (index / "type").read_text().strip() == "Instruction":
                     continue
                 level = int((index / "level").read_text())
                 caches[level, (index / "shared_cpu_list").read_text().strip()] = _size((index / "size").read_text())
-            except (OSError, ValueError):  # a cache whose entry cannot be read is left out
-                continue
     top = max((level for level, _ in caches), default=None)
     return None if top is None else sum(size for (level, _), size in caches.items() if level == top)
 
@@ -197,8 +190,7 @@ def copy_bandwidth(nbytes: int = 256 * MiB) -> float:
 
 def background_slowdown(buffer_bytes: int = 32 * MiB) -> float:
     """Compute time on all cores while one host thread streams memory, over compute time alone: how much the runtime's
-    worker threads (evictions, prefetches, emulated AXDIMM channels) slow training without a GPU. They share the cores
-    and the memory bus with torch's intra-op threads, and a parallel GEMM waits for its slowest thread."""
+    worker threads (evictions, prefetches, emulated AXDIMM channels) slow training without a GPU."""
     src = torch.ones(buffer_bytes // 4)
     dst = torch.zeros_like(src)
     return beside_compute([lambda: dst.copy_(src)]).compute
@@ -250,8 +242,8 @@ def measure_tiers(gpu: Gpu | None, device: torch.device, nvme_dir: str | None, s
 
 def measure_nvme(nvme_dir: str | None, slowdown: float | None = None,
                  disk_beside: DiskBeside | None = None, sizes: tuple[int, ...] = HOST_SIZES) -> Tier:
-    """The disk tier through the same store (and I/O path: O_DIRECT where allowed) the runtime uses; beside compute
-    as `disk_beside` timed it beside the script's training, else through the same slow tier beside a GEMM loop."""
+    """The disk tier through the runtime's store; beside compute as `disk_beside` timed it beside the script's
+    training, else beside a GEMM loop."""
     store = _private_store(nvme_dir)
     base = store.directory.parent
     with store:
@@ -291,13 +283,9 @@ def _private_store(nvme_dir: str | None, workers: int = 2):
 
 
 def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurvePoint], list[CurvePoint]]:
-    """A tensor's trip to the disk and back beside a GEMM loop, at BESIDE_SIZES, through the slow tier the runtime's
-    tiering drives (hetero.run.devices.slow_tier) and from a worker thread as its writer and reader call it: evict
-    to a new file; bring back into a pooled buffer, release it and delete the file (the runtime's writer deletes
-    each file once its data is back: counted with the read, in backward where it happens). One worker does the
-    whole cycle, so the 1 MiB trip's share of a streaming worker's slowdown of compute is one figure for both
-    directions. Measured as they act, not from CPU time: the disk's DMA and the guest's interrupt work load the
-    cores and memory bus without showing as the process's CPU time."""
+    """A tensor's trip to the disk and back beside a GEMM loop, at BESIDE_SIZES, through the runtime's slow tier from
+    one worker thread: evict to a new file; bring it back, release it and delete the file (counted with the read).
+    The 1 MiB trip's share of a streaming worker's slowdown of compute is the figure for both directions."""
     from hetero.run.devices.slow_tier import NvmeTier
 
     points: dict[str, list[CurvePoint]] = {"read": [], "write": []}
@@ -327,10 +315,9 @@ def _beside(directory: Path, slowdown: float) -> tuple[float, float, list[CurveP
 
 
 def measure_axdimm(channels: int = 2, sizes: tuple[int, int] = UPDATE_SIZES, slowdown: float | None = None) -> Axdimm:
-    """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it (the
-    channel's driver thread copies the gradient in, switches the arbiter and launches the kernel; the caller waits for
-    its status), at a small and a large size: a fixed cost per update plus a rate. With `slowdown` (the CPU
-    computes), the same with every channel updating at once beside compute, as backward runs them."""
+    """The emulated AXDIMM: its nominal capacity, and one channel's update time as the runtime drives it, at a small
+    and a large size (a fixed cost plus a rate). With `slowdown` (the CPU computes), the same with every channel
+    updating at once beside compute, as backward runs them."""
     # 16 bytes per parameter (value, gradient, two moments); each channel holds a home of each size
     with EmulatedAxdimm(channel_capacity_bytes=16 * sum(sizes) + 8192, channels=channels) as device:
         drivers = [ChannelDriver(device, c) for c in range(channels)]

@@ -1,10 +1,7 @@
 """The links between data-parallel ranks (COARSE's per-proxy profile, §III-E): transfer time by size for every pair.
 
-Measured with the script's own process group, after its profiled steps, so the backend is the one training uses
-(gloo on CPU, NCCL on GPU). Pairs take turns, one at a time with a barrier between them, so a pair has the links to
-itself. A pair's time for a size is half the median round trip of a ping-pong (a sends, b sends back): the one-way
-time, the same in both directions, so each pair is written once as (lower rank, higher rank). Every rank measures
-the pairs it is in; rank 0 gathers them.
+Measured with the script's own process group (its backend), pair by pair with a barrier between them; a pair's time
+is half the median round trip of a ping-pong, written once as (lower rank, higher rank). Rank 0 gathers them.
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ def rank() -> int:
 def measure(device: torch.device, sizes: tuple[int, ...] = HOST_SIZES, repeats: int = REPEATS) -> list[Peer]:
     """Every pair's curve, on rank 0 ([] on the others); [] without a process group of several ranks. Collective:
     every rank of the script's group must call it."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return []
-    if (backend := _backend(device)) is None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 \
+            or (backend := _backend(device)) is None:
         return []
     on = device if backend == "nccl" else torch.device("cpu")
     side = dist.new_group(backend="gloo")  # barriers and the gather on the CPU, whatever the backend

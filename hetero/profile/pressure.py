@@ -1,23 +1,15 @@
-"""The profile under a budget its forward would not keep: the model's repeated blocks recomputed once the process nears
-the budget, and their layers measured in parts.
+"""The profile under a budget its forward would not keep: the model's repeated blocks recomputed once the process
+nears the budget, and their layers measured in parts.
 
-A script whose saved activations alone pass the budget dies in its first forward, before hetero knows its model or has
-measured anything, while a plan that recomputes its blocks (hetero.plan.recompute) would train it. So under a budget the
-profile watches the first module called with gradients that has repeated blocks (hetero.harness.layers), and runs each
-block through `torch.utils.checkpoint` (non-reentrant, as the runtime does) whenever the process holds more than `mark`
-as the block starts. The first forward recomputes every block: the least memory this training can take, and a measure of
-what it adds beyond its blocks (the logits and the loss, backward's gradients, one block rebuilt): the peak it reached
-less what the process held as its first block started. From the second forward on, `mark` is the budget less the plan's
-headroom and that much, and a block runs as written only where the process, with the most a block kept when one did
-(`block_bytes`; an eighth of the budget before any did), stays under it; decided in that second forward, each block
-keeps its decision for the rest of the profile, so that every measured step recomputes the same blocks. Blocks that run
-as written keep their activations and are measured as usual; the others (`engaged`) save nothing the layer profiler
-sees, so `fill` gives each of their layers what the same layer of a measured block of the same class saved: the profile
-measures the script in parts. What recomputing the engaged blocks took off the peak, counted as the planner counts a
-plan's recomputation, is what plain training's estimated peak adds back: a plan that recomputes the same blocks is then
-predicted at the peak measured. Nothing happens below the mark. Each forward that decides, the first and the second,
-reports how many blocks it recomputes to `progress` (hetero.profile.phases.RECOMPUTED): where a memory limit kills the
-profile, hetero.launch.guard tells the floor from a misjudged block.
+Under a budget the first module called with gradients that has repeated blocks runs each block through
+non-reentrant `torch.utils.checkpoint` (as the runtime does) whenever the process holds more than `mark` as the
+block starts. The first forward recomputes every block: the least this training can take, and a measure of what it
+holds beyond its blocks. From the second forward on, `mark` is the budget less the plan's headroom and that much; a
+block runs as written only where the process, with the most a block kept (`block_bytes`), stays under it, decided
+in that second forward for the rest of the profile. The recomputed blocks (`engaged`) save nothing the layer
+profiler sees, so `fill` gives their layers what a measured block of the same class saved, and adds back to plain
+training's estimated peak what recomputing them took off, as the planner counts it. Each deciding forward reports
+its recomputed blocks to `progress` (hetero.profile.phases.RECOMPUTED), for hetero.launch.guard.
 """
 
 from __future__ import annotations
@@ -103,8 +95,7 @@ class UnderPressure:
         return plain
 
     def _forward_starts(self, resident: int) -> None:
-        """A forward's first block starts: the first time, note what the process holds; the second, set the mark
-        from what the first forward (every block recomputed) added beyond it."""
+        """A forward's first block starts: the first time, note what the process holds; the second, set the mark."""
         if self.started_at is None:
             self.started_at = resident
             self.progress(phases.RECOMPUTED, len(self.classes), len(self.classes))
@@ -115,10 +106,8 @@ class UnderPressure:
 
     def fill(self, layers: list[Layer], output_bytes: int, grads_gone: bool) -> tuple[list[Layer], int]:
         """`layers` with every engaged block's layers given what the same layer of a measured block of its class
-        saved (where no block of its class ran as written, what `saved_by_layer` counts of its class's last
-        recomputed block), and what recomputing the engaged blocks took off the peak, by the planner's own rule
-        (hetero.plan.backward), with the gradients where the profile kept them (`grads_gone`: on NVMe as made,
-        Conservative): what plain training's estimated peak adds back to the one measured."""
+        saved (with none, what `saved_by_layer` counts), and what recomputing the engaged blocks took off the peak
+        by the planner's rule (hetero.plan.backward; `grads_gone`: the gradients went to NVMe)."""
         measured = [b for b in self.classes if b not in self.engaged]
         by_name = {layer.name: layer for layer in layers}
         counted = {cls: self.saved_by_layer(*call) for cls, call in self.calls.items()
@@ -138,23 +127,19 @@ class UnderPressure:
                 elif (source := by_name.get(twin + rest)) is not None:
                     out[k] = replace(layer, saved_bytes=source.saved_bytes,
                                      saved_storages_bytes=list(source.saved_storages_bytes))
-        gradients = backward.Held(gone_grads=frozenset(x.name for x in out), step=True) if grads_gone else \
-            backward.Held(step=True)
+        gradients = backward.Held(gone_grads=frozenset(x.name for x in out) if grads_gone else frozenset(), step=True)
         return out, backward.drop_bytes(out, {b: self.inputs.get(b, 0) for b in self.engaged}, output_bytes,
                                         gradients)
 
     def saved_by_layer(self, name: str, args: tuple, kwargs: dict) -> dict[str, list[int]]:
-        """What the block `name`'s forward saves for backward, by layer (the part of the layer's name after the
-        block's, e.g. `.attn.proj`): each distinct storage autograd saves while the layer is the last one started
-        (as the layer profiler counts it; the block's own ops before its first layer go to that layer), parameters
-        excluded, largest first. Counted as autograd packs them and never kept (the pack hook keeps only a size),
-        so it costs the memory of a forward without gradients; the RNG state is left as it was."""
+        """What the block `name`'s forward saves for backward, by layer (the name after the block's, e.g.
+        `.attn.proj`): each distinct storage saved while the layer is the last one started, parameters excluded,
+        largest first. Only sizes are kept; the RNG state is left as it was."""
         block = self.modules[name]
         params = {p.untyped_storage().data_ptr() for p in block.parameters()}
         owners = [(rel, m) for rel, m in block.named_modules() if rel and any(True for _ in m.parameters(False))]
         current = [f".{owners[0][0]}"] if owners else [""]
-        # A storage is known by its address while a tensor saved on it lives: one freed since leaves its address to
-        # the next allocation, which is another storage (counting by address alone misses some of a block's bytes)
+        # a storage is known by its address only while a tensor saved on it lives: a freed one's is reused
         seen: dict[int, weakref.ref] = {}
         storages: dict[str, list[int]] = {}
 
@@ -174,8 +159,7 @@ class UnderPressure:
                 type(block).forward(block, *args, **kwargs)  # the class's: the instance's is the checkpoint
         finally:
             torch.set_rng_state(rng)
-            for handle in starts:
-                handle.remove()
+            hooks.removed(starts)
         return {rel: sorted(sizes, reverse=True) for rel, sizes in storages.items()}
 
     def described(self, added: int) -> str:

@@ -1,13 +1,11 @@
 """`hetero profile`: run the user's script for warm-up plus measured steps, then measure the machine.
 
-The script runs under the profile's instruments (hetero.profile.instruments: each measurement behind one seam),
-walked through named phases: capture the model(s) and optimizer(s) at the first `optimizer.step()` (a script without
-a torch.optim optimizer: at the end of its first backward call, and its steps are counted from backward calls) and
-bind the instruments to it; run the warm-up steps untouched; time the layers over the measured steps; on a machine
-without a GPU, a few more steps with freed memory returned (hetero.profile.returned), then the disk timed as the
-runtime's tiering drives it (hetero.profile.tier_steps); stop the script; read what each instrument measured;
-measure the machine (or, with `--machine`, take an earlier profile's: hetero.profile.same_machine); assemble the
-Profile.
+The script runs under the profile's instruments (hetero.profile.instruments), walked through named phases: capture
+the model(s) and optimizer(s) at the first `optimizer.step()` (without one, at the end of the first backward call)
+and bind the instruments; run the warm-up steps untouched; time the layers over the measured steps; on a machine
+without a GPU, a few steps with freed memory returned (hetero.profile.returned), then the disk timed as the
+runtime's tiering drives it (hetero.profile.tier_steps); stop the script; measure the machine (or take an earlier
+profile's: hetero.profile.same_machine); assemble the Profile.
 """
 
 from __future__ import annotations
@@ -70,8 +68,7 @@ class ProfileOptions:
     measure_machine: bool = False  # `--measure-machine`: measure it even where an earlier profile of this host did
 
     def warmup_on(self, device: torch.device) -> int:
-        """The warm-up steps on `device`: as asked, else enough that the plain step time is steady (a GPU's first
-        steps pay for handles, autotuning and the allocator's growth; a CPU's steps are long already)."""
+        """The warm-up steps on `device`: as asked, else enough that the plain step time is steady."""
         if self.warmup is not None:
             return self.warmup
         return WARMUP_GPU if device.type == "cuda" else WARMUP_CPU
@@ -95,9 +92,8 @@ class ProfileOptions:
 
 def profile_script(script: str, args: list[str], options: ProfileOptions,
                    progress: Progress | None = None) -> Profile | None:
-    """Profile `script args`: its layers, the links between its ranks, then the machine. HeteroError if it crashes
-    or ends too early. Under torchrun every rank calls this; rank 0 measures the machine and returns the profile,
-    the other ranks None."""
+    """Profile `script args`: its layers, the links between its ranks, then the machine (HeteroError if it crashes
+    or ends too early). Under torchrun every rank calls this; rank 0 returns the profile, the others None."""
     run = measure_script(script, args, options, progress)
     links = peers.measure(run.device)  # collective over the script's ranks; [] for one process
     if peers.rank() != 0:
@@ -110,8 +106,7 @@ def profile_script(script: str, args: list[str], options: ProfileOptions,
             progress(MACHINE_REMEMBERED, 1, 1)
     if known is not None:
         return assemble(run, same_machine.reuse(known, run.device, options.nvme_dir, links, run.disk_beside))
-    # Under a budget that leaves less than the machine's measurements hold by default, their buffers fit under the
-    # training's own peak (the training was released): the profile needs no more than the run it plans for.
+    # under a tight budget the machine's buffers fit under the (released) training's own peak
     resident = process_memory.resident_bytes()
     tight = run.budget_bytes is not None and run.budget_bytes - resident < machine.DEFAULT_BYTES
     room = max(0, min(run.budget_bytes, process_memory.dram_peak_bytes()) - resident) if tight else None
@@ -165,27 +160,17 @@ def measure_script(script: str, args: list[str], options: ProfileOptions,
         session.budget.end()
 
 
-def _release(model: nn.Module) -> None:
-    """Free the stopped script's weights and buffers (`_release_training` freed its gradients and optimizer states)
-    before the machine is measured, and give the freed memory back: the script never runs again, and the hooks the
-    profile and its instruments registered on the parameters (held by torch beyond the reach of Python's garbage
-    collector) would otherwise keep all of it alive, so that the machine's buffers came on top of the training's
-    peak."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.grad = None
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    gc.collect()
-    allocator.trim()
-
-
-def _release_training(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Free the stopped script's gradients and optimizer states (its weights stay): under a budget the blocks' check
-    must not come on top of them."""
-    for p in model.parameters():
-        p.grad = None
+def _release(model: nn.Module, optimizers: list[torch.optim.Optimizer], weights: bool) -> None:
+    """Free the stopped script's gradients and optimizer states (before the blocks' check), and with `weights` its
+    weights and buffers (before the machine is measured: the hooks torch holds on the parameters would otherwise keep
+    them alive); give the memory back."""
     for optimizer in optimizers:
         optimizer.state.clear()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *(model.buffers() if weights else ())]:
+            tensor.grad = None
+            if weights:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     gc.collect()
     allocator.trim()
 
@@ -239,8 +224,8 @@ class _Session:
                 instrument.close()
 
     def _found(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """The model is known: bind the budget, make and bind the instruments that measure the model, start the
-        walk (without an optimizer, this backward call ended the first step)."""
+        """The model is known: bind the budget and the instruments, start the walk (without an optimizer, this
+        backward call ended the first step)."""
         self.budget.bind(model)
         device = next(model.parameters()).device
         compiled = capture.compiled(model, self.capture.roots)
@@ -275,8 +260,7 @@ class _Session:
         yield from self._steps(phases.MEASURED, self.options.steps, found.clock)
         found.layers.close()
         if found.device.type == "cpu":
-            # the measured steps count too: a process goes on growing after its first steps (malloc's heap, first
-            # NVMe updates under a budget), and on a CPU the hooks' records are small beside a step's
+            # the measured steps count too: a process goes on growing after its first steps
             self.memory = self.budget.memory(found.device)
         self.summary = found.layers.summary()
         if (steps := self._returned_steps(found)) is not None:
@@ -306,18 +290,15 @@ class _Session:
         yield from self._steps(steps.PHASE, total, steps)
 
     def _returned_steps(self, found: _Found) -> returned.ReturnedSteps | None:
-        """Started right after the measured steps where they measure what a plan would pay for returning freed
-        memory: the CPU trains plainly in one process (under a budget the profile returned memory throughout: its
-        peak is that one)."""
+        """Where returning freed memory can be measured: the CPU trains plainly (no budget) in one process."""
         if found.device.type != "cpu" or self.budget.kept is not None or os.environ.get("WORLD_SIZE", "1") != "1":
             return None
         steps = returned.ReturnedSteps()
         return steps if steps.start() else None
 
     def _disk_steps(self, found: _Found) -> tier_steps.TierSteps | None:
-        """Where the planner needs the disk timed beside training: the CPU computes (a GPU's kernels share no cores
-        with the disk's workers), some layer saves a storage the runtime would move, and the budget leaves room for
-        the store beside the training (`tier_steps.room_beside`)."""
+        """Where the planner needs the disk timed beside training: the CPU computes, some layer saves a storage the
+        runtime would move, and the budget leaves room for the store (`tier_steps.room_beside`)."""
         if found.device.type != "cpu" or not tier_steps.room_beside(self.budget.kept):
             return None
         steps = tier_steps.TierSteps(self.summary.layers, self.nvme_dir, machine.NVME_TIER, found.clock.iteration_s())
@@ -339,14 +320,14 @@ class _Session:
         layers = [replace(x, model=part_of(found.model, x.name)) for x in layers]
         self.budget.least()  # the check's forward under the budget too
         model_info = _model_info(found.model, found.optimizers, self.script, args, self.cwd)
-        _release_training(found.model, found.optimizers)  # the check needs the weights only
+        _release(found.model, found.optimizers, weights=False)  # the check needs the weights only
         blocks = recompute.check(found.model, found.blocks)  # one more forward: after every profiler hook
         out = ScriptMeasurement(model=model_info, training=self._training(found, summary, output_bytes),
                                 layers=layers, device=found.device,
                                 disk_beside=self.disk.measured() if self.disk is not None else None, memory=memory,
                                 compiled=found.compiled, budget_bytes=self.budget.budget_bytes,
                                 moved_tensors=self.budget.moved_tensors, blocks=blocks)
-        _release(found.model)  # before the machine is measured: it must not come on top of it
+        _release(found.model, [], weights=True)  # before the machine is measured: it must not come on top of it
         if self.returned is not None and self.returned.result is not None:
             # plain training's peak and step with freed memory returned, against the measured steps'
             memory.dram_peak_returned_bytes, step_s = self.returned.result
@@ -358,8 +339,7 @@ class _Session:
         clock, profiler, steps = found.clock, found.layers.profiler, self.options.steps
         iteration, micro = clock.iteration_s(), summary.micro_batches / steps
         backwards = profiler.backward_calls / steps or micro  # several models: forwards outnumber them
-        # On a GPU, plain training's iteration from the warm-up steps (the hooked steps' layer times include the
-        # hooks' launch gaps); on a CPU the hooks cost little against its kernels
+        # on a GPU, plain training's iteration from the warm-up steps, without the hooks' launch gaps
         plain = clock.warm_median_s() if found.device.type == "cuda" else None
         placed = [opt for opt in found.described if opt.kept is None]  # hetero's Adam can take their place
         return Training(
@@ -385,8 +365,7 @@ def _updates_wait(found: _Found) -> str | None:
 
 
 def _described(model: nn.Module, optimizers: list[torch.optim.Optimizer], script: str) -> list[ScriptOptimizer]:
-    """Each optimizer as the profile writes it; named now, while the script's frames are alive. One whose place
-    hetero's Adam cannot take is said so."""
+    """Each optimizer as the profile writes it, named while the script's frames are alive."""
     out = []
     for opt, name in zip(optimizers, names(optimizers, script)):
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -401,9 +380,8 @@ def _described(model: nn.Module, optimizers: list[torch.optim.Optimizer], script
 
 
 def _implementation(optimizer: torch.optim.Optimizer) -> str:
-    """How torch steps `optimizer`'s parameters (`ScriptOptimizer.implementation`), as its arguments decide, and
-    where they leave it to torch, as torch does: foreach where every parameter is a CUDA tensor, else one tensor at
-    a time."""
+    """How torch steps `optimizer`'s parameters (`ScriptOptimizer.implementation`); left to torch: foreach where
+    every parameter is a CUDA tensor, else one tensor at a time."""
     groups = optimizer.param_groups
     if any(g.get("fused") for g in groups):
         return "fused"
@@ -413,9 +391,8 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _plain_step(training: Training, tensors: int, params: int, measured_machine: Machine) -> Training:
-    """The profile's steps updated states on NVMe (Conservative): plain training's step is timed instead at the host
-    Adam rate the machine phase measured (at the model's size: hetero.plan.axdimm.host_rate), and the iteration by
-    as much less."""
+    """The profile's steps updated states on NVMe (Conservative): plain training's step at the measured host Adam
+    rate (hetero.plan.axdimm.host_rate) instead, and the iteration changed by as much."""
     cpu = measured_machine.cpu
     step = tensors * (cpu.adam_launch_s or 0.0) + params / host_rate(cpu, params)
     return replace(training, optimizer_step_s=measured(step),
@@ -436,8 +413,7 @@ def _model_info(model: nn.Module, optimizers: list[torch.optim.Optimizer], scrip
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """Of the torch class the script built (hetero's profile may stand in for it, see Conservative: torch's own
-    classes as they were before)."""
+    """Of the torch class the script built (Conservative may stand in for it)."""
     built = getattr(optimizer, "replaces", None) or type(optimizer)
     return {TORCH_ADAM["Adam"]: "adam", TORCH_ADAM["AdamW"]: "adamw"}.get(built, "other")
 

@@ -1,15 +1,10 @@
 """Which of the model's repeated blocks activation checkpointing can recompute, and what it keeps of each.
 
-`torch.utils.checkpoint` (non-reentrant, as the runtime uses it: hetero.run.recompute) keeps a block's inputs and
-runs its forward again in backward, restoring the CPU and the inputs' device RNG state first. That gives plain
-training's gradients only where a second forward from the same RNG state computes what the first did: not where
-the block draws from a generator of its own, or changes its buffers (BatchNorm's running statistics would be
-updated twice). The profile checks it once the script has stopped: it runs the model's last training call again,
-up to the end of its last block (the head and the loss, which would hold their logits and graph on top of the
-weights under a budget, are never run), and in each block's forward post-hook runs the block's forward a second
-time from the RNG state the first began with, comparing outputs bit for bit (both with gradients enabled, so torch
-picks the same kernels), after checking that the first changed none of the block's buffers. It records each
-block's input bytes (what checkpointing keeps) and whether it can be recomputed, with why not.
+Non-reentrant checkpointing (hetero.run.recompute) keeps a block's inputs and runs its forward again in backward
+from the same RNG state: plain training's gradients only where that computes what the first forward did (not with a
+generator of its own, nor where the forward changes buffers, e.g. BatchNorm). Once the script has stopped, the
+model's last training call runs again up to the end of its last block, and each block's forward post-hook runs the
+block again from the RNG state the first began with, comparing outputs bit for bit, after checking its buffers.
 """
 
 from __future__ import annotations
@@ -64,11 +59,9 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
         why = SHARDED if sharded(model) else NOT_RUN
         return [Block(name=name, input_bytes=0, recomputable=False, why=why) for name, _ in blocks]
     seen: dict[str, _Seen] = {name: _Seen() for name, _ in blocks}
-    handles = []
-    for name, module in blocks:
-        handles.append(hooks.forward_pre(module, _before(seen[name]), with_kwargs=True))
-        handles.append(hooks.forward(module, _after(seen[name]), with_kwargs=True))
-        handles.append(hooks.forward(module, _stop_once_all_done(seen)))
+    handles = [handle for name, module in blocks for handle in (
+        hooks.forward_pre(module, _before(seen[name]), with_kwargs=True),
+        hooks.forward(module, _after(seen[name]), with_kwargs=True), hooks.forward(module, _stop_once_all_done(seen)))]
     args, kwargs = inputs.call
     try:
         with torch.enable_grad():
@@ -79,8 +72,7 @@ def check(model: nn.Module, inputs: RootInputs | None) -> list[Block]:
         why = f"the check's forward of the model's last call failed ({type(e).__name__}: {_gist(e)})"
         return [Block(name=name, input_bytes=s.input_bytes, recomputable=False, why=why) for name, s in seen.items()]
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.removed(handles)
     return [Block(name=name, input_bytes=s.input_bytes, recomputable=s.done and s.why is None,
                   why=s.why if s.done else NOT_RUN) for name, s in seen.items()]
 
@@ -107,9 +99,8 @@ def _before(seen: _Seen):
         if seen.done:
             return
         seen.args, seen.kwargs, seen.training = args, kwargs, module.training
-        seen.input_bytes = sum(t.untyped_storage().nbytes() for t in unique_storages(tensors(list(args) +
-                                                                                   list(kwargs.values()))))
-        seen.rng = _rng_state(tensors(list(args)))
+        seen.input_bytes = sum(t.untyped_storage().nbytes() for t in unique_storages(tensors([args, kwargs])))
+        seen.rng = _rng_state(tensors(args))
         seen.buffers = _digest(list(module.buffers()))
     return hook
 
@@ -122,7 +113,7 @@ def _after(seen: _Seen):
         if _digest(list(module.buffers())) != seen.buffers:
             seen.why = SIDE_EFFECTS
             return
-        first, after = _digest(tensors(output)), _rng_state(tensors(list(args)))
+        first, after = _digest(tensors(output)), _rng_state(tensors(args))
         _set_rng_state(seen.rng)
         try:
             again = module.forward(*seen.args, **seen.kwargs)  # its own hooks not again: they are these

@@ -1,17 +1,10 @@
 """Freed memory returned to the kernel, for the profile: what the plan's `allocator` would cost and save, and how a
 profile keeps a budget it runs under.
 
-- Without a budget, `ReturnedSteps`: right after the measured steps, a few more of the script's steps with glibc
-  returning the memory freed tensors leave (the thresholds hetero.run.allocator sets for a plan's `allocator`
-  section), from a trimmed heap with the kernel's high-water mark started again: the peak and the step time a plan
-  that returns memory would have, measured in the profile's own process (its CLI, hooks and records included, so
-  a little above a fresh process's; `hetero plan` measures the plan it chooses under a budget in fresh processes:
-  hetero.launch.trials).
-- Under a budget (a memory cgroup, or `hetero profile --dram-budget`), plain training might not fit, and the
-  profile must not die of it: `Budget` returns freed memory from before the script's first allocation, the most
-  memory-saving setting hetero can apply to a script it does not yet drive, and moves what else it can
-  (hetero.profile.conservative, hetero.profile.pressure). Plain's own peak is then not measured: the profile writes
-  the measured one as an estimate and says so.
+- Without a budget, `ReturnedSteps`: after the measured steps, a few more with glibc returning freed memory (the
+  thresholds of a plan's `allocator`), from a trimmed heap and a reset high-water mark: their peak and step time.
+- Under a budget (a memory cgroup, or `--dram-budget`), `Budget` returns freed memory from the start and moves what
+  else it can (hetero.profile.conservative, hetero.profile.pressure); plain's peak is then written as an estimate.
 """
 
 from __future__ import annotations
@@ -39,14 +32,16 @@ def returning() -> bool:
     return allocator.set_thresholds(AllocatorPlan.RETURNING, AllocatorPlan.RETURNING) and allocator.trim()
 
 
-def restore() -> None:
-    allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
+def restore(applied: bool) -> bool:
+    """Malloc's defaults again where `returning` was `applied`; False: applied no more."""
+    if applied:
+        allocator.set_thresholds(allocator.RESTORED_MMAP_BYTES, allocator.RESTORED_TRIM_BYTES)
+    return False
 
 
 class ReturnedSteps(Instrument):
-    """A few of the script's steps after the others with glibc returning the memory freed tensors leave (the plan's
-    `allocator`), in the profile's own process: from a trimmed heap, with the kernel's high-water mark started
-    again, the peak they reach and their step time (the first step pays the switch and is not timed)."""
+    """A few of the script's steps with glibc returning freed memory (the plan's `allocator`): the peak they reach
+    and their step time (the first step pays the switch and is not timed)."""
 
     PHASE = "freed memory returned"  # the profile's progress phase
     STEPS = 1 + TIMED_STEPS
@@ -74,19 +69,14 @@ class ReturnedSteps(Instrument):
         return True
 
     def close(self) -> None:
-        if self.applied:
-            restore()
-            self.applied = False
+        self.applied = restore(self.applied)
 
 
 class Budget(Instrument):
     """The budget the profile keeps: `--dram-budget` (`asked_bytes`), else the memory cgroup's limit; with none,
-    every call is a no-op. Made before the script runs, it returns freed memory from then on; `install`, inside the
-    script's capture, moves the script's optimizer where plain training would not fit (Conservative) and recomputes
-    its blocks near the budget (UnderPressure). Where the cgroup's limit binds nothing (`Conservative.ample`, known
-    at `bind`), the rest of the profile measures as without one; the optimizer stays torch's (`--dram-budget` is kept
-    however ample: the user asked for it). `close` leaves the blocks' overrides to `end`: the profile's own forward
-    that checks the blocks keeps under the budget too."""
+    every call is a no-op. It returns freed memory from its making; `install` moves the optimizer where plain
+    training would not fit (Conservative) and recomputes blocks near the budget (UnderPressure). A cgroup limit that
+    binds nothing (`Conservative.ample`) is dropped at `bind`. `close` leaves the blocks' overrides to `end`."""
 
     def __init__(self, asked_bytes: int | None, nvme_dir: str, progress: Callable[[str, int, int], None]):
         self.asked = asked_bytes is not None
@@ -127,7 +117,7 @@ class Budget(Instrument):
         self.conservative.bind(model)
         if self.conservative.ample and not self.asked and not self.pressure.engaged:
             self.kept = None
-            self._restore()
+            self.applied = restore(self.applied)
             self.end()
 
     def memory(self, device: torch.device) -> Memory:
@@ -167,12 +157,7 @@ class Budget(Instrument):
     def close(self) -> None:
         if self.conservative is not None:
             self.conservative.close()
-        self._restore()
-
-    def _restore(self) -> None:
-        if self.applied:
-            restore()
-            self.applied = False
+        self.applied = restore(self.applied)
 
     def end(self) -> None:
         """After the profile's check of the blocks: their overrides taken back."""

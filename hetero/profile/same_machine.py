@@ -1,18 +1,11 @@
-"""The machine section of an earlier profile written on this machine, taken instead of measuring the machine again
-(tens of seconds: most of a small script's profile; nothing the script's own measurements depend on): `hetero
-profile --machine FILE`, or by default the last profile that measured this host (`remembered`, kept in the user's
-cache directory by `remember`; `--measure-machine` measures it again).
+"""The machine section of an earlier profile of this machine, taken instead of measuring it again: `hetero profile
+--machine FILE`, or by default the last profile that measured this host (`remembered`, kept in the user's cache by
+`remember`; `--measure-machine` measures it again).
 
-What was measured is taken as it stands: the CPU's rates, the memory and disk curves, the AXDIMM's updates, the GPU
-and its link. What describes the present is read again: available memory and free disk (the tiers' capacities and
-the emulated AXDIMM's), the memory cgroup's limit, the NUMA nodes, the links between this run's ranks, the disk
-tier's directory (this profile's `--nvme`), and the disk's trips beside training where this script's own steps timed
-them (hetero.profile.tier_steps).
-
-FILE must be of this machine: the same host, processor, cores and NUMA nodes (checked before the script runs), the
-disk tier's directory on the filesystem the earlier one was on, and the model on the device it was measured beside:
-the same GPU, or none (a machine measured beside a GPU has no figures for a CPU that computes), checked once the
-script has placed its model. A FILE written before profiles recorded their host cannot be checked, and is refused.
+What was measured is taken as it stands; what describes the present is read again: available memory and free disk,
+the memory cgroup's limit, the NUMA nodes, the links between ranks, the disk tier's directory, and the disk's trips
+beside this script's training where its steps timed them. FILE must be of this machine (host, processor, cores,
+NUMA nodes, the disk tier's filesystem) and beside the same GPU, or none; a FILE without a host is refused.
 """
 
 from __future__ import annotations
@@ -63,15 +56,14 @@ def differences(known: Machine, nvme_dir: str | None) -> list[str]:
 
 def reuse(known: Machine, device: torch.device, nvme_dir: str | None, peers: list[Peer],
           disk_beside: DiskBeside | None) -> Machine:
-    """`known` (from `load`) as this profile's machine, its present read again (see the module's docstring);
-    HeteroError (exit 2) if the model is not on the device `known` was measured beside."""
+    """`known` (from `load`) as this profile's machine, its present read again; HeteroError (exit 2) if the model
+    is not on the device `known` was measured beside."""
     _check_device(known, device)
     axdimm = known.axdimm
     if axdimm is not None and axdimm.backend == "emulated":
         axdimm = replace(axdimm, channel_capacity_bytes=machine.emulated_channel_capacity(axdimm.channels))
-    slowdown = known.cpu.background_slowdown
     return replace(known, numa=machine.numa_nodes(), peers=peers, axdimm=axdimm,
-                   tiers=[_now(t, nvme_dir, slowdown, disk_beside) for t in known.tiers],
+                   tiers=[_now(t, nvme_dir, known.cpu.background_slowdown, disk_beside) for t in known.tiers],
                    memory_limit_bytes=process_memory.memory_limit_bytes())
 
 
@@ -111,24 +103,21 @@ def _filesystem(path: Path) -> int:
 
 
 def _existing(path: Path) -> Path:
-    """`path`, or its nearest existing parent: the directory the disk tier will be on, made and removed by each run
-    (an earlier profile's may be gone), is on the filesystem of that parent."""
+    """`path`, or its nearest existing parent (each run makes and removes the disk tier's directory)."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
 
 
 def cache_path() -> Path:
-    """Where the last profile that measured this host is kept: a file per host in `$XDG_CACHE_HOME/hetero`, named
-    with what the machine measurement records (`machine.RECORD`), so that one remembered before it recorded more is
-    not found and the machine is measured again."""
+    """Where the last profile that measured this host is kept: `$XDG_CACHE_HOME/hetero`, a file per host and
+    `machine.RECORD`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hetero" / f"machine-{workdir.host()}-{machine.RECORD}.profile.yaml"
 
 
 def remembered(nvme_dir: str | None, device: torch.device) -> Machine | None:
-    """The machine `remember` kept for this host, where it is this machine's (`differences`) beside `device`; None
-    where there is none, it is of another machine, or it cannot be read."""
+    """The machine `remember` kept for this host, where it is this machine's beside `device`; else None."""
     path = cache_path()
     if not path.is_file():
         return None
@@ -141,9 +130,8 @@ def remembered(nvme_dir: str | None, device: torch.device) -> Machine | None:
 
 
 def remember(profile: Profile) -> None:
-    """Keep `profile` (its machine measured in full) for the next profile on this host, and remove what an earlier
-    record kept for this host (no hetero of this record reads it); nothing where the cache directory cannot be
-    written."""
+    """Keep `profile` (its machine measured in full) for the next profile on this host, removing earlier records'
+    files; nothing where the cache directory cannot be written."""
     path = cache_path()
     with suppress(OSError):
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

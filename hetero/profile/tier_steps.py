@@ -1,17 +1,9 @@
 """The disk tier timed as `hetero run` drives it, beside the script's own training.
 
 For a few steps after the measured ones, the runtime's activation tiering evicts every layer's saved storages to
-the disk as the layer's forward ends and brings them back as backward reaches it (TierTrain's schedule with every
-layer evicting, the last excepted: its backward follows at once). Two things come out:
-
-- the median write, read and delete of each storage size: the curves the planner times evictions and prefetches
-  by when the CPU computes;
-- how much compute those workers cost: the timed steps' extra time over the measured steps', waits for late
-  prefetches taken out, per second the workers were busy.
-
-Why not a synthetic load: no synthetic loop (GEMMs of the model's shapes, its forward and backward with a writer
-beside them) reproduced the writes and slowdowns of the run (docs/benchmarks.md, "Design figures"); timing the
-runtime itself needs no explanation of it.
+disk as its forward ends and brings them back as backward reaches it. Out come the median write, read and delete
+of each storage size (the curves the planner times disk trips by when the CPU computes), and the compute those
+workers cost: the steps' extra time over the measured steps', late prefetches' waits taken out, per busy second.
 """
 
 from __future__ import annotations
@@ -47,16 +39,14 @@ class DiskBeside:
 
 
 def room_beside(budget: tuple[int, str] | None) -> bool:
-    """Whether the process may train `STEPS` more steps with the store's bounce buffers beside its training under
-    `budget` (None: no budget): its peak so far and those buffers stay within the budget's room. At the floor they
-    do not, and the limit would kill the profile in these steps: the disk is then timed beside a GEMM loop instead
-    (hetero.profile.machine)."""
+    """Whether the process's peak so far and the store's bounce buffers stay within the room of `budget` (None: no
+    budget); else the disk is timed beside a GEMM loop instead (hetero.profile.machine)."""
     return budget is None or process_memory.dram_peak_bytes() + ActivationPlan.STORE_BYTES <= POLICY.room_of(budget[0])
 
 
 class TierSteps(Instrument):
-    """Tiering bound to the script's model for STEPS optimizer steps; `measured` reads what the timed ones showed.
-    `clean_step_s`: the measured steps' mean time, from one step's end to the next one's."""
+    """Tiering bound to the script's model for STEPS steps; `measured` reads what the timed ones showed.
+    `clean_step_s`: the measured steps' mean time."""
 
     PHASE = "disk beside training"  # the profile's progress phase
 

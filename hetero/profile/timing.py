@@ -40,10 +40,8 @@ class Beside:
 
 
 def beside_compute(works: list[Callable[[], object]], target_s: float = 0.06, pairs: int = 5) -> Beside:
-    """A loop of GEMMs of about `target_s` with torch's default threads, alone and then while one thread per entry
-    of `works` repeats it, `pairs` times over (about 0.6 s). The slowdown is the median of the pairs' ratios: a
-    shared machine's speed drifts within minutes, so alone and beside are timed next to each other, never as one best
-    of each. Noise can make it read below 1, but a worker never speeds compute up."""
+    """A loop of GEMMs of about `target_s`, alone and then while one thread per entry of `works` repeats it, `pairs`
+    times over; the slowdown is the median of the pairs' ratios (timed side by side: a shared machine drifts), >= 1."""
     a, b = torch.ones(512, 1024), torch.ones(1024, 1024)
     count = max(1, round(target_s / median_time(lambda: a @ b, repeats=3, min_s=0)))
 

@@ -52,9 +52,8 @@ def host_adam(slowdown: float | None = None, sizes: tuple[int, int] = UPDATE_SIZ
 
 
 def host_adam_beyond_cache(params: int, launch_s: float) -> float:
-    """Params/s of the `host` optimizer device on one update of `params` parameters, as `host_adam` times its
-    updates, less `launch_s` (a call's fixed cost): sized by the caller to states no cache holds, so each repeat
-    reads and writes them in DRAM, as a step of a large model does."""
+    """Params/s of the `host` optimizer device on one update of `params` parameters (sized beyond the caches),
+    less `launch_s` (a call's fixed cost)."""
     driver, kernel = Driver("host-adam"), AdamKernel()
     try:
         job = update_job(HostHome(driver, kernel, torch.zeros(params)), driver, params)
