@@ -175,9 +175,8 @@ def fit(ctx, solve: Callable[..., Plan], host: str) -> Plan:
     best = _fewest_blocks(ctx, solve, best, host, trials)
     why = _why(ctx, best, seen, len(fitting)) + _unusable_text(unusable)
     if (higher := _next_rung(ctx, solve, best, host, trials)) is not None:
-        why = (f"{why}; its trial's processes spent {short_time(best.trial.system_s)} of a step in the kernel, more "
-               f"than their steps varied ({short_time(best.trial.step_range_s)}): malloc's thresholds a rung higher, "
-               "tried before written")
+        why = (f"{why}; its trial's processes spent {short_time(best.trial.system_s)} of a step in the kernel (page "
+               "faults, mostly): malloc's thresholds a rung higher, tried before written, kept where faster")
         return replace(higher.plan, budget=replace(higher.plan.budget, why=why, trials=trials))
     return _as_tried(replace(best.plan, budget=replace(best.plan.budget, why=why, trials=trials)), best, host)
 
@@ -210,11 +209,11 @@ def at_rung(plan: Plan, threshold: int | None) -> Plan:
 
 
 def _next_rung(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial]) -> Candidate | None:
-    """Where `best` returns freed memory and its trial's processes spent more of a step in the kernel (page faults,
-    mostly) than their steps varied: the same levers, every block they can recompute, at malloc's next rung, untried
-    (`hetero plan` tries it, and keeps it where it fits and is faster); else None."""
+    """Where `best` returns freed memory and its trial's processes spent time in the kernel (page faults, mostly,
+    which a higher threshold trades for memory): the same levers, every block they can recompute, at malloc's next
+    rung, untried (`hetero plan` tries it, and keeps it where it fits and measured faster); else None."""
     a, t = best.plan.allocator, best.trial
-    if a is None or t is None or t.system_s is None or t.system_s <= t.step_range_s or \
+    if a is None or t is None or not t.system_s or \
             not ctx.options.measuring or len(trials) >= POLICY.max_trials:
         return None
     higher = [rung for rung in AllocatorPlan.RUNGS if rung > a.mmap_threshold_bytes]

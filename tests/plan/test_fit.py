@@ -195,7 +195,7 @@ def rung_of(p) -> int | None:
 
 
 @pytest.mark.parametrize("rung_fits", [True, False])
-def test_a_trial_paying_page_faults_beyond_its_noise_has_the_next_rung_tried(cpu, rung_fits):
+def test_a_trial_paying_page_faults_has_higher_rungs_tried_and_the_fastest_kept(cpu, rung_fits):
     options = PlanOptions(dram_budget_bytes=RETURNED + 40 * MiB, measuring=True)
     first = plan(cpu, options)
     assert rung_of(first) == AllocatorPlan.RUNGS[0]
@@ -206,17 +206,21 @@ def test_a_trial_paying_page_faults_beyond_its_noise_has_the_next_rung_tried(cpu
     tried = replace(trial(second, [RETURNED + 20 * MiB] * 3, step_s=0.8, mapped=0, system_s=0.05,
                           stopped=0 if rung_fits else 3), step_range_s=0.1)
     third = plan(cpu, replace(options, trials=(faulting, tried)))
-    assert not fit.wants_trial(cpu, options, third, [faulting, tried])  # a verified plan: written
-    if rung_fits:  # faster, and its processes' kernel time within their noise: no rung higher
+    if rung_fits:  # faster: the next rung is tried in turn
+        assert rung_of(third) == AllocatorPlan.RUNGS[2] and fit.wants_trial(cpu, options, third, [faulting, tried])
+        slower = trial(third, [RETURNED + 30 * MiB] * 3, step_s=0.9, mapped=0, system_s=0.01)
+        third = plan(cpu, replace(options, trials=(faulting, tried, slower)))
         assert rung_of(third) == AllocatorPlan.RUNGS[1] and third.predicted.iteration_s == 0.8
+        assert not fit.wants_trial(cpu, options, third, [faulting, tried, slower])
     else:
         assert rung_of(third) == AllocatorPlan.RUNGS[0] and third.predicted.iteration_s == 1.0
+        assert not fit.wants_trial(cpu, options, third, [faulting, tried])  # a verified plan: written
 
 
-def test_kernel_time_within_the_steps_noise_keeps_the_first_rung(cpu):
+def test_no_kernel_time_measured_keeps_the_first_rung(cpu):
     options = PlanOptions(dram_budget_bytes=RETURNED + 40 * MiB, measuring=True)
     first = plan(cpu, options)
-    quiet = replace(trial(first, [RETURNED] * 3, step_s=1.0, mapped=0, system_s=0.02), step_range_s=0.05)
+    quiet = trial(first, [RETURNED] * 3, step_s=1.0, mapped=0, system_s=None)
     second = plan(cpu, replace(options, trials=(quiet,)))
     assert rung_of(second) == AllocatorPlan.RUNGS[0] and not fit.wants_trial(cpu, options, second, [quiet])
 
