@@ -1,21 +1,17 @@
 """AXDIMM: a DIMM whose FPGA runs Adam beside its own DRAM channels (paper §3), behind an interface after the paper's
 runtime API (§4.2: Malloc, Free, Memcpy, SetArbiterAcc, RunAdamOnAxdimmAsync), and an emulated backend.
 
-Arbiter rules (§3.2), which the emulation enforces rather than assumes:
-- Each channel is in one of two exclusive modes. `normal`: only the host uses the channel's memory (memcpy, view,
-  free); its kernel may not run. `acceleration`: only the channel's kernel does; host access is an error.
-- A kernel reads and writes only its own channel's DRAM: all four Adam buffers must live on the kernel's channel.
-- Switching a channel to `normal` waits until its kernels have finished, as the host polls the kernel's status
-  register (§3.3) before it takes the channel back. Switching to `acceleration` is immediate.
-- Channels are independent: the host may copy to one channel while the other one's kernel runs (§3.2).
+Arbiter rules (§3.2), which the emulation enforces:
+- Each channel is in one of two exclusive modes: `normal` (only the host uses its memory) or `acceleration` (only
+  its kernel does; host access is an error).
+- A kernel reads and writes only its own channel's DRAM: all four Adam buffers must live there.
+- Switching to `normal` waits until the channel's kernels have finished (§3.3); switching to `acceleration` does not.
+- Channels are independent: the host may copy to one while another one's kernel runs.
 
-The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies gradients into it, so
-the copies can be asynchronous; never otherwise: pinning starts CUDA) and runs the real Adam kernel
-(hetero.kernels.adam) on a worker thread per channel. Two channel workers running torch's multi-threaded fused op at
-once oversubscribe the cores: they gain little total rate but finish together, while serialized compute has the first
-channel's results after about half the time (docs/benchmarks.md, "Design figures"). The emulation therefore serializes
-kernel compute across channels by default (`serialize_compute=True`), so that, as in the paper's pipeline (§5.2), the
-host can use one channel while the other one computes. The API is asynchronous either way.
+The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies into it) and runs
+hetero.kernels.adam on a worker thread per channel. Kernel compute is serialized across channels by default
+(`serialize_compute`): two multi-threaded fused ops at once oversubscribe the cores, while serialized the first
+channel's results come in about half the time, freeing it for the host (the paper's pipeline, §5.2).
 """
 
 from __future__ import annotations

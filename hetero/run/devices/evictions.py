@@ -8,15 +8,10 @@ A record's state says where its bytes are; every transition happens under the le
                   |          +-> KEPT (a prefetch came while writing: the write ends, the data never leaves)
                   +-> RESIDENT (a prefetch came first: the eviction is cancelled)
 
-The fast-tier copy is dropped only once its write is complete (on a GPU, issued: the tier keeps the storage until
-its download is done), and a fetched buffer is handed out only once its read is complete (or, on a GPU, with the
-event its user's stream waits for); a failed read is raised to the unpack that needs it, never replaced by a
-half-written buffer.
-
-Where fast memory is a GPU's, its buffers are made on the threads that run the model (the compute stream): a
-partial eviction's kept tail when the eviction is queued (`split`), and the buffers of the fetches one request asks
-for when it is made (`landings`), where the request also claims its records (an eviction not written yet is called
-off at once). The worker threads only copy into memory made for them (hetero.run.devices.host_pool).
+The fast-tier copy is dropped only once its write is complete (on a GPU, issued), and a fetched buffer is handed out
+only once its read is complete (on a GPU, with the event its user's stream waits for); a failed read is raised to
+the unpack that needs it. GPU buffers are made on the threads that run the model (`split`, `landings`); the workers
+only copy into them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""NVMe store: tensors that fit in no faster tier, kept in files of one directory (paper §5.3: optimizer state
-that overflows the AXDIMM; later also evicted activations).
+"""NVMe store: tensors that fit in no faster tier (optimizer states past the AXDIMM, evicted activations), kept in
+private files (0600) of one directory, named by the store.
 
-Rules the store keeps:
-- Files are private (mode 0600) and named by the store; keys never reach the file system.
-- A write goes to a new file and replaces the key's previous file only once complete. A failed write (a full disk)
-  therefore loses nothing: its half-written file is removed and the previous version stays readable.
-- Operations on one key run in the order they were submitted; each waits for the key's previous one. So a read
-  submitted after a write returns exactly the written data, never a half-written buffer.
-- Like an asynchronous CUDA copy, a write's tensor must stay alive and unchanged, and a read's `out` must not be
-  used, until the handle is done. The caller keeps the tensor, so a failed write leaves it where it was.
-- I/O bypasses the page cache (O_DIRECT) where the file system allows: cached writes look fast but free no memory,
-  which defeats the point of offloading. `direct` says which. A key's data starts in its file at the source's offset
-  within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
-  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
-  (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle,
-  tail block), not three writes: each blocking call costs the writer a wake-up on a busy machine.
-- Every record's crc32 is taken as it is written and kept in the store's index (in this process's memory, where
-  whatever could change a file cannot reach it), and every read checks it: a file changed, cut short or removed by
-  anything but the store is `Damaged` (exit 6, naming the file and the key it held), never data handed on.
-- Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
-  and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
+- A write goes to a new file that replaces the key's previous one only once complete: a failed write loses nothing.
+- Operations on one key run in submission order, each after the key's previous one.
+- As with an asynchronous CUDA copy, a write's tensor must stay unchanged, and a read's `out` unused, until done.
+- I/O bypasses the page cache (O_DIRECT) where the file system allows (`direct` says which; see direct_io).
+- Each record's crc32 is kept in memory and checked on read: a file changed, cut short or removed by anything but
+  the store raises `Damaged` (exit 6), never hands on bad data.
+- `close()` (idempotent; also on leaving `with`) removes every file, as interpreter exit does for unclosed stores.
 
 torch is not imported here: tensors are recognised only when the caller has imported torch (numpy arrays work too).
 """

@@ -1,14 +1,10 @@
 """The slow tier evicted activations wait in, behind one small interface the tiering workers drive.
 
-Bytes are moved as flat uint8 tensors (a saved tensor's whole storage, or its first part for a partial eviction), so
-dtypes, views and strides never reach a tier. One writer thread and one reader thread call a tier; `ready` and `wait`
-are called from the threads that run the model (the forward hooks, and autograd's threads in backward).
-
-- CPU-only (`fast` is host memory): the slow tier is files in a private work directory (devices/workdir.py),
-  written and read by the tiering's writer and reader threads (O_DIRECT where the file system allows, files 0600,
-  removed on close, at exit, on Ctrl-C, SIGTERM and SIGHUP).
-- GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on the model's device's side streams
-  (hetero.run.devices.host_pool), with the NVMe store below it when the plan names a directory.
+Bytes move as flat uint8 tensors (a saved tensor's whole storage, or its first part for a partial eviction). One
+writer and one reader thread call a tier; `ready` and `wait` are called from the threads that run the model.
+- CPU-only (`fast` is host memory): files in a private work directory (devices/workdir.py).
+- GPU (`fast: gpu`): pinned host buffers filled and drained on side streams (host_pool), over the NVMe store when
+  the plan names a directory.
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
 """Private work directories for the files a run writes (evicted activations, NVMe optimizer states).
 
-A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
-directly but into a directory of its own made inside it:
+A run never writes into the base a plan names (`activations.slow_path`, `optimizer.nvme.path`) but into its own
+`<base>/hetero-<kind>-<pid>-<host>-<random>` (host: 8 hex digits of a hash of this machine's name; mode 0700):
+- made under a hidden name with `tempfile.mkdtemp`, its `.lock` (0600) created and flocked there, and only then
+  renamed: every directory a sweep can match is locked for as long as its owner lives, in any PID namespace;
+- the base and every directory and link on the way to it must pass hetero.run.devices.places (ssh's rule);
+- `~` is expanded, an empty base refused; missing parents are made (0700) and removed again, when empty, with the
+  last work directory in them;
+- `sweep` removes this machine's directories of this user (mode 0700) whose pid is dead and whose lock it can take;
+  `sweep_earlier` runs it at every `hetero run` and `hetero profile` start and says in one line what it found.
 
-    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit |
-                                                       returned
-                                                 host: 8 hex digits of a hash of this machine's name
-                                                 mode 0700, owned by the user
-
-Contracts:
-- The directory is made under a hidden name with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700), so a
-  directory someone else created beforehand is never used; its lock file (`.lock`, 0600) is created and locked
-  (flock) there, and only then is it renamed to its final, unpredictable name. So every directory a sweep can
-  match is locked from the first moment, and stays locked for as long as its owner holds it open: the lock is the
-  kernel's, released only when the last process holding it ends, whatever PID namespace (container, `unshare`)
-  that process lives in.
-- The base and every directory met on the way to it must be the user's or root's, and if others may write in
-  them, sticky like /tmp (as ssh checks a key's path), so nobody else can rename our directory, or one above
-  it, away and put theirs in its place (writable by a group is fine where that group is the user's alone, as
-  umask 002 makes a user-private group's directories); every link on that way, the base included, must be the
-  user's or root's, so nobody else can point it elsewhere; and the base must not be on a kernel pseudo file system
-  (/proc, /sys). All of it is checked (hetero.run.devices.places) before anything is made.
-- `~` is expanded; an empty base is refused. Parents of the base that did not exist are created (0700) and removed
-  again, when empty, with the last work directory in them (this process remembers which ones it made, so two
-  bases made under one new parent leave nothing behind).
-- The pid and host in the name are the owning process and its machine. `sweep` removes the work directories of this
-  machine's processes that are gone (a run killed with SIGKILL or by a memory limit, or one that called `os._exit`),
-  but only those of this user with mode 0700 whose pid is not a live process here and whose lock it can take
-  (without waiting) before deleting. `sweep_earlier` does that at every start of `hetero run` and `hetero profile`,
-  in the system temp directory and the directories the command will use, and says in one line what it found. A
-  directory shared between machines never loses a live run's files to another machine's sweep.
-
-Errors are `PlanPathError`s: exit 3, naming the plan field, which the launcher turns into the plan's file:line.
-torch is not imported here.
+Errors are `PlanPathError`s: exit 3, naming the plan field. torch is not imported here.
 """
 
 from __future__ import annotations
