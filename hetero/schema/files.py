@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -19,7 +20,7 @@ import yaml
 
 from hetero.errors import FileProblems
 from hetero.schema import yaml_write
-from hetero.schema.fields import is_schema, specs
+from hetero.schema.fields import is_schema
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 from hetero.schema.run import Run
@@ -34,8 +35,7 @@ KINDS: dict[str, type] = {"Profile": Profile, "Plan": Plan, "Run": Run}
 
 def load(path: str | os.PathLike, expect: type | None = None) -> Any:
     """The Profile or Plan in `path`; FileProblems listing every problem if it is not a valid one."""
-    name = str(path)
-    return loads(read_text(Path(path), name), name=name, expect=expect)
+    return loads(read_text(Path(path), str(path)), name=str(path), expect=expect)
 
 
 def loads(text: str, name: str = "<string>", expect: type | None = None) -> Any:
@@ -50,10 +50,7 @@ def loads(text: str, name: str = "<string>", expect: type | None = None) -> Any:
 
 def kind_of(path: str | os.PathLike) -> str | None:
     """The `kind` the file at `path` declares at its top; None when it is not a readable YAML mapping with one."""
-    try:
-        root = compose(read_text(Path(path), str(path)), str(path))
-    except FileProblems:
-        return None
+    root = _root(path)
     top = {k.value: v for k, v in root.value} if isinstance(root, yaml.MappingNode) else {}
     kind = top.get("kind")
     return kind.value if isinstance(kind, yaml.ScalarNode) else None
@@ -62,10 +59,7 @@ def kind_of(path: str | os.PathLike) -> str | None:
 def line_of(path: str | os.PathLike, key: str) -> int | None:
     """The 1-based line of the value at `key` (`optimizer.nvme.path`, `layers[3].name`) in the file at `path`; None
     when the file cannot be read or has no such key (a default the file left out)."""
-    try:
-        node = compose(read_text(Path(path), str(path)), str(path))
-    except FileProblems:
-        return None
+    node = _root(path)
     for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
         if part.startswith("[") and isinstance(node, yaml.SequenceNode):
             index = int(part[1:-1])
@@ -76,7 +70,15 @@ def line_of(path: str | os.PathLike, key: str) -> int | None:
             return None
         if node is None:
             return None
-    return node.start_mark.line + 1
+    return None if node is None else node.start_mark.line + 1
+
+
+def _root(path: str | os.PathLike) -> yaml.Node | None:
+    """The file's composed YAML; None when it cannot be read as YAML."""
+    try:
+        return compose(read_text(Path(path), str(path)), str(path))
+    except FileProblems:
+        return None
 
 
 def _header(root: yaml.Node, name: str, expect: type | None) -> type:
@@ -144,16 +146,13 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _fsync_directory(directory: Path) -> None:
-    try:
+    # A directory we may write in but not open (rare), or a file system that cannot sync one: the file is on disk.
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # a directory we may write in but not open (rare); the file itself is on disk
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot sync a directory
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:
@@ -165,33 +164,24 @@ def _umask() -> int:
 # -- content -----------------------------------------------------------------------------------------------------
 
 
-def to_data(obj: Any) -> Any:
-    """`obj` as JSON-ready data keyed by field names, quantities in base units (what `--json` prints)."""
+def to_data(obj: Any, defaults: bool = True) -> Any:
+    """`obj` as JSON-ready data keyed by field names, quantities in base units (what `--json` prints); without the
+    fields that hold their declared default unless `defaults`."""
     if is_schema(type(obj)):
-        return {s.name: to_data(getattr(obj, s.name)) for s in specs(type(obj)) if not s.comment}
+        return {f.name: to_data(getattr(obj, f.name), defaults) for f in dataclasses.fields(obj)
+                if not f.metadata.get("comment") and (defaults or not _is_default(f, getattr(obj, f.name)))}
     if isinstance(obj, list):
-        return [to_data(v) for v in obj]
+        return [to_data(v, defaults) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_data(v) for k, v in obj.items()}
+        return {k: to_data(v, defaults) for k, v in obj.items()}
     return obj
 
 
 def content_sha256(obj: Any) -> str:
     """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, and
     neither does a field a later hetero added, while it holds its default (what an older file without it means)."""
-    return hashlib.sha256(json.dumps(_said(obj), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _said(obj: Any) -> Any:
-    """`to_data(obj)` without the fields that hold their declared default."""
-    if is_schema(type(obj)):
-        return {f.name: _said(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not f.metadata.get("comment") and not _is_default(f, getattr(obj, f.name))}
-    if isinstance(obj, list):
-        return [_said(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _said(v) for k, v in obj.items()}
-    return obj
+    data = to_data(obj, defaults=False)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _is_default(f: dataclasses.Field, value: Any) -> bool:
