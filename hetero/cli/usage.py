@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from rich.console import Console
 from typer.core import TyperCommand
 
-from hetero.errors import USAGE, HeteroError
+from hetero.errors import USAGE, FileProblems, HeteroError
 from hetero.units import Unit
 
 _REQUIRED = re.compile(r"\{([A-Z][A-Za-z0-9_.]*)\}")  # {SCRIPT} -> SCRIPT
@@ -42,6 +43,14 @@ class Command(TyperCommand):
 
     def get_help(self, ctx) -> str:
         return readable(super().get_help(ctx))
+
+
+def print_error(e: HeteroError) -> None:
+    """`error:` lines on stderr (each of a file's problems, else the message), then the `hint:` line."""
+    for line in [str(p) for p in e.problems] if isinstance(e, FileProblems) else [e.message]:
+        print(f"error: {line}", file=sys.stderr)
+    if e.hint:
+        print(f"hint: {e.hint}", file=sys.stderr)
 
 
 def own_process(ctx) -> bool:
