@@ -1,8 +1,5 @@
-"""How schema dataclasses declare their fields, and how the YAML boundary reads those declarations.
-
-A field is declared with `doc(...)`: its documentation, its unit (if it is a quantity) and its bounds live where
-the field is defined, and everything else (validation, the YAML key, docs/plan-format.md, random instances in
-the round-trip tests) is derived from that one declaration.
+"""How schema dataclasses declare their fields, and how the YAML boundary reads those declarations: `doc(...)`
+gives a field's documentation, unit and bounds, from which validation, the YAML key and the docs are derived.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The one YAML boundary: profile.yaml, plan.yaml and run.yaml in and out, and a file's content hash.
-
-`load` returns a valid Profile, Plan or Run, or raises FileProblems listing every problem at its `file:line:col`
-(reading: `yaml_read`). `save` writes atomically what `load` reads back equal (writing: `yaml_write`).
+"""The one YAML boundary: profile.yaml, plan.yaml and run.yaml in and out, and a file's content hash. `load` returns
+a valid Profile, Plan or Run or raises FileProblems; `save` writes atomically what `load` reads back equal.
 """
 
 from __future__ import annotations
@@ -28,9 +26,6 @@ from hetero.schema.yaml_read import API_VERSION, Reader, compose, did_you_mean, 
 from hetero.units import quoted_cut
 
 KINDS: dict[str, type] = {"Profile": Profile, "Plan": Plan, "Run": Run}
-
-
-# -- reading ---------------------------------------------------------------------------------------------------
 
 
 def load(path: str | os.PathLike, expect: type | None = None) -> Any:
@@ -109,9 +104,6 @@ def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     return KINDS[kind.value]
 
 
-# -- writing ---------------------------------------------------------------------------------------------------
-
-
 def dumps(obj: Any, header: tuple[str, ...] = ()) -> str:
     """`obj` as YAML text that `loads` reads back to an equal object."""
     kind = type(obj).__name__
@@ -137,7 +129,9 @@ def write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plan is a normal, shareable file
+        umask = os.umask(0o022)  # read by setting it: mkstemp makes 0600, and a plan is a normal, shareable file
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -153,15 +147,6 @@ def _fsync_directory(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-# -- content -----------------------------------------------------------------------------------------------------
 
 
 def to_data(obj: Any, defaults: bool = True) -> Any:

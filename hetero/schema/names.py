@@ -1,6 +1,5 @@
-"""The names a plan uses, checked against its profile: a layer or parameter name the profile does not have (a typo
-in an edited plan) is found by `hetero check`, not at run time once the model is built; and the one rule that groups
-parameters' updates into buckets, which the planner and the runtime both follow. Pure: no torch, no I/O."""
+"""The names a plan uses, checked against its profile (a typo in an edited plan is found by `hetero check`, not at
+run time), and the one rule grouping parameters' updates into buckets, for the planner and the runtime. Pure."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True, slots=True)
 class UpdateBuckets:
-    """How hetero's host Adam groups parameters' updates into buckets, each run as one fused call per set of
-    constants once all of its gradients are final (hetero.run.offloaded_adam); the planner prices one call per
-    bucket (hetero.plan.axdimm). The defaults are documented field by field."""
+    """How hetero's host Adam groups parameters' updates into buckets, each one fused call once all of its
+    gradients are final (hetero.run.offloaded_adam); the planner prices one call per bucket (hetero.plan.axdimm)."""
 
     # fp32 parameter bytes a bucket fills up to: large enough that a call's fixed cost is small beside its work,
     # small enough that the first buckets run while backward still computes the rest

@@ -19,10 +19,9 @@ def written_profile_path(profile: Path, plan_path: Path) -> str:
 
 
 def find_profile(plan: Plan, plan_path: Path) -> Path | None:
-    """The plan's profile: its path as written, relative to the plan (as `hetero plan` writes it), relative to the
-    current directory (older plans), or beside the plan (the hash decides whether it is the right one); the first
-    regular file of those, else the first that exists at all (a FIFO, a directory: loading it says it is not a
-    regular file, exit 3), else None (not found). Only `stat`ed, never opened: a FIFO cannot block it."""
+    """The plan's profile, relative to the plan (as `hetero plan` writes it), to the current directory (older plans)
+    or beside the plan: the first regular file of those, else the first that exists (loading it then says what it
+    is), else None. Only `stat`ed, never opened: a FIFO cannot block it."""
     source = Path(plan.source.profile)
     candidates = [source] if source.is_absolute() else [plan_path.parent / source, source]
     candidates.append(plan_path.parent / source.name)

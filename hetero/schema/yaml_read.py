@@ -1,8 +1,6 @@
-"""Reading hetero's YAML files safely: bounded text in, composed nodes (which keep line and column) out, then the
-nodes walked against a schema dataclass with every problem collected at its `file:line:col`.
-
-The loader's only booleans are `true`/`false` and its numbers plain decimals; anchors, aliases and deep nesting
-are refused from the token stream before the parser sees them.
+"""Reading hetero's YAML files safely: bounded text in, composed nodes walked against a schema dataclass, every
+problem collected at its `file:line:col`. Booleans are only `true`/`false`, numbers plain decimals; anchors, aliases
+and deep nesting are refused from the token stream before the parser sees them.
 """
 
 from __future__ import annotations
@@ -246,20 +244,13 @@ def convert(node: yaml.ScalarNode, tp: Any, spec: FieldSpec) -> Any:
         if text not in words:
             raise ValueError(f"{quoted_cut(text)} is not one of {one_of(words)}" + did_you_mean(text, words))
         return text
-    if tp is bool:
-        if tag != _BOOL:
-            raise ValueError(f"expected true or false, got {quoted_cut(text)}")
-        return text == "true"
-    if tp is int:
-        if tag != _INT:
-            raise ValueError(f"expected a whole number, got {quoted_cut(text)}")
-        return number(text, int)
-    if tp is float:
-        if tag not in (_INT, _FLOAT):
-            raise ValueError(f"expected a number, got {quoted_cut(text)}")
-        return number(text, float)
-    assert tp is str, f"unsupported schema type {tp}"
-    return text
+    if tp is str:
+        return text
+    tags, expected = {bool: ((_BOOL,), "true or false"), int: ((_INT,), "a whole number"),
+                      float: ((_INT, _FLOAT), "a number")}[tp]
+    if tag not in tags:
+        raise ValueError(f"expected {expected}, got {quoted_cut(text)}")
+    return text == "true" if tp is bool else number(text, tp)
 
 
 def number(text: str, tp: type) -> int | float:
@@ -269,9 +260,6 @@ def number(text: str, tp: type) -> int | float:
     if not math.isfinite(value) or abs(value) > LIMIT:
         raise ValueError(f"{quoted_cut(text)} is out of range (at most {float(LIMIT):.3e})")
     return value
-
-
-# -- messages ----------------------------------------------------------------------------------------------------
 
 
 def problem_at(name: str, mark: Any, message: str) -> Problem:
