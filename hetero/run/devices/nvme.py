@@ -59,11 +59,8 @@ class _File:
 
 class NvmeStore:
     """Tensors by key in files under `directory` (created, with its missing parents, and removed at close if absent).
-
-    `workers` threads do the asynchronous I/O, and `write`/`read`/`delete` do theirs on the calling thread;
-    `chunk_bytes` is the size of each I/O thread's bounce buffer, of one read call and of one buffer in a write call.
-    `field` is what named the directory (`optimizer.nvme.path`, `--nvme`), for the hints of errors; `checksums`
-    False skips the crc32 of every record (for measuring what they cost: bench/checksum.py).
+    `workers` threads do the `_async` I/O; `chunk_bytes` sizes bounce buffers and single I/O calls; `field` named the
+    directory (`optimizer.nvme.path`, `--nvme`), for errors' hints; `checksums=False` skips the crc32s (a benchmark).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
@@ -98,11 +95,10 @@ class NvmeStore:
         work = workdir.create(base, kind, field)
         try:
             store = cls(work.path, field=field, **options)
-        except HeteroError as e:
+        except BaseException as e:
             work.remove()
-            raise places.PlanPathError(field, e.message, places.HINT) from None
-        except BaseException:
-            work.remove()
+            if isinstance(e, HeteroError):
+                raise places.PlanPathError(field, e.message) from None
             raise
         store._work = work  # close() removes the files, then the directory and the parents made for it
         return store
@@ -141,8 +137,7 @@ class NvmeStore:
         return self._submit(key, job)
 
     def write(self, key: str, tensor: Any) -> None:
-        """`write_async(key, tensor).wait()` on the calling thread: a worker's hand-off costs two thread wake-ups,
-        more than a 1 MiB direct write itself on a busy machine (docs/benchmarks.md, "Design figures")."""
+        """`write_async(key, tensor).wait()` on the calling thread, sparing a hand-off's two thread wake-ups."""
         self._inline(key, self._write_job(key, tensor, self._write_file))
 
     def read(self, key: str, out: Any) -> None:
@@ -154,9 +149,8 @@ class NvmeStore:
         self._inline(key, lambda: self._delete(key))
 
     def close(self) -> None:
-        """Finish the operations in flight, drop those queued, remove every file and any directory the store made.
-
-        Idempotent, and safe to call again after an interrupted call: it removes whatever is left."""
+        """Finish the operations in flight, drop those queued, remove every file and directory the store made.
+        Idempotent, and what an interrupted call left is removed by the next."""
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -293,9 +287,8 @@ def _lane() -> str:
 
 
 def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
-    # Never deadlocks: the pool's queue is FIFO, so `previous` (submitted earlier) was taken by a worker before
-    # this job was, or runs on the thread that made a blocking call, and it waits on nothing submitted later. Its
-    # failure does not stop this job (a read after a failed write returns the previous version).
+    # No deadlock: `previous` was taken from the FIFO queue earlier (or runs on a blocking caller's thread), and
+    # waits on nothing later. Its failure does not stop this job (a read after a failed write gets the old version).
     if previous is not None:
         wait_all([previous])
     job()

@@ -73,8 +73,7 @@ class NvmeTier:
     def __init__(self, name: str, directory: str | NvmeStore):
         """Over a store of its own in `directory`, or over `directory` when it is a store already."""
         self.name = name
-        # The single writer and the single reader do their own I/O (the store's blocking calls), so a prefetch
-        # never queues behind the evictions (TierTrain keeps the two queues apart).
+        # The writer and the reader do their own I/O, so a prefetch never queues behind the evictions (TierTrain).
         self.store = directory if isinstance(directory, NvmeStore) else NvmeStore(directory, workers=1)
         self.directory: str | None = str(self.store.directory)
         self.pool = HostPool()  # fetched buffers, reused from step to step once nothing views them
@@ -128,13 +127,11 @@ def open_tier(plan: ActivationPlan, gpu: Device | None = None) -> tuple[SlowTier
         return PinnedTier(plan.slow, gpu, _private(path, workers=2) if path is not None else None), None
     note = None if path is not None else \
         f"the plan gives no directory for {plan.slow}: evicted activations go to {tempfile.gettempdir()}"
-    # The single writer and reader do their own I/O: the store's pool is never used, no thread starts.
     return NvmeTier(plan.slow, _private(path, workers=1)), note
 
 
 def _private(path: str | None, workers: int) -> NvmeStore:
-    # A private directory per process, as the optimizer's state files: two runs sharing a path never see each
-    # other's files, and nobody else can put files there (hetero.run.devices.workdir).
+    # a private work directory per process (hetero.run.devices.workdir)
     return NvmeStore.private(path, "activations", FIELD, workers=workers, chunk_bytes=ActivationPlan.STORE_CHUNK_BYTES)
 
 

@@ -15,6 +15,7 @@ Errors are `PlanPathError`s: exit 3, naming the plan field. torch is not importe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -31,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero.run.devices.places import HINT, PlanPathError, check_place, existing, expand
+from hetero.run.devices.places import PlanPathError, check_place, existing, expand
 from hetero.units import SIZE
 
 # evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes, and the
@@ -49,8 +50,7 @@ class WorkDir:
     lock: int | None = None  # the open, locked `.lock` inside: released when the directory is removed
 
     def remove(self) -> None:
-        """Remove the directory with whatever is still in it, then the parents this process made for work
-        directories while they are empty; the lock goes last, once nothing is left to protect."""
+        """Remove the directory and its files, then the parents this process made while empty; the lock last."""
         shutil.rmtree(self.path, ignore_errors=True)
         if self.lock is not None:
             os.close(self.lock)
@@ -63,9 +63,8 @@ _made_lock = threading.Lock()
 
 
 def make_missing(path: Path) -> list[Path]:
-    """Create `path` and its missing parents (0700), remembered as this process's (see remove_made); those created,
-    outermost first. One made meanwhile by another process is left out: it is not ours to remove. On an OSError
-    what was made is removed again and the error raised."""
+    """Create `path` and its missing parents (0700), remembered as this process's; those created, outermost first
+    (not one another process made meanwhile). On an OSError what was made is removed again."""
     made: list[Path] = []
     try:
         for p in [p for p in [path, *path.parents] if not p.exists()][::-1]:
@@ -83,8 +82,8 @@ def make_missing(path: Path) -> list[Path]:
 
 
 def remove_made(path: Path) -> None:
-    """Remove `path` and the directories above it, innermost first, as long as this process made them and they are
-    empty: the first one not made by us, or not empty (someone put files there meanwhile), stops it."""
+    """Remove `path` and the directories above it, innermost first, while this process made them and they are
+    empty."""
     for p in [path, *path.parents]:
         with _made_lock:
             if p not in _made:
@@ -112,7 +111,7 @@ def create(base: str | None, kind: str, field: str) -> WorkDir:
     try:
         made = make_missing(root)
     except OSError as e:
-        raise PlanPathError(field, f"cannot create {root}: {e.strerror}", HINT) from None
+        raise PlanPathError(field, f"cannot create {root}: {e.strerror}") from None
     try:
         check_place(root, field)  # again, as made: another process may have made it meanwhile
         sweep(root)
@@ -129,7 +128,7 @@ def _new(root: Path, kind: str, field: str, made: list[Path]) -> WorkDir:
     try:
         hidden = Path(tempfile.mkdtemp(prefix=f".{name}", dir=root))
     except OSError as e:
-        raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}", HINT) from None
+        raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}") from None
     path = hidden
     try:
         _check_private(hidden, field)
@@ -144,7 +143,7 @@ def _new(root: Path, kind: str, field: str, made: list[Path]) -> WorkDir:
         if lock is not None:
             os.close(lock)
         if isinstance(e, OSError):
-            raise PlanPathError(field, f"cannot set up a directory in {root}: {e.strerror}", HINT) from None
+            raise PlanPathError(field, f"cannot set up a directory in {root}: {e.strerror}") from None
         raise
     return WorkDir(path, made, lock)
 
@@ -153,7 +152,7 @@ def _check_private(path: Path, field: str) -> None:
     """What mkdtemp promises, checked without following a link: ours, a directory, 0700."""
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
-        raise PlanPathError(field, f"{path} is not a private directory of this user (mode 0700)", HINT)
+        raise PlanPathError(field, f"{path} is not a private directory of this user (mode 0700)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +165,7 @@ class Swept:
 
 
 def sweep(root: Path) -> list[Path]:
-    """Remove the work directories in `root` whose owning process is gone; those removed.
-
-    Only directories named by `create`, owned by this user and of mode 0700 are touched; a live pid (also one reused
-    by an unrelated process) keeps its directory, and so does a held lock (an owner alive in another PID namespace,
-    where its pid means nothing here)."""
+    """Remove the work directories in `root` whose owner is gone (see the module's docstring); those removed."""
     return [s.path for s in _sweep(root)]
 
 
@@ -226,17 +221,14 @@ def _size(path: Path) -> int:
     total = 0
     for dirpath, _, names in os.walk(path):
         for name in names:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
     return total
 
 
 def sweep_earlier(bases: Iterable[str | None]) -> str | None:
-    """Sweep the system temp directory and `bases` (the directories a command is about to use; None: the temp
-    directory); one line saying what earlier hetero processes left behind, or None when they left nothing. Bases that
-    cannot be used are skipped: the command refuses them itself, naming them."""
+    """Sweep the system temp directory and `bases` (None: the temp directory), skipping bases that cannot be used
+    (the command refuses them itself); one line saying what earlier processes left behind, or None."""
     roots: list[Path] = []
     for base in [None, *bases]:
         try:
