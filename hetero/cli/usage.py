@@ -1,8 +1,5 @@
 """The command line as users write and read it: quantities with units in options, and help text with
-`SCRIPT [ARGS]...` in usage lines and no Python types beside argument names.
-
-Typer marks required arguments `{SCRIPT}` and lists each argument with its Python type (`ARGS <list[str]>`); both
-mean nothing to a user. `Command` rewrites its help and usage text; `main` gives it to every subcommand.
+`SCRIPT [ARGS]...` in usage lines where typer writes `{SCRIPT}` and no Python types (`ARGS <list[str]>`).
 """
 
 from __future__ import annotations
