@@ -59,12 +59,10 @@ def against_profile(plan: Plan, profile: Profile) -> list[Finding]:
     owned = [name for layer in profile.layers if layer.model not in kept for name in layer.param_names()]
     offloaded = plan.optimizer is not None and plan.optimizer.device != "gpu"
     unplaced = [name for name in owned if name not in placed] if offloaded else []
-    out = []
-    for path, message in unknown_names(plan, profile):
-        if path.startswith("optimizer.states") and not unplaced:  # an extra entry: the run never looks it up
-            out.append(Finding(path, f"{message}; hetero run ignores this entry", error=False))
-        else:
-            out.append(Finding(path, message))
+    # an extra entry of optimizer.states: the run never looks it up
+    out = [Finding(path, f"{message}; hetero run ignores this entry", error=False)
+           if path.startswith("optimizer.states") and not unplaced else Finding(path, message)
+           for path, message in unknown_names(plan, profile)]
     if unplaced:
         out.append(Finding("optimizer.states", f"no placement for {len(unplaced)} of the profile's parameters, e.g. "
                                                f"{unplaced[0]}: hetero run needs one for every parameter"))

@@ -1,17 +1,11 @@
 """AXDIMM: a DIMM whose FPGA runs Adam beside its own DRAM channels (paper §3), behind an interface after the paper's
-runtime API (§4.2: Malloc, Free, Memcpy, SetArbiterAcc, RunAdamOnAxdimmAsync), and an emulated backend.
+runtime API (§4.2), and an emulated backend that enforces the arbiter's rules (§3.2): each channel is either
+`normal` (only the host uses its memory) or `acceleration` (only its kernel does, on its own channel's buffers);
+switching to `normal` waits for the channel's kernels (§3.3); channels are independent.
 
-Arbiter rules (§3.2), which the emulation enforces:
-- Each channel is in one of two exclusive modes: `normal` (only the host uses its memory) or `acceleration` (only
-  its kernel does; host access is an error).
-- A kernel reads and writes only its own channel's DRAM: all four Adam buffers must live there.
-- Switching to `normal` waits until the channel's kernels have finished (§3.3); switching to `acceleration` does not.
-- Channels are independent: the host may copy to one while another one's kernel runs.
-
-The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies into it) and runs
-hetero.kernels.adam on a worker thread per channel. Kernel compute is serialized across channels by default
-(`serialize_compute`): two multi-threaded fused ops at once oversubscribe the cores, while serialized the first
-channel's results come in about half the time, freeing it for the host (the paper's pipeline, §5.2).
+The emulation keeps each channel's DRAM in a preallocated host arena and runs hetero.kernels.adam on a worker thread
+per channel, serializing compute across channels by default (`serialize_compute`): two multi-threaded fused ops at
+once oversubscribe the cores, while serialized the first channel is free for the host in about half the time.
 """
 
 from __future__ import annotations
@@ -167,11 +161,7 @@ class EmulatedAxdimm:
         with contextlib.ExitStack() as held:  # lock in channel order: two copies never wait on each other
             for c in channels:
                 held.enter_context(self._channel(c).cond)
-            dst_bytes, src_bytes = self._bytes(dst, nbytes, "memcpy"), self._bytes(src, nbytes, "memcpy")
-            if through is None:
-                dst_bytes.copy_(src_bytes)
-            else:
-                through(dst_bytes, src_bytes)
+            (through or torch.Tensor.copy_)(self._bytes(dst, nbytes, "memcpy"), self._bytes(src, nbytes, "memcpy"))
 
     def view(self, allocation: Allocation, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only: a real AXDIMM

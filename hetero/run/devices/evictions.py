@@ -106,8 +106,7 @@ class Record:
 
     def __del__(self) -> None:
         self.mover.ledger.change(fast=-self.resident, slow=-self.slow, saved=-self.nbytes)
-        if self.slow:
-            # never brought back (a graph dropped without backward)
+        if self.slow:  # never brought back (a graph dropped without backward)
             self.mover.writer.put(Deletion(self.key, self.slow, _layer(self)))
         if self.fetched:
             self.mover.tier.release(self.data, self.marker)
