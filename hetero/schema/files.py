@@ -119,9 +119,8 @@ def save(obj: Any, path: str | os.PathLike, header: tuple[str, ...] = ()) -> Non
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """`text` into `path` atomically and durably: a temporary file beside it, flushed to disk (fsync) before it is
-    renamed over `path`, then the directory flushed so the rename itself survives a power loss. After a crash at
-    any moment `path` holds the old text or the new one, whole."""
+    """`text` into `path` atomically and durably (a temporary file beside it, fsynced, renamed over `path`, then the
+    directory fsynced): after a crash at any moment `path` holds the old text or the new one, whole."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

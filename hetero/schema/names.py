@@ -45,11 +45,9 @@ UPDATE_BUCKETS = UpdateBuckets()
 
 
 def update_buckets(params: list[tuple[str, int]], policy: UpdateBuckets = UPDATE_BUCKETS) -> dict[str, int]:
-    """Each parameter's bucket (0 first), from (qualified name as in `model.named_parameters()`, element count) in
-    forward order. Buckets are taken in backward order (the reverse: gradients become final roughly so), each the
-    parameters of whole modules (a name up to its last dot; a Linear's weight and bias come from one backward node)
-    added while their fp32 bytes stay within `policy.target_bytes`: a module larger than that is a bucket alone, and
-    a module's parameters are never split, even where the list does not give them in a row."""
+    """Each parameter's bucket (0 first), from (qualified name, element count) in forward order. Buckets are filled
+    in backward order with whole modules' parameters (never split) while their fp32 bytes stay within
+    `policy.target_bytes`; a module larger than that is a bucket alone."""
     module_bytes: dict[str, int] = defaultdict(int)
     for name, numel in params:
         module_bytes[_module(name)] += FP32_BYTES * numel

@@ -44,14 +44,10 @@ for _tag, _pattern, _first in [
 
 
 def read_text(path: Path, name: str) -> str:
+    fd = None
     try:
         # Opened without waiting (a FIFO would block until someone writes to it), then refused unless a regular file.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise FileProblems([Problem(name, "no such file")]) from None
-    except OSError as e:
-        raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
-    try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise FileProblems([Problem(name, "is a directory, not a profile or plan file")])
@@ -61,10 +57,13 @@ def read_text(path: Path, name: str) -> str:
         data = os.read(fd, MAX_BYTES + 1)  # never more: a file's size may lie
         while len(data) <= MAX_BYTES and (more := os.read(fd, MAX_BYTES + 1 - len(data))):
             data += more
+    except FileNotFoundError:
+        raise FileProblems([Problem(name, "no such file")]) from None
     except OSError as e:
         raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     if len(data) > MAX_BYTES:
         raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
     nul = data.find(b"\0")
@@ -104,9 +103,8 @@ _CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToke
 
 
 def guard(text: str, name: str) -> None:
-    """Refuse, from the token stream alone (flat, no recursion, no expansion), what the parser or the reader must
-    never see: a text over MAX_BYTES, nesting deeper than MAX_DEPTH (the parser recurses: 50,000 levels crash it)
-    and anchors or aliases (an alias bomb expands to gigabytes; hetero's files never use them)."""
+    """Refuse from the token stream (flat: no recursion, no expansion) a text over MAX_BYTES, nesting deeper than
+    MAX_DEPTH (the parser recurses) and anchors or aliases (an alias bomb expands to gigabytes)."""
     if len(text) > MAX_BYTES:
         raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
     depth = 0

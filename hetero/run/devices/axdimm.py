@@ -69,10 +69,8 @@ class AxdimmDevice(Protocol):
     def memcpy(self, dst: Buffer, src: Buffer, nbytes: int, *, through=None) -> None: ...
     def set_arbiter(self, channel: int, mode: Mode | str) -> None: ...
     def mode(self, channel: int) -> Mode: ...
-
     def run_adam_async(self, param: Allocation, exp_avg: Allocation, exp_avg_sq: Allocation, grad: Allocation, *,
                        hyperparameters: Hyperparameters, step: int, channel: int) -> Handle: ...
-
     def close(self) -> None: ...
 
 
@@ -164,9 +162,8 @@ class EmulatedAxdimm:
             (through or torch.Tensor.copy_)(self._bytes(dst, nbytes, "memcpy"), self._bytes(src, nbytes, "memcpy"))
 
     def view(self, allocation: Allocation, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only: a real AXDIMM
-        must be read through the runtime's coherent copies (§4.1), so portable code uses memcpy. The view cannot be
-        revoked: using it after switching the channel to acceleration is a bug this emulation cannot catch."""
+        """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only (portable code
+        uses memcpy); the view cannot be revoked, so using it in acceleration mode is a bug not caught here."""
         with self._channel(allocation.channel).cond:
             return _typed(self._bytes(allocation, allocation.nbytes, "view"), dtype)
 

@@ -21,9 +21,8 @@ NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 def write_direct(fd: int, src: np.ndarray, chunk: int, bounce: np.ndarray) -> int:
-    """Write `src`; the file offset its byte 0 went to. With O_DIRECT the data lands at its address's offset
-    within a block, so the block-aligned middle of the buffer goes to disk straight from it and only the first
-    and last blocks pass through the bounce buffer (saving a full copy of every large tensor)."""
+    """Write `src` at its address's offset within a block, so that its aligned middle goes to disk straight from it
+    and only its first and last blocks pass through the bounce buffer; that offset (where its byte 0 went)."""
     shift = src.ctypes.data % BLOCK
     head = min(src.nbytes, -shift % BLOCK)
     middle = head + (src.nbytes - head) // BLOCK * BLOCK  # where the block-aligned middle ends

@@ -8,10 +8,8 @@ A record's state says where its bytes are; every transition happens under the le
                   |          +-> KEPT (a prefetch came while writing: the write ends, the data never leaves)
                   +-> RESIDENT (a prefetch came first: the eviction is cancelled)
 
-The fast-tier copy is dropped only once its write is complete (on a GPU, issued), and a fetched buffer is handed out
-only once its read is complete (on a GPU, with the event its user's stream waits for); a failed read is raised to
-the unpack that needs it. GPU buffers are made on the threads that run the model (`split`, `landings`); the workers
-only copy into them.
+The fast-tier copy is dropped only once its write is complete (on a GPU, issued), a fetched buffer handed out only
+once read (on a GPU, with an event to wait for), and a failed read raised to the unpack that needs it.
 """
 
 from __future__ import annotations

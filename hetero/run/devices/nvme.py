@@ -1,8 +1,7 @@
 """NVMe store: tensors that fit in no faster tier (optimizer states past the AXDIMM, evicted activations), kept in
 private files (0600) of one directory, named by the store.
 
-- A write goes to a new file that replaces the key's previous one only once complete: a failed write loses nothing.
-- Operations on one key run in submission order, each after the key's previous one.
+- A write goes to a new file that replaces the key's previous one once complete; a key's operations run in order.
 - As with an asynchronous CUDA copy, a write's tensor must stay unchanged, and a read's `out` unused, until done.
 - I/O bypasses the page cache (O_DIRECT) where the file system allows (`direct` says which; see direct_io).
 - Each record's crc32 is kept in memory and checked on read: a file changed, cut short or removed by anything but

@@ -37,12 +37,10 @@ class SlowTier(Protocol):
         """Hook thread: a marker that the bytes to evict are final (the compute stream's work so far)."""
 
     def split(self, data: torch.Tensor, evict_bytes: int) -> torch.Tensor | None:
-        """Hook thread, when an eviction is queued: a fast-tier copy of `data[evict_bytes:]`, the part a partial
-        eviction keeps (None: nothing kept)."""
+        """Hook thread, on queueing: a fast-tier copy of `data[evict_bytes:]`, which a partial eviction keeps."""
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
-        """Writer: store `data[:evict_bytes]` under `key`. Once it returns, the caller may drop `data` (the GPU tier
-        keeps it until its copy is done)."""
+        """Writer: store `data[:evict_bytes]` under `key`; then the caller may drop `data`."""
 
     def reclaim(self) -> None:
         """Any thread: drop what the tier still keeps of evicted data whose copies are done, waiting for none."""
@@ -58,8 +56,7 @@ class SlowTier(Protocol):
         """User thread: order the work to come after the fetch marked; False when the fetch was not complete."""
 
     def release(self, data: torch.Tensor, marker: Any = None) -> None:
-        """A buffer `fetch` returned is no longer needed by its record (views of it may still be alive); `marker`:
-        the fetch's, when nobody waited for it."""
+        """Its record is done with a buffer `fetch` returned (views may live on); `marker`: the fetch's, unwaited."""
 
     def delete(self, key: str) -> None: ...
     def close(self) -> None: ...

@@ -2,11 +2,9 @@
 
 A run never writes into the base a plan names (`activations.slow_path`, `optimizer.nvme.path`) but into its own
 `<base>/hetero-<kind>-<pid>-<host>-<random>` (host: 8 hex digits of a hash of this machine's name; mode 0700):
-- made under a hidden name with `tempfile.mkdtemp`, its `.lock` (0600) created and flocked there, and only then
-  renamed: every directory a sweep can match is locked for as long as its owner lives, in any PID namespace;
-- the base and every directory and link on the way to it must pass hetero.run.devices.places (ssh's rule);
-- `~` is expanded, an empty base refused; missing parents are made (0700) and removed again, when empty, with the
-  last work directory in them;
+- made under a hidden name (`mkdtemp`), its `.lock` flocked, then renamed: a sweep only ever sees it locked;
+- the base and the way to it must pass hetero.run.devices.places; missing parents are made (0700) and removed
+  again, when empty, with the last work directory in them;
 - `sweep` removes this machine's directories of this user (mode 0700) whose pid is dead and whose lock it can take;
   `sweep_earlier` runs it at every `hetero run` and `hetero profile` start and says in one line what it found.
 
