@@ -8,7 +8,8 @@ from pathlib import Path
 
 import typer
 
-from hetero.errors import FileProblems, HeteroError
+from hetero.cli.usage import print_error
+from hetero.errors import HeteroError
 from hetero.launch.preflight import check_plan
 from hetero.schema import files
 from hetero.schema.plan import Plan
@@ -33,10 +34,7 @@ def check(
             warnings = check_plan(path, allow_stale, skip_profile_check).warnings if isinstance(obj, Plan) else []
         except HeteroError as e:
             code = code or e.exit_code
-            for line in [str(p) for p in e.problems] if isinstance(e, FileProblems) else [e.message]:
-                print(f"error: {line}", file=sys.stderr)
-            if e.hint:
-                print(f"hint: {e.hint}", file=sys.stderr)
+            print_error(e)
         else:
             for warning in warnings:
                 print(f"warning: {warning}", file=sys.stderr)

@@ -9,7 +9,7 @@ import typer
 
 from hetero import __version__, interrupts
 from hetero.cli import check, plan, profile, report, run, show, usage
-from hetero.errors import FileProblems, HeteroError, Interrupted
+from hetero.errors import HeteroError, Interrupted
 
 app = typer.Typer(name="hetero", help="Train PyTorch models larger and faster than GPU memory allows, using every "
                   "memory tier.", epilog="Example: hetero check plan.yaml && hetero show plan.yaml",
@@ -63,18 +63,11 @@ def _run(argv: list[str] | None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except HeteroError as e:
-        report(e)
+        if _debug:
+            traceback.print_exception(e)
+        usage.print_error(e)
         return e.exit_code
     except Interrupted as e:
         return e.exit_code
     return 0
 
-
-def report(e: HeteroError) -> None:
-    if _debug:
-        traceback.print_exception(e)
-    problems = e.problems if isinstance(e, FileProblems) else None
-    for line in [str(p) for p in problems] if problems else [e.message]:
-        print(f"error: {line}", file=sys.stderr)
-    if e.hint:
-        print(f"hint: {e.hint}", file=sys.stderr)

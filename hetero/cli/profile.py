@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hetero.cli.run import MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC, RDZV, torchrun
-from hetero.cli.usage import console
+from hetero.cli.run import ARGS, MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC, RDZV, SCRIPT, SETTINGS, torchrun
+from hetero.cli.usage import console, own_process, quantity
 from hetero.launch import launcher as launch
 from hetero.schema import files
 from hetero.schema.profile import Profile
@@ -25,8 +25,7 @@ EXAMPLE = ("Example: hetero profile --steps 5 examples/train_gpt.py --batch-size
 
 def profile(
     ctx: typer.Context,
-    script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
-    args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
+    script: str = SCRIPT, args: list[str] = ARGS,
     steps: int = typer.Option(5, help="Optimizer steps to measure."),
     warmup: int | None = typer.Option(None, help="Optimizer steps to run first, unmeasured [default: 2; 6 on a GPU, "
                                                  "whose last 5 time plain training's step]."),
@@ -55,7 +54,6 @@ def profile(
     --nproc-per-node, the links between its ranks). Without a GPU, 4 more steps time the disk with every layer's
     activations tiered to it, as `hetero run` would; a script that ends sooner gets the disk timed beside a GEMM
     loop instead."""
-    from hetero.cli.usage import own_process, quantity
     from hetero.launch import guard
 
     ranks = torchrun(nproc, nnodes, node_rank, master_addr, master_port, rdzv)
@@ -161,6 +159,4 @@ def _interference(share: float) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    # Options for hetero come before SCRIPT; everything after it belongs to the script, `--help` included.
-    settings = {"allow_interspersed_args": False, "ignore_unknown_options": True}
-    app.command(name="profile", epilog=EXAMPLE, context_settings=settings)(profile)
+    app.command(name="profile", epilog=EXAMPLE, context_settings=SETTINGS)(profile)

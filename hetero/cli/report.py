@@ -37,18 +37,14 @@ def report(
     if plan.source.model_fingerprint != run.source.model_fingerprint:
         raise HeteroError(f"{plan_path} was made for another model than the one {run_path} ran",
                           hint="pass the plan the run carried out with --plan", exit_code=USAGE)
-    profile, note = _profile(plan, plan_path)
+    try:
+        profile, note = profile_of(plan, plan_path, "layers are compared only with it"), None
+    except HeteroError as e:
+        profile, note = None, e.message
     _print(run_path, plan_path, run, compare(run, plan, profile), note)
     if png is not None:
         draw_run(run, run_path, plan, profile, png)
         print(f"wrote {png}")
-
-
-def _profile(plan: Plan, plan_path: Path):
-    try:
-        return profile_of(plan, plan_path, "layers are compared only with it"), None
-    except HeteroError as e:
-        return None, e.message
 
 
 def _print(run_path: Path, plan_path: Path, run: Run, rows: list[Row], note: str | None) -> None:

@@ -10,7 +10,9 @@ import typer
 from hetero.cli.usage import own_process
 from hetero.launch import launcher as launch
 
-# torchrun's own options, shared with `hetero profile`
+# shared with `hetero profile`: the script, its arguments, and torchrun's own options
+SCRIPT = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`.")
+ARGS = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged.")
 NPROC = typer.Option(None, "--nproc-per-node", metavar="N", help="Workers on this node, started by torchrun "
                      "(data parallel: wrap the model in DistributedDataParallel); default: run in this process.")
 NNODES = typer.Option("1", "--nnodes", metavar="N|MIN:MAX", help="Nodes taking part (with --nproc-per-node).")
@@ -18,6 +20,8 @@ NODE_RANK = typer.Option(None, "--node-rank", metavar="I", help="This node's ind
 MASTER_ADDR = typer.Option(None, "--master-addr", metavar="HOST", help="Node 0's address (static rendezvous).")
 MASTER_PORT = typer.Option(None, "--master-port", metavar="PORT", help="Node 0's port (static rendezvous).")
 RDZV = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet (c10d rendezvous).")
+# Options for hetero come before SCRIPT; everything after it belongs to the script, `--plan` and `--help` too.
+SETTINGS = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 
 
 def torchrun(nproc: int | None, nnodes: str, node_rank: int | None, master_addr: str | None,
@@ -29,8 +33,7 @@ def torchrun(nproc: int | None, nnodes: str, node_rank: int | None, master_addr:
 
 def run(
     ctx: typer.Context,
-    script: str = typer.Argument(..., metavar="SCRIPT", help="The training script, run as `python SCRIPT ARGS`."),
-    args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments for the script, passed unchanged."),
+    script: str = SCRIPT, args: list[str] = ARGS,
     plan: str = typer.Option(None, "--plan", metavar="FILE", help="The plan to enforce [default: plan.yaml]."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run a plan made for another profile or model."),
     skip_profile_check: bool = typer.Option(False, "--skip-profile-check", help="Run a plan whose profile cannot be "
@@ -53,8 +56,6 @@ def run(
 
 
 def register(app: typer.Typer) -> None:
-    # Options for hetero come before SCRIPT; everything after it belongs to the script, `--plan` and `--help` too.
-    settings = {"allow_interspersed_args": False, "ignore_unknown_options": True}
     app.command(name="run", epilog="Example: hetero run --plan plan.yaml examples/train_gpt.py --steps 20   "
                                    "(data parallel: hetero run --nproc-per-node 2 train_ddp.py)",
-                context_settings=settings)(run)
+                context_settings=SETTINGS)(run)

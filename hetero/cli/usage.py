@@ -1,19 +1,17 @@
 """The command line as users write and read it: quantities with units in options, and help text with
-`SCRIPT [ARGS]...` in usage lines and no Python types beside argument names.
-
-Typer marks required arguments `{SCRIPT}` and lists each argument with its Python type (`ARGS <list[str]>`); both
-mean nothing to a user. `Command` rewrites its help and usage text; `main` gives it to every subcommand.
+`SCRIPT [ARGS]...` in usage lines where typer writes `{SCRIPT}` and no Python types (`ARGS <list[str]>`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 
 from rich.console import Console
 from typer.core import TyperCommand
 
-from hetero.errors import USAGE, HeteroError
+from hetero.errors import USAGE, FileProblems, HeteroError
 from hetero.units import Unit
 
 _REQUIRED = re.compile(r"\{([A-Z][A-Za-z0-9_.]*)\}")  # {SCRIPT} -> SCRIPT
@@ -42,6 +40,14 @@ class Command(TyperCommand):
 
     def get_help(self, ctx) -> str:
         return readable(super().get_help(ctx))
+
+
+def print_error(e: HeteroError) -> None:
+    """`error:` lines on stderr (each of a file's problems, else the message), then the `hint:` line."""
+    for line in [str(p) for p in e.problems] if isinstance(e, FileProblems) else [e.message]:
+        print(f"error: {line}", file=sys.stderr)
+    if e.hint:
+        print(f"hint: {e.hint}", file=sys.stderr)
 
 
 def own_process(ctx) -> bool:

@@ -1,8 +1,5 @@
-"""How schema dataclasses declare their fields, and how the YAML boundary reads those declarations.
-
-A field is declared with `doc(...)`: its documentation, its unit (if it is a quantity) and its bounds live where
-the field is defined, and everything else (validation, the YAML key, docs/plan-format.md, random instances in
-the round-trip tests) is derived from that one declaration.
+"""How schema dataclasses declare their fields, and how the YAML boundary reads those declarations: `doc(...)`
+gives a field's documentation, unit and bounds, from which validation, the YAML key and the docs are derived.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ MAX_LAYERS = 20_000  # layers in a profile (a 175B GPT has ~1,000 modules); `het
 
 def doc(text: str, *, unit: Unit | None = None, default: Any = MISSING, default_factory: Any = MISSING,
         ge: float | None = None, le: float | None = None, comment: bool = False, added: bool = False) -> Any:
-    """A documented schema field. `comment=True` marks a field written as a `# why:` comment, not as a key;
-    `added=True` a field added after files were written without it: while it holds its default it is left out of
-    written files and of their content hash (`left_out`)."""
+    """A documented schema field. `comment=True`: written as a `# why:` comment, not a key; `added=True`: added after
+    files were written without it, so left out of files and hashes while at its default (`left_out`)."""
     meta = {"doc": text, "unit": unit, "ge": ge, "le": le, "comment": comment, "added": added}
     if comment:
         return dataclasses.field(default=default, metadata=meta, compare=False)
@@ -77,9 +73,8 @@ def specs(cls: type) -> tuple[FieldSpec, ...]:
 
 
 def left_out(obj: Any, spec: FieldSpec) -> bool:
-    """Whether `obj`'s field is one added later (`doc(added=True)`) that holds its default: written files and
-    content hashes leave it out, so that files written before it existed keep their hash, and files written after
-    it without it stay readable by the hetero before it."""
+    """Whether `obj`'s field is one added later (`doc(added=True)`) that holds its default: files and hashes leave it
+    out, so older files keep their hash and newer ones stay readable by older hetero."""
     if not spec.added:
         return False
     field = next(f for f in dataclasses.fields(obj) if f.name == spec.name)

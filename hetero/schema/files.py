@@ -1,11 +1,10 @@
-"""The one YAML boundary: profile.yaml, plan.yaml and run.yaml in and out, and a file's content hash.
-
-`load` returns a valid Profile, Plan or Run, or raises FileProblems listing every problem at its `file:line:col`
-(reading: `yaml_read`). `save` writes atomically what `load` reads back equal (writing: `yaml_write`).
+"""The one YAML boundary: profile.yaml, plan.yaml and run.yaml in and out, and a file's content hash. `load` returns
+a valid Profile, Plan or Run or raises FileProblems; `save` writes atomically what `load` reads back equal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -19,7 +18,7 @@ import yaml
 
 from hetero.errors import FileProblems
 from hetero.schema import yaml_write
-from hetero.schema.fields import is_schema, specs
+from hetero.schema.fields import is_schema
 from hetero.schema.plan import Plan
 from hetero.schema.profile import Profile
 from hetero.schema.run import Run
@@ -29,13 +28,9 @@ from hetero.units import quoted_cut
 KINDS: dict[str, type] = {"Profile": Profile, "Plan": Plan, "Run": Run}
 
 
-# -- reading ---------------------------------------------------------------------------------------------------
-
-
 def load(path: str | os.PathLike, expect: type | None = None) -> Any:
     """The Profile or Plan in `path`; FileProblems listing every problem if it is not a valid one."""
-    name = str(path)
-    return loads(read_text(Path(path), name), name=name, expect=expect)
+    return loads(read_text(Path(path), str(path)), name=str(path), expect=expect)
 
 
 def loads(text: str, name: str = "<string>", expect: type | None = None) -> Any:
@@ -50,10 +45,7 @@ def loads(text: str, name: str = "<string>", expect: type | None = None) -> Any:
 
 def kind_of(path: str | os.PathLike) -> str | None:
     """The `kind` the file at `path` declares at its top; None when it is not a readable YAML mapping with one."""
-    try:
-        root = compose(read_text(Path(path), str(path)), str(path))
-    except FileProblems:
-        return None
+    root = _root(path)
     top = {k.value: v for k, v in root.value} if isinstance(root, yaml.MappingNode) else {}
     kind = top.get("kind")
     return kind.value if isinstance(kind, yaml.ScalarNode) else None
@@ -62,10 +54,7 @@ def kind_of(path: str | os.PathLike) -> str | None:
 def line_of(path: str | os.PathLike, key: str) -> int | None:
     """The 1-based line of the value at `key` (`optimizer.nvme.path`, `layers[3].name`) in the file at `path`; None
     when the file cannot be read or has no such key (a default the file left out)."""
-    try:
-        node = compose(read_text(Path(path), str(path)), str(path))
-    except FileProblems:
-        return None
+    node = _root(path)
     for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
         if part.startswith("[") and isinstance(node, yaml.SequenceNode):
             index = int(part[1:-1])
@@ -76,7 +65,15 @@ def line_of(path: str | os.PathLike, key: str) -> int | None:
             return None
         if node is None:
             return None
-    return node.start_mark.line + 1
+    return None if node is None else node.start_mark.line + 1
+
+
+def _root(path: str | os.PathLike) -> yaml.Node | None:
+    """The file's composed YAML; None when it cannot be read as YAML."""
+    try:
+        return compose(read_text(Path(path), str(path)), str(path))
+    except FileProblems:
+        return None
 
 
 def _header(root: yaml.Node, name: str, expect: type | None) -> type:
@@ -107,9 +104,6 @@ def _header(root: yaml.Node, name: str, expect: type | None) -> type:
     return KINDS[kind.value]
 
 
-# -- writing ---------------------------------------------------------------------------------------------------
-
-
 def dumps(obj: Any, header: tuple[str, ...] = ()) -> str:
     """`obj` as YAML text that `loads` reads back to an equal object."""
     kind = type(obj).__name__
@@ -125,9 +119,8 @@ def save(obj: Any, path: str | os.PathLike, header: tuple[str, ...] = ()) -> Non
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """`text` into `path` atomically and durably: a temporary file beside it, flushed to disk (fsync) before it is
-    renamed over `path`, then the directory flushed so the rename itself survives a power loss. After a crash at
-    any moment `path` holds the old text or the new one, whole."""
+    """`text` into `path` atomically and durably (a temporary file beside it, fsynced, renamed over `path`, then the
+    directory fsynced): after a crash at any moment `path` holds the old text or the new one, whole."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -135,7 +128,9 @@ def write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plan is a normal, shareable file
+        umask = os.umask(0o022)  # read by setting it: mkstemp makes 0600, and a plan is a normal, shareable file
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -144,54 +139,33 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _fsync_directory(directory: Path) -> None:
-    try:
+    # A directory we may write in but not open (rare), or a file system that cannot sync one: the file is on disk.
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # a directory we may write in but not open (rare); the file itself is on disk
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot sync a directory
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-# -- content -----------------------------------------------------------------------------------------------------
-
-
-def to_data(obj: Any) -> Any:
-    """`obj` as JSON-ready data keyed by field names, quantities in base units (what `--json` prints)."""
+def to_data(obj: Any, defaults: bool = True) -> Any:
+    """`obj` as JSON-ready data keyed by field names, quantities in base units (what `--json` prints); without the
+    fields that hold their declared default unless `defaults`."""
     if is_schema(type(obj)):
-        return {s.name: to_data(getattr(obj, s.name)) for s in specs(type(obj)) if not s.comment}
+        return {f.name: to_data(getattr(obj, f.name), defaults) for f in dataclasses.fields(obj)
+                if not f.metadata.get("comment") and (defaults or not _is_default(f, getattr(obj, f.name)))}
     if isinstance(obj, list):
-        return [to_data(v) for v in obj]
+        return [to_data(v, defaults) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_data(v) for k, v in obj.items()}
+        return {k: to_data(v, defaults) for k, v in obj.items()}
     return obj
 
 
 def content_sha256(obj: Any) -> str:
     """Hash of what a file says, not how it is formatted: reformatting or comments never make a plan stale, and
     neither does a field a later hetero added, while it holds its default (what an older file without it means)."""
-    return hashlib.sha256(json.dumps(_said(obj), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _said(obj: Any) -> Any:
-    """`to_data(obj)` without the fields that hold their declared default."""
-    if is_schema(type(obj)):
-        return {f.name: _said(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not f.metadata.get("comment") and not _is_default(f, getattr(obj, f.name))}
-    if isinstance(obj, list):
-        return [_said(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _said(v) for k, v in obj.items()}
-    return obj
+    data = to_data(obj, defaults=False)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _is_default(f: dataclasses.Field, value: Any) -> bool:

@@ -1,6 +1,5 @@
-"""The names a plan uses, checked against its profile: a layer or parameter name the profile does not have (a typo
-in an edited plan) is found by `hetero check`, not at run time once the model is built; and the one rule that groups
-parameters' updates into buckets, which the planner and the runtime both follow. Pure: no torch, no I/O."""
+"""The names a plan uses, checked against its profile (a typo in an edited plan is found by `hetero check`, not at
+run time), and the one rule grouping parameters' updates into buckets, for the planner and the runtime. Pure."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def unknown_names(plan: Plan, profile: Profile) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True, slots=True)
 class UpdateBuckets:
-    """How hetero's host Adam groups parameters' updates into buckets, each run as one fused call per set of
-    constants once all of its gradients are final (hetero.run.offloaded_adam); the planner prices one call per
-    bucket (hetero.plan.axdimm). The defaults are documented field by field."""
+    """How hetero's host Adam groups parameters' updates into buckets, each one fused call once all of its
+    gradients are final (hetero.run.offloaded_adam); the planner prices one call per bucket (hetero.plan.axdimm)."""
 
     # fp32 parameter bytes a bucket fills up to: large enough that a call's fixed cost is small beside its work,
     # small enough that the first buckets run while backward still computes the rest
@@ -47,11 +45,9 @@ UPDATE_BUCKETS = UpdateBuckets()
 
 
 def update_buckets(params: list[tuple[str, int]], policy: UpdateBuckets = UPDATE_BUCKETS) -> dict[str, int]:
-    """Each parameter's bucket (0 first), from (qualified name as in `model.named_parameters()`, element count) in
-    forward order. Buckets are taken in backward order (the reverse: gradients become final roughly so), each the
-    parameters of whole modules (a name up to its last dot; a Linear's weight and bias come from one backward node)
-    added while their fp32 bytes stay within `policy.target_bytes`: a module larger than that is a bucket alone, and
-    a module's parameters are never split, even where the list does not give them in a row."""
+    """Each parameter's bucket (0 first), from (qualified name, element count) in forward order. Buckets are filled
+    in backward order with whole modules' parameters (never split) while their fp32 bytes stay within
+    `policy.target_bytes`; a module larger than that is a bucket alone."""
     module_bytes: dict[str, int] = defaultdict(int)
     for name, numel in params:
         module_bytes[_module(name)] += FP32_BYTES * numel

@@ -1,9 +1,8 @@
 """profile.yaml: what `hetero profile` measured about the machine and about every layer of the model.
 
-Times of a layer are per micro-batch (one forward and backward), relative to the start of its forward, and
-averaged over the measured micro-batches; all quantities are in base units (bytes, seconds,
-bytes/s) and are written with units by the YAML boundary (`hetero.schema.files`). A value that could not be measured is
-null, and `unmeasured` says why: nothing here is invented.
+A layer's times are per micro-batch, from the start of its forward, averaged over the measured micro-batches;
+quantities are in base units (bytes, seconds, bytes/s). A value that could not be measured is null, and
+`unmeasured` says why: nothing here is invented.
 """
 
 from __future__ import annotations
@@ -418,7 +417,6 @@ class Profile:
                               "model.num_params: a layer is missing; re-profile")] \
             if self.layers and held < self.model.num_params else []
         return unique_names(self.layers, "layers") + unique_names(self.blocks, "blocks") + too_many + missing
-
 
 
 def header(script: str) -> tuple[str, ...]:

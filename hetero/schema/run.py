@@ -1,9 +1,6 @@
 """run.yaml: what `hetero run --trace` measured while it carried out a plan, for `hetero report` and
-`hetero plan --from-run`.
-
-Times of a layer mean what they mean in profile.yaml (per micro-batch, from the start of its forward, averaged over
-the recorded micro-batches), so a run's layers can replace a profile's. Bytes per tier come from the runtime's own
-accounting (parameters and gradients, optimizer states, saved activations), under the plan's tier names.
+`hetero plan --from-run`. A layer's times mean what they mean in profile.yaml, so a run's layers can replace a
+profile's; bytes per tier are the runtime's own accounting, under the plan's tier names.
 """
 
 from __future__ import annotations

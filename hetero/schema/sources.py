@@ -19,10 +19,9 @@ def written_profile_path(profile: Path, plan_path: Path) -> str:
 
 
 def find_profile(plan: Plan, plan_path: Path) -> Path | None:
-    """The plan's profile: its path as written, relative to the plan (as `hetero plan` writes it), relative to the
-    current directory (older plans), or beside the plan (the hash decides whether it is the right one); the first
-    regular file of those, else the first that exists at all (a FIFO, a directory: loading it says it is not a
-    regular file, exit 3), else None (not found). Only `stat`ed, never opened: a FIFO cannot block it."""
+    """The plan's profile, relative to the plan (as `hetero plan` writes it), to the current directory (older plans)
+    or beside the plan: the first regular file of those, else the first that exists (loading it then says what it
+    is), else None. Only `stat`ed, never opened: a FIFO cannot block it."""
     source = Path(plan.source.profile)
     candidates = [source] if source.is_absolute() else [plan_path.parent / source, source]
     candidates.append(plan_path.parent / source.name)
@@ -60,12 +59,10 @@ def against_profile(plan: Plan, profile: Profile) -> list[Finding]:
     owned = [name for layer in profile.layers if layer.model not in kept for name in layer.param_names()]
     offloaded = plan.optimizer is not None and plan.optimizer.device != "gpu"
     unplaced = [name for name in owned if name not in placed] if offloaded else []
-    out = []
-    for path, message in unknown_names(plan, profile):
-        if path.startswith("optimizer.states") and not unplaced:  # an extra entry: the run never looks it up
-            out.append(Finding(path, f"{message}; hetero run ignores this entry", error=False))
-        else:
-            out.append(Finding(path, message))
+    # an extra entry of optimizer.states: the run never looks it up
+    out = [Finding(path, f"{message}; hetero run ignores this entry", error=False)
+           if path.startswith("optimizer.states") and not unplaced else Finding(path, message)
+           for path, message in unknown_names(plan, profile)]
     if unplaced:
         out.append(Finding("optimizer.states", f"no placement for {len(unplaced)} of the profile's parameters, e.g. "
                                                f"{unplaced[0]}: hetero run needs one for every parameter"))

@@ -1,8 +1,6 @@
-"""Chrome Trace Event JSON (opens in Perfetto and chrome://tracing), for predicted and for measured timelines.
-
-One thread per lane, named by a metadata event, in the order lanes first appear; spans are complete events
-(`ph: X`) with `ts`/`dur` in microseconds; memory is one counter track (`ph: C`) per tier whose series are the
-sources of its bytes, so a viewer stacks them.
+"""Chrome Trace Event JSON (opens in Perfetto and chrome://tracing), for predicted and for measured timelines: a
+thread per lane, spans as complete events (`ph: X`, microseconds), and a counter track (`ph: C`) per tier whose
+series (the sources of its bytes) a viewer stacks.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Reading hetero's YAML files safely: bounded text in, composed nodes (which keep line and column) out, then the
-nodes walked against a schema dataclass with every problem collected at its `file:line:col`.
-
-The loader's only booleans are `true`/`false` and its numbers plain decimals; anchors, aliases and deep nesting
-are refused from the token stream before the parser sees them.
+"""Reading hetero's YAML files safely: bounded text in, composed nodes walked against a schema dataclass, every
+problem collected at its `file:line:col`. Booleans are only `true`/`false`, numbers plain decimals; anchors, aliases
+and deep nesting are refused from the token stream before the parser sees them.
 """
 
 from __future__ import annotations
@@ -46,14 +44,10 @@ for _tag, _pattern, _first in [
 
 
 def read_text(path: Path, name: str) -> str:
+    fd = None
     try:
         # Opened without waiting (a FIFO would block until someone writes to it), then refused unless a regular file.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise FileProblems([Problem(name, "no such file")]) from None
-    except OSError as e:
-        raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
-    try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise FileProblems([Problem(name, "is a directory, not a profile or plan file")])
@@ -63,10 +57,13 @@ def read_text(path: Path, name: str) -> str:
         data = os.read(fd, MAX_BYTES + 1)  # never more: a file's size may lie
         while len(data) <= MAX_BYTES and (more := os.read(fd, MAX_BYTES + 1 - len(data))):
             data += more
+    except FileNotFoundError:
+        raise FileProblems([Problem(name, "no such file")]) from None
     except OSError as e:
         raise FileProblems([Problem(name, f"cannot read: {e.strerror}")]) from None
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     if len(data) > MAX_BYTES:
         raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
     nul = data.find(b"\0")
@@ -106,9 +103,8 @@ _CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToke
 
 
 def guard(text: str, name: str) -> None:
-    """Refuse, from the token stream alone (flat, no recursion, no expansion), what the parser or the reader must
-    never see: a text over MAX_BYTES, nesting deeper than MAX_DEPTH (the parser recurses: 50,000 levels crash it)
-    and anchors or aliases (an alias bomb expands to gigabytes; hetero's files never use them)."""
+    """Refuse from the token stream (flat: no recursion, no expansion) a text over MAX_BYTES, nesting deeper than
+    MAX_DEPTH (the parser recurses) and anchors or aliases (an alias bomb expands to gigabytes)."""
     if len(text) > MAX_BYTES:
         raise FileProblems([Problem(name, f"larger than {MAX_BYTES >> 20} MiB: not a profile or plan hetero wrote")])
     depth = 0
@@ -246,20 +242,13 @@ def convert(node: yaml.ScalarNode, tp: Any, spec: FieldSpec) -> Any:
         if text not in words:
             raise ValueError(f"{quoted_cut(text)} is not one of {one_of(words)}" + did_you_mean(text, words))
         return text
-    if tp is bool:
-        if tag != _BOOL:
-            raise ValueError(f"expected true or false, got {quoted_cut(text)}")
-        return text == "true"
-    if tp is int:
-        if tag != _INT:
-            raise ValueError(f"expected a whole number, got {quoted_cut(text)}")
-        return number(text, int)
-    if tp is float:
-        if tag not in (_INT, _FLOAT):
-            raise ValueError(f"expected a number, got {quoted_cut(text)}")
-        return number(text, float)
-    assert tp is str, f"unsupported schema type {tp}"
-    return text
+    if tp is str:
+        return text
+    tags, expected = {bool: ((_BOOL,), "true or false"), int: ((_INT,), "a whole number"),
+                      float: ((_INT, _FLOAT), "a number")}[tp]
+    if tag not in tags:
+        raise ValueError(f"expected {expected}, got {quoted_cut(text)}")
+    return text == "true" if tp is bool else number(text, tp)
 
 
 def number(text: str, tp: type) -> int | float:
@@ -269,9 +258,6 @@ def number(text: str, tp: type) -> int | float:
     if not math.isfinite(value) or abs(value) > LIMIT:
         raise ValueError(f"{quoted_cut(text)} is out of range (at most {float(LIMIT):.3e})")
     return value
-
-
-# -- messages ----------------------------------------------------------------------------------------------------
 
 
 def problem_at(name: str, mark: Any, message: str) -> Problem:

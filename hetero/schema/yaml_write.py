@@ -32,13 +32,10 @@ class _Seq:
 class _Null(str):
     """`null`, with the reason the section is absent (a plan's `omitted`) as its `# why:`."""
 
-    why: str
-
-
-def _absent(why: str) -> _Null:
-    out = _Null("null")
-    out.why = why
-    return out
+    def __new__(cls, why: str):
+        out = super().__new__(cls, "null")
+        out.why = why
+        return out
 
 
 def _tree(value: Any, spec: FieldSpec | None, tp: Any) -> Any:
@@ -67,13 +64,9 @@ def _said_why(node: Any, key: str, owner: Any) -> Any:
     """An absent section (null, or an empty list) of an object that says why in `omitted`, with that reason."""
     omitted = getattr(owner, "omitted", None)
     why = omitted.get(key) if isinstance(omitted, dict) else None
-    if not why:
-        return node
-    if node == "null":
-        return _absent(why)
-    if isinstance(node, _Seq) and not node.items:
-        return _Seq([], why)
-    return node
+    if why and node == "null":
+        return _Null(why)
+    return _Seq([], why) if why and isinstance(node, _Seq) and not node.items else node
 
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_/][A-Za-z0-9_./:@+\- ]*$")

@@ -1,21 +1,11 @@
 """AXDIMM: a DIMM whose FPGA runs Adam beside its own DRAM channels (paper §3), behind an interface after the paper's
-runtime API (§4.2: Malloc, Free, Memcpy, SetArbiterAcc, RunAdamOnAxdimmAsync), and an emulated backend.
+runtime API (§4.2), and an emulated backend that enforces the arbiter's rules (§3.2): each channel is either
+`normal` (only the host uses its memory) or `acceleration` (only its kernel does, on its own channel's buffers);
+switching to `normal` waits for the channel's kernels (§3.3); channels are independent.
 
-Arbiter rules (§3.2), which the emulation enforces rather than assumes:
-- Each channel is in one of two exclusive modes. `normal`: only the host uses the channel's memory (memcpy, view,
-  free); its kernel may not run. `acceleration`: only the channel's kernel does; host access is an error.
-- A kernel reads and writes only its own channel's DRAM: all four Adam buffers must live on the kernel's channel.
-- Switching a channel to `normal` waits until its kernels have finished, as the host polls the kernel's status
-  register (§3.3) before it takes the channel back. Switching to `acceleration` is immediate.
-- Channels are independent: the host may copy to one channel while the other one's kernel runs (§3.2).
-
-The emulation keeps each channel's DRAM in one preallocated host arena (pinned when a GPU copies gradients into it, so
-the copies can be asynchronous; never otherwise: pinning starts CUDA) and runs the real Adam kernel
-(hetero.kernels.adam) on a worker thread per channel. Two channel workers running torch's multi-threaded fused op at
-once oversubscribe the cores: they gain little total rate but finish together, while serialized compute has the first
-channel's results after about half the time (docs/benchmarks.md, "Design figures"). The emulation therefore serializes
-kernel compute across channels by default (`serialize_compute=True`), so that, as in the paper's pipeline (§5.2), the
-host can use one channel while the other one computes. The API is asynchronous either way.
+The emulation keeps each channel's DRAM in a preallocated host arena and runs hetero.kernels.adam on a worker thread
+per channel, serializing compute across channels by default (`serialize_compute`): two multi-threaded fused ops at
+once oversubscribe the cores, while serialized the first channel is free for the host in about half the time.
 """
 
 from __future__ import annotations
@@ -79,10 +69,8 @@ class AxdimmDevice(Protocol):
     def memcpy(self, dst: Buffer, src: Buffer, nbytes: int, *, through=None) -> None: ...
     def set_arbiter(self, channel: int, mode: Mode | str) -> None: ...
     def mode(self, channel: int) -> Mode: ...
-
     def run_adam_async(self, param: Allocation, exp_avg: Allocation, exp_avg_sq: Allocation, grad: Allocation, *,
                        hyperparameters: Hyperparameters, step: int, channel: int) -> Handle: ...
-
     def close(self) -> None: ...
 
 
@@ -171,16 +159,11 @@ class EmulatedAxdimm:
         with contextlib.ExitStack() as held:  # lock in channel order: two copies never wait on each other
             for c in channels:
                 held.enter_context(self._channel(c).cond)
-            dst_bytes, src_bytes = self._bytes(dst, nbytes, "memcpy"), self._bytes(src, nbytes, "memcpy")
-            if through is None:
-                dst_bytes.copy_(src_bytes)
-            else:
-                through(dst_bytes, src_bytes)
+            (through or torch.Tensor.copy_)(self._bytes(dst, nbytes, "memcpy"), self._bytes(src, nbytes, "memcpy"))
 
     def view(self, allocation: Allocation, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only: a real AXDIMM
-        must be read through the runtime's coherent copies (§4.1), so portable code uses memcpy. The view cannot be
-        revoked: using it after switching the channel to acceleration is a bug this emulation cannot catch."""
+        """The allocation's memory as a flat host tensor, while its channel is normal. Emulation only (portable code
+        uses memcpy); the view cannot be revoked, so using it in acceleration mode is a bug not caught here."""
         with self._channel(allocation.channel).cond:
             return _typed(self._bytes(allocation, allocation.nbytes, "view"), dtype)
 

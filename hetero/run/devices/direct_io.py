@@ -20,21 +20,9 @@ BLOCK = 4096  # O_DIRECT alignment of buffer, offset and length; a multiple of e
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
-def write_buffered(fd: int, src: np.ndarray, chunk: int) -> int:
-    """Write `src` from file offset 0 (no O_DIRECT); the offset its byte 0 went to, 0."""
-    pwritev_all(fd, [src[o:o + chunk] for o in range(0, src.nbytes, chunk)], 0)
-    return 0
-
-
-def read_buffered(fd: int, dst: np.ndarray, chunk: int) -> None:
-    for offset in range(0, dst.nbytes, chunk):
-        pread_exact(fd, dst[offset:offset + chunk], offset)
-
-
 def write_direct(fd: int, src: np.ndarray, chunk: int, bounce: np.ndarray) -> int:
-    """Write `src`; the file offset its byte 0 went to. With O_DIRECT the data lands at its address's offset
-    within a block, so the block-aligned middle of the buffer goes to disk straight from it and only the first
-    and last blocks pass through the bounce buffer (saving a full copy of every large tensor)."""
+    """Write `src` at its address's offset within a block, so that its aligned middle goes to disk straight from it
+    and only its first and last blocks pass through the bounce buffer; that offset (where its byte 0 went)."""
     shift = src.ctypes.data % BLOCK
     head = min(src.nbytes, -shift % BLOCK)
     middle = head + (src.nbytes - head) // BLOCK * BLOCK  # where the block-aligned middle ends
@@ -146,9 +134,10 @@ class Chunks:
         self.bounces: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
 
     def write(self, fd: int, src: np.ndarray, direct: bool) -> int:
-        """`src` written from offset 0; the shift a later read passes back (see write_direct)."""
+        """`src` written from offset 0; the shift a later read passes back (see write_direct; 0 when buffered)."""
         if not direct:
-            return write_buffered(fd, src, self.chunk)
+            pwritev_all(fd, [src[o:o + self.chunk] for o in range(0, src.nbytes, self.chunk)], 0)
+            return 0
         bounce = self._take()
         try:
             return write_direct(fd, src, self.chunk, bounce)
@@ -157,7 +146,9 @@ class Chunks:
 
     def read(self, fd: int, dst: np.ndarray, shift: int, direct: bool) -> None:
         if not direct:
-            return read_buffered(fd, dst, self.chunk)
+            for offset in range(0, dst.nbytes, self.chunk):
+                pread_exact(fd, dst[offset:offset + self.chunk], offset)
+            return
         bounce = self._take()
         try:
             read_direct(fd, dst, shift, self.chunk, bounce)

@@ -8,15 +8,8 @@ A record's state says where its bytes are; every transition happens under the le
                   |          +-> KEPT (a prefetch came while writing: the write ends, the data never leaves)
                   +-> RESIDENT (a prefetch came first: the eviction is cancelled)
 
-The fast-tier copy is dropped only once its write is complete (on a GPU, issued: the tier keeps the storage until
-its download is done), and a fetched buffer is handed out only once its read is complete (or, on a GPU, with the
-event its user's stream waits for); a failed read is raised to the unpack that needs it, never replaced by a
-half-written buffer.
-
-Where fast memory is a GPU's, its buffers are made on the threads that run the model (the compute stream): a
-partial eviction's kept tail when the eviction is queued (`split`), and the buffers of the fetches one request asks
-for when it is made (`landings`), where the request also claims its records (an eviction not written yet is called
-off at once). The worker threads only copy into memory made for them (hetero.run.devices.host_pool).
+The fast-tier copy is dropped only once its write is complete (on a GPU, issued), a fetched buffer handed out only
+once read (on a GPU, with an event to wait for), and a failed read raised to the unpack that needs it.
 """
 
 from __future__ import annotations
@@ -111,8 +104,7 @@ class Record:
 
     def __del__(self) -> None:
         self.mover.ledger.change(fast=-self.resident, slow=-self.slow, saved=-self.nbytes)
-        if self.slow:
-            # never brought back (a graph dropped without backward)
+        if self.slow:  # never brought back (a graph dropped without backward)
             self.mover.writer.put(Deletion(self.key, self.slow, _layer(self)))
         if self.fetched:
             self.mover.tier.release(self.data, self.marker)

@@ -1,25 +1,12 @@
-"""NVMe store: tensors that fit in no faster tier, kept in files of one directory (paper §5.3: optimizer state
-that overflows the AXDIMM; later also evicted activations).
+"""NVMe store: tensors that fit in no faster tier (optimizer states past the AXDIMM, evicted activations), kept in
+private files (0600) of one directory, named by the store.
 
-Rules the store keeps:
-- Files are private (mode 0600) and named by the store; keys never reach the file system.
-- A write goes to a new file and replaces the key's previous file only once complete. A failed write (a full disk)
-  therefore loses nothing: its half-written file is removed and the previous version stays readable.
-- Operations on one key run in the order they were submitted; each waits for the key's previous one. So a read
-  submitted after a write returns exactly the written data, never a half-written buffer.
-- Like an asynchronous CUDA copy, a write's tensor must stay alive and unchanged, and a read's `out` must not be
-  used, until the handle is done. The caller keeps the tensor, so a failed write leaves it where it was.
-- I/O bypasses the page cache (O_DIRECT) where the file system allows: cached writes look fast but free no memory,
-  which defeats the point of offloading. `direct` says which. A key's data starts in its file at the source's offset
-  within a 4 KiB block, so a buffer's aligned middle moves straight between memory and disk (reads too, into a buffer
-  at the same offset, as large torch tensors are) and only its first and last blocks pass through a bounce buffer
-  (`direct_io`; docs/benchmarks.md, "Design figures"). A file is written with one `pwritev` (head block, middle,
-  tail block), not three writes: each blocking call costs the writer a wake-up on a busy machine.
-- Every record's crc32 is taken as it is written and kept in the store's index (in this process's memory, where
-  whatever could change a file cannot reach it), and every read checks it: a file changed, cut short or removed by
-  anything but the store is `Damaged` (exit 6, naming the file and the key it held), never data handed on.
-- Every file is removed by `close()` (idempotent; also on leaving `with`, whatever the exception, Ctrl-C included)
-  and, for stores never closed, at interpreter exit. SIGKILL cannot be cleaned up after; the files are private.
+- A write goes to a new file that replaces the key's previous one once complete; a key's operations run in order.
+- As with an asynchronous CUDA copy, a write's tensor must stay unchanged, and a read's `out` unused, until done.
+- I/O bypasses the page cache (O_DIRECT) where the file system allows (`direct` says which; see direct_io).
+- Each record's crc32 is kept in memory and checked on read: a file changed, cut short or removed by anything but
+  the store raises `Damaged` (exit 6), never hands on bad data.
+- `close()` (idempotent; also on leaving `with`) removes every file, as interpreter exit does for unclosed stores.
 
 torch is not imported here: tensors are recognised only when the caller has imported torch (numpy arrays work too).
 """
@@ -71,11 +58,8 @@ class _File:
 
 class NvmeStore:
     """Tensors by key in files under `directory` (created, with its missing parents, and removed at close if absent).
-
-    `workers` threads do the asynchronous I/O, and `write`/`read`/`delete` do theirs on the calling thread;
-    `chunk_bytes` is the size of each I/O thread's bounce buffer, of one read call and of one buffer in a write call.
-    `field` is what named the directory (`optimizer.nvme.path`, `--nvme`), for the hints of errors; `checksums`
-    False skips the crc32 of every record (for measuring what they cost: bench/checksum.py).
+    `workers` threads do the `_async` I/O; `chunk_bytes` sizes bounce buffers and single I/O calls; `field` named the
+    directory (`optimizer.nvme.path`, `--nvme`), for errors' hints; `checksums=False` skips the crc32s (a benchmark).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, workers: int = 2, chunk_bytes: int = 8 << 20,
@@ -110,11 +94,10 @@ class NvmeStore:
         work = workdir.create(base, kind, field)
         try:
             store = cls(work.path, field=field, **options)
-        except HeteroError as e:
+        except BaseException as e:
             work.remove()
-            raise places.PlanPathError(field, e.message, places.HINT) from None
-        except BaseException:
-            work.remove()
+            if isinstance(e, HeteroError):
+                raise places.PlanPathError(field, e.message) from None
             raise
         store._work = work  # close() removes the files, then the directory and the parents made for it
         return store
@@ -153,8 +136,7 @@ class NvmeStore:
         return self._submit(key, job)
 
     def write(self, key: str, tensor: Any) -> None:
-        """`write_async(key, tensor).wait()` on the calling thread: a worker's hand-off costs two thread wake-ups,
-        more than a 1 MiB direct write itself on a busy machine (docs/benchmarks.md, "Design figures")."""
+        """`write_async(key, tensor).wait()` on the calling thread, sparing a hand-off's two thread wake-ups."""
         self._inline(key, self._write_job(key, tensor, self._write_file))
 
     def read(self, key: str, out: Any) -> None:
@@ -166,9 +148,8 @@ class NvmeStore:
         self._inline(key, lambda: self._delete(key))
 
     def close(self) -> None:
-        """Finish the operations in flight, drop those queued, remove every file and any directory the store made.
-
-        Idempotent, and safe to call again after an interrupted call: it removes whatever is left."""
+        """Finish the operations in flight, drop those queued, remove every file and directory the store made.
+        Idempotent, and what an interrupted call left is removed by the next."""
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -305,9 +286,8 @@ def _lane() -> str:
 
 
 def _after(previous: Future[None] | None, job: Callable[[], None]) -> None:
-    # Never deadlocks: the pool's queue is FIFO, so `previous` (submitted earlier) was taken by a worker before
-    # this job was, or runs on the thread that made a blocking call, and it waits on nothing submitted later. Its
-    # failure does not stop this job (a read after a failed write returns the previous version).
+    # No deadlock: `previous` was taken from the FIFO queue earlier (or runs on a blocking caller's thread), and
+    # waits on nothing later. Its failure does not stop this job (a read after a failed write gets the old version).
     if previous is not None:
         wait_all([previous])
     job()

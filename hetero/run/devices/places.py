@@ -14,16 +14,15 @@ from pathlib import Path
 
 from hetero.errors import INVALID_FILE, HeteroError
 
+HINT = "set it to a directory you own on a disk with free space, e.g. ~/hetero-tmp"
+
 
 class PlanPathError(HeteroError):
     """A directory the plan names cannot be used. `field` is its YAML path in the plan (`optimizer.nvme.path`)."""
 
-    def __init__(self, field: str, message: str, hint: str):
+    def __init__(self, field: str, message: str, hint: str = HINT):
         super().__init__(f"{field}: {message}", hint=hint, exit_code=INVALID_FILE)
         self.field = field
-
-
-HINT = "set it to a directory you own on a disk with free space, e.g. ~/hetero-tmp"
 
 
 def expand(base: str | None, field: str) -> Path:
@@ -32,28 +31,27 @@ def expand(base: str | None, field: str) -> Path:
     if base is None:
         return Path(tempfile.gettempdir())
     if not base.strip():
-        raise PlanPathError(field, "empty path", HINT)
+        raise PlanPathError(field, "empty path")
     return Path(os.path.abspath(os.path.expanduser(base)))
 
 
 def check_place(root: Path, field: str) -> None:
-    """The base must be a directory on a file system that holds files (not /proc or /sys), that only we or root control
-    (or a sticky one like /tmp), and so must every directory met on the way to it; every link on that way, the base
-    itself included, must be ours or root's. Others who could rename an entry of one of those directories, or point one
-    of those links elsewhere, could redirect everything below it (ssh's rule for a key's path: `way` lstats each)."""
+    """ssh's rule for a key's path: the base is a directory on a file system that holds files (not /proc), and it
+    and every directory on the way to it only we or root control (or sticky, like /tmp); every link on that way is
+    ours or root's. Otherwise others could redirect everything below it."""
     _check_base(root, field)
     kind = file_system(root)
     if kind in PSEUDO:
-        raise PlanPathError(field, f"{root} is on a kernel pseudo file system ({kind}), not on a disk", HINT)
+        raise PlanPathError(field, f"{root} is on a kernel pseudo file system ({kind}), not on a disk")
     for entry, st in way(root, field):
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (os.getuid(), 0):
                 raise PlanPathError(field, f"{root} leads through {entry}, a link of another user (uid {st.st_uid}): "
-                                           "they could point it elsewhere", HINT)
+                                           "they could point it elsewhere")
             continue
         if unsafe := _unsafe(st):
             raise PlanPathError(field, f"{root} is inside {entry}, which {unsafe}: others could rename what is "
-                                       "below it away and put their own directories in its place", HINT)
+                                       "below it away and put their own directories in its place")
 
 
 def existing(root: Path) -> Path:
@@ -69,16 +67,15 @@ def inspect(base: str | None, field: str) -> None:
     check_place(found, field)
     if not os.access(found, os.W_OK | os.X_OK):
         what = f"create {root}" if found != root else f"write in {root}"
-        raise PlanPathError(field, f"cannot {what}: {found} is not writable", HINT)
+        raise PlanPathError(field, f"cannot {what}: {found} is not writable")
 
 
 MAX_LINKS = 40  # links followed in resolving one path, as Linux allows
 
 
 def way(root: Path, field: str) -> list[tuple[Path, os.stat_result]]:
-    """What resolving the absolute `root` passes through, as the kernel resolves it, each with its `lstat`: every
-    directory a name is looked up in and every link followed (the path as written, and where each link leads);
-    not the directory it ends at."""
+    """Every directory a name is looked up in and every link followed while the kernel resolves `root`, each with
+    its `lstat`; not the directory it ends at."""
     met: dict[Path, os.stat_result] = {}
     here, todo, links = Path("/"), list(Path(os.path.abspath(root)).parts[1:]), 0
     while todo:
@@ -97,9 +94,9 @@ def way(root: Path, field: str) -> list[tuple[Path, os.stat_result]]:
             links += 1
             target = os.readlink(entry)
         except OSError as e:
-            raise PlanPathError(field, f"cannot use {root}: {entry}: {e.strerror}", HINT) from None
+            raise PlanPathError(field, f"cannot use {root}: {entry}: {e.strerror}") from None
         if links > MAX_LINKS:
-            raise PlanPathError(field, f"cannot use {root}: more than {MAX_LINKS} links on the way", HINT)
+            raise PlanPathError(field, f"cannot use {root}: more than {MAX_LINKS} links on the way")
         met[entry] = st
         if os.path.isabs(target):
             here = Path("/")
@@ -134,11 +131,11 @@ def _check_base(root: Path, field: str) -> None:
     try:
         st = root.stat()
     except OSError as e:
-        raise PlanPathError(field, f"cannot use {root}: {e.strerror}", HINT) from None
+        raise PlanPathError(field, f"cannot use {root}: {e.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise PlanPathError(field, f"{root} is not a directory", HINT)
+        raise PlanPathError(field, f"{root} is not a directory")
     if unsafe := _unsafe(st):
-        raise PlanPathError(field, f"{root} {unsafe}: others could replace hetero's files", HINT)
+        raise PlanPathError(field, f"{root} {unsafe}: others could replace hetero's files")
 
 
 def _unsafe(st: os.stat_result) -> str | None:
@@ -163,9 +160,8 @@ def group_is_mine(gid: int) -> bool:
 
 @functools.cache
 def group_users(gid: int) -> frozenset[int]:
-    """The uids of the users in group `gid`: those it lists (a name no user has counts as uid -1, someone else) and
-    those whose primary group it is. Looked up once per group, and only for a group-writable directory: the second
-    part reads the whole user database."""
+    """The uids of the users in group `gid`: those it lists (an unknown name counts as uid -1, someone else) and
+    those whose primary group it is (reading the whole user database: cached)."""
     try:
         listed = grp.getgrgid(gid).gr_mem
     except KeyError:  # a group with no entry: only its users' primary groups can bring anyone in

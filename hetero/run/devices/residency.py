@@ -1,9 +1,7 @@
 """Bytes of saved activations resident in each memory tier over time, and what it took to keep them there.
 
-Every change (a storage saved, evicted, brought back, freed) updates running integrals under one lock, so the
-time-averaged and peak bytes cost nothing to read at the end; the changes themselves are kept as (time, tier,
-bytes) events for the run report, up to a limit. `saved` counts every saved storage wherever it is: the fast-tier
-bytes the same run would hold without tiering.
+Every change updates running integrals under one lock (averages and peaks cost nothing to read), and is kept as a
+(time, tier, bytes) event for the run report, up to EVENTS. `saved` counts every saved storage wherever it is.
 """
 
 from __future__ import annotations

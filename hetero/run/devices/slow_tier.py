@@ -1,14 +1,10 @@
 """The slow tier evicted activations wait in, behind one small interface the tiering workers drive.
 
-Bytes are moved as flat uint8 tensors (a saved tensor's whole storage, or its first part for a partial eviction), so
-dtypes, views and strides never reach a tier. One writer thread and one reader thread call a tier; `ready` and `wait`
-are called from the threads that run the model (the forward hooks, and autograd's threads in backward).
-
-- CPU-only (`fast` is host memory): the slow tier is files in a private work directory (devices/workdir.py),
-  written and read by the tiering's writer and reader threads (O_DIRECT where the file system allows, files 0600,
-  removed on close, at exit, on Ctrl-C, SIGTERM and SIGHUP).
-- GPU (`fast: gpu`): a pool of pinned host buffers filled and drained on the model's device's side streams
-  (hetero.run.devices.host_pool), with the NVMe store below it when the plan names a directory.
+Bytes move as flat uint8 tensors (a saved tensor's whole storage, or its first part for a partial eviction). One
+writer and one reader thread call a tier; `ready` and `wait` are called from the threads that run the model.
+- CPU-only (`fast` is host memory): files in a private work directory (devices/workdir.py).
+- GPU (`fast: gpu`): pinned host buffers filled and drained on side streams (host_pool), over the NVMe store when
+  the plan names a directory.
 """
 
 from __future__ import annotations
@@ -41,12 +37,10 @@ class SlowTier(Protocol):
         """Hook thread: a marker that the bytes to evict are final (the compute stream's work so far)."""
 
     def split(self, data: torch.Tensor, evict_bytes: int) -> torch.Tensor | None:
-        """Hook thread, when an eviction is queued: a fast-tier copy of `data[evict_bytes:]`, the part a partial
-        eviction keeps (None: nothing kept)."""
+        """Hook thread, on queueing: a fast-tier copy of `data[evict_bytes:]`, which a partial eviction keeps."""
 
     def evict(self, key: str, data: torch.Tensor, evict_bytes: int, ready: Any) -> None:
-        """Writer: store `data[:evict_bytes]` under `key`. Once it returns, the caller may drop `data` (the GPU tier
-        keeps it until its copy is done)."""
+        """Writer: store `data[:evict_bytes]` under `key`; then the caller may drop `data`."""
 
     def reclaim(self) -> None:
         """Any thread: drop what the tier still keeps of evicted data whose copies are done, waiting for none."""
@@ -62,8 +56,7 @@ class SlowTier(Protocol):
         """User thread: order the work to come after the fetch marked; False when the fetch was not complete."""
 
     def release(self, data: torch.Tensor, marker: Any = None) -> None:
-        """A buffer `fetch` returned is no longer needed by its record (views of it may still be alive); `marker`:
-        the fetch's, when nobody waited for it."""
+        """Its record is done with a buffer `fetch` returned (views may live on); `marker`: the fetch's, unwaited."""
 
     def delete(self, key: str) -> None: ...
     def close(self) -> None: ...
@@ -77,8 +70,7 @@ class NvmeTier:
     def __init__(self, name: str, directory: str | NvmeStore):
         """Over a store of its own in `directory`, or over `directory` when it is a store already."""
         self.name = name
-        # The single writer and the single reader do their own I/O (the store's blocking calls), so a prefetch
-        # never queues behind the evictions (TierTrain keeps the two queues apart).
+        # The writer and the reader do their own I/O, so a prefetch never queues behind the evictions (TierTrain).
         self.store = directory if isinstance(directory, NvmeStore) else NvmeStore(directory, workers=1)
         self.directory: str | None = str(self.store.directory)
         self.pool = HostPool()  # fetched buffers, reused from step to step once nothing views them
@@ -132,13 +124,11 @@ def open_tier(plan: ActivationPlan, gpu: Device | None = None) -> tuple[SlowTier
         return PinnedTier(plan.slow, gpu, _private(path, workers=2) if path is not None else None), None
     note = None if path is not None else \
         f"the plan gives no directory for {plan.slow}: evicted activations go to {tempfile.gettempdir()}"
-    # The single writer and reader do their own I/O: the store's pool is never used, no thread starts.
     return NvmeTier(plan.slow, _private(path, workers=1)), note
 
 
 def _private(path: str | None, workers: int) -> NvmeStore:
-    # A private directory per process, as the optimizer's state files: two runs sharing a path never see each
-    # other's files, and nobody else can put files there (hetero.run.devices.workdir).
+    # a private work directory per process (hetero.run.devices.workdir)
     return NvmeStore.private(path, "activations", FIELD, workers=workers, chunk_bytes=ActivationPlan.STORE_CHUNK_BYTES)
 
 

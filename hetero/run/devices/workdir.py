@@ -1,42 +1,19 @@
 """Private work directories for the files a run writes (evicted activations, NVMe optimizer states).
 
-A plan names a base directory (`activations.slow_path`, `optimizer.nvme.path`); a run never writes into it
-directly but into a directory of its own made inside it:
+A run never writes into the base a plan names (`activations.slow_path`, `optimizer.nvme.path`) but into its own
+`<base>/hetero-<kind>-<pid>-<host>-<random>` (host: 8 hex digits of a hash of this machine's name; mode 0700):
+- made under a hidden name (`mkdtemp`), its `.lock` flocked, then renamed: a sweep only ever sees it locked;
+- the base and the way to it must pass hetero.run.devices.places; missing parents are made (0700) and removed
+  again, when empty, with the last work directory in them;
+- `sweep` removes this machine's directories of this user (mode 0700) whose pid is dead and whose lock it can take;
+  `sweep_earlier` runs it at every `hetero run` and `hetero profile` start and says in one line what it found.
 
-    <base>/hetero-<kind>-<pid>-<host>-<random>   kind: activations | states | profile | exit |
-                                                       returned
-                                                 host: 8 hex digits of a hash of this machine's name
-                                                 mode 0700, owned by the user
-
-Contracts:
-- The directory is made under a hidden name with `tempfile.mkdtemp` (an exclusive mkdir, mode 0700), so a
-  directory someone else created beforehand is never used; its lock file (`.lock`, 0600) is created and locked
-  (flock) there, and only then is it renamed to its final, unpredictable name. So every directory a sweep can
-  match is locked from the first moment, and stays locked for as long as its owner holds it open: the lock is the
-  kernel's, released only when the last process holding it ends, whatever PID namespace (container, `unshare`)
-  that process lives in.
-- The base and every directory met on the way to it must be the user's or root's, and if others may write in
-  them, sticky like /tmp (as ssh checks a key's path), so nobody else can rename our directory, or one above
-  it, away and put theirs in its place (writable by a group is fine where that group is the user's alone, as
-  umask 002 makes a user-private group's directories); every link on that way, the base included, must be the
-  user's or root's, so nobody else can point it elsewhere; and the base must not be on a kernel pseudo file system
-  (/proc, /sys). All of it is checked (hetero.run.devices.places) before anything is made.
-- `~` is expanded; an empty base is refused. Parents of the base that did not exist are created (0700) and removed
-  again, when empty, with the last work directory in them (this process remembers which ones it made, so two
-  bases made under one new parent leave nothing behind).
-- The pid and host in the name are the owning process and its machine. `sweep` removes the work directories of this
-  machine's processes that are gone (a run killed with SIGKILL or by a memory limit, or one that called `os._exit`),
-  but only those of this user with mode 0700 whose pid is not a live process here and whose lock it can take
-  (without waiting) before deleting. `sweep_earlier` does that at every start of `hetero run` and `hetero profile`,
-  in the system temp directory and the directories the command will use, and says in one line what it found. A
-  directory shared between machines never loses a live run's files to another machine's sweep.
-
-Errors are `PlanPathError`s: exit 3, naming the plan field, which the launcher turns into the plan's file:line.
-torch is not imported here.
+Errors are `PlanPathError`s: exit 3, naming the plan field. torch is not imported here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -53,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero.run.devices.places import HINT, PlanPathError, check_place, existing, expand
+from hetero.run.devices.places import PlanPathError, check_place, existing, expand
 from hetero.units import SIZE
 
 # evicted activations, optimizer states, `hetero profile`'s disk probe, data-parallel workers' exit codes, and the
@@ -71,8 +48,7 @@ class WorkDir:
     lock: int | None = None  # the open, locked `.lock` inside: released when the directory is removed
 
     def remove(self) -> None:
-        """Remove the directory with whatever is still in it, then the parents this process made for work
-        directories while they are empty; the lock goes last, once nothing is left to protect."""
+        """Remove the directory and its files, then the parents this process made while empty; the lock last."""
         shutil.rmtree(self.path, ignore_errors=True)
         if self.lock is not None:
             os.close(self.lock)
@@ -85,9 +61,8 @@ _made_lock = threading.Lock()
 
 
 def make_missing(path: Path) -> list[Path]:
-    """Create `path` and its missing parents (0700), remembered as this process's (see remove_made); those created,
-    outermost first. One made meanwhile by another process is left out: it is not ours to remove. On an OSError
-    what was made is removed again and the error raised."""
+    """Create `path` and its missing parents (0700), remembered as this process's; those created, outermost first
+    (not one another process made meanwhile). On an OSError what was made is removed again."""
     made: list[Path] = []
     try:
         for p in [p for p in [path, *path.parents] if not p.exists()][::-1]:
@@ -105,8 +80,8 @@ def make_missing(path: Path) -> list[Path]:
 
 
 def remove_made(path: Path) -> None:
-    """Remove `path` and the directories above it, innermost first, as long as this process made them and they are
-    empty: the first one not made by us, or not empty (someone put files there meanwhile), stops it."""
+    """Remove `path` and the directories above it, innermost first, while this process made them and they are
+    empty."""
     for p in [path, *path.parents]:
         with _made_lock:
             if p not in _made:
@@ -134,7 +109,7 @@ def create(base: str | None, kind: str, field: str) -> WorkDir:
     try:
         made = make_missing(root)
     except OSError as e:
-        raise PlanPathError(field, f"cannot create {root}: {e.strerror}", HINT) from None
+        raise PlanPathError(field, f"cannot create {root}: {e.strerror}") from None
     try:
         check_place(root, field)  # again, as made: another process may have made it meanwhile
         sweep(root)
@@ -151,7 +126,7 @@ def _new(root: Path, kind: str, field: str, made: list[Path]) -> WorkDir:
     try:
         hidden = Path(tempfile.mkdtemp(prefix=f".{name}", dir=root))
     except OSError as e:
-        raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}", HINT) from None
+        raise PlanPathError(field, f"cannot create a directory in {root}: {e.strerror}") from None
     path = hidden
     try:
         _check_private(hidden, field)
@@ -166,7 +141,7 @@ def _new(root: Path, kind: str, field: str, made: list[Path]) -> WorkDir:
         if lock is not None:
             os.close(lock)
         if isinstance(e, OSError):
-            raise PlanPathError(field, f"cannot set up a directory in {root}: {e.strerror}", HINT) from None
+            raise PlanPathError(field, f"cannot set up a directory in {root}: {e.strerror}") from None
         raise
     return WorkDir(path, made, lock)
 
@@ -175,7 +150,7 @@ def _check_private(path: Path, field: str) -> None:
     """What mkdtemp promises, checked without following a link: ours, a directory, 0700."""
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
-        raise PlanPathError(field, f"{path} is not a private directory of this user (mode 0700)", HINT)
+        raise PlanPathError(field, f"{path} is not a private directory of this user (mode 0700)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +163,7 @@ class Swept:
 
 
 def sweep(root: Path) -> list[Path]:
-    """Remove the work directories in `root` whose owning process is gone; those removed.
-
-    Only directories named by `create`, owned by this user and of mode 0700 are touched; a live pid (also one reused
-    by an unrelated process) keeps its directory, and so does a held lock (an owner alive in another PID namespace,
-    where its pid means nothing here)."""
+    """Remove the work directories in `root` whose owner is gone (see the module's docstring); those removed."""
     return [s.path for s in _sweep(root)]
 
 
@@ -248,17 +219,14 @@ def _size(path: Path) -> int:
     total = 0
     for dirpath, _, names in os.walk(path):
         for name in names:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
     return total
 
 
 def sweep_earlier(bases: Iterable[str | None]) -> str | None:
-    """Sweep the system temp directory and `bases` (the directories a command is about to use; None: the temp
-    directory); one line saying what earlier hetero processes left behind, or None when they left nothing. Bases that
-    cannot be used are skipped: the command refuses them itself, naming them."""
+    """Sweep the system temp directory and `bases` (None: the temp directory), skipping bases that cannot be used
+    (the command refuses them itself); one line saying what earlier processes left behind, or None."""
     roots: list[Path] = []
     for base in [None, *bases]:
         try:
