@@ -235,9 +235,11 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
 
 
 class _Steps:
-    """The script's steps in a trial process: after the warm-up, the file pages used are counted afresh, and read at
-    each step's end, so that what the script does after its last step (an evaluation, a save) is not counted; it stops
-    once its peak has settled (`settled`)."""
+    """The script's steps in a trial process: after the warm-up, the file pages each step used are counted from its
+    start to its end, so that what the script does after its last step (an evaluation, a save) is not counted, and
+    the least of the steps is kept: a page cache page another process touches counts as referenced in every process
+    that maps it (the kernel keeps that flag per page), and a step no other process disturbed is the script's own
+    use. It stops once its peak has settled (`settled`)."""
 
     def __init__(self, warmup: int, policy: MemoryPolicy):
         self.warmup, self.policy = warmup, policy
@@ -247,7 +249,7 @@ class _Steps:
         self.system: list[float] = []  # the process's time in the kernel at each step's end ...
         self.reading_system_s: list[float] = []  # ... and what reading the file pages used added to it
         self.first: list = []  # the first optimizer to step: its steps are the script's
-        self.beside_bytes = 0
+        self.besides: list[int] = []  # the file pages and page tables of each step after the warm-up
 
     def counting(self, steps_from: str):
         from contextlib import contextmanager
@@ -276,14 +278,18 @@ class _Steps:
         self.ends.append(time.perf_counter())
         self.system.append(os.times().system)
         self.peaks.append(process_memory.dram_peak_bytes())
-        if len(self.ends) == self.warmup:
+        if len(self.ends) > self.warmup:
+            self.besides.append(process_memory.charged_beside_bytes())
+        if len(self.ends) >= self.warmup:
             process_memory.clear_referenced()
-        elif len(self.ends) > self.warmup:
-            self.beside_bytes = process_memory.charged_beside_bytes()
         self.reading_s.append(time.perf_counter() - self.ends[-1])
         self.reading_system_s.append(os.times().system - self.system[-1])
         if settled(self.peaks, self.warmup + self.policy.timed_steps, self.policy):
             raise StopScript()
+
+    @property
+    def beside_bytes(self) -> int:
+        return min(self.besides, default=0)
 
     def step_s(self, timed_steps: int) -> float:
         """The mean of the last `timed_steps` steps, less the time their starts spent in `ended`."""
