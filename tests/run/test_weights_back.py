@@ -142,10 +142,12 @@ def test_weights_go_back_per_bucket_without_a_host_wait(stand_ins, small_buckets
     assert work["whole-device waits"] == 0
 
 
+@pytest.mark.parametrize("rollback", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_training_is_bit_equal_to_fused_adamw(stand_ins, small_buckets, overlap):
-    ref, reference = fused_reference()
+def test_training_is_bit_equal_to_fused_adamw(stand_ins, small_buckets, overlap, rollback):
+    """With `rollback`, a checkpoint loaded mid-training (the optimizer's loads wait for the last uploads first)."""
+    ref, reference = fused_reference(rollback)
     model = stand_ins.to(gpt(), 0)
     with Runtime(bench_plan(model, overlap), script=__file__):
-        out = script(model)
+        out = script(model, rollback=rollback)
     assert out == ref and bit_equal(model, reference)
