@@ -17,7 +17,7 @@ from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import NvmeStaging, on_host
-from hetero.run.states import FP32, Update, launch
+from hetero.run.states import FP32, Update, launch, upload
 from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
 from hetero.schema.names import UPDATE_BUCKETS, UpdateBuckets, update_buckets
 
@@ -58,6 +58,8 @@ class Offloaded:
         self._params: dict[torch.nn.Parameter, ParamState] = {}
         self._group_of: dict[torch.nn.Parameter, dict] = {}
         self._buckets: dict[torch.nn.Parameter, Bucket] = {}
+        self._overlapped: list[list[Update]] = []  # buckets updated during backward: their weights go back in step()
+        self._uploads: list = []  # (device, event) of the latest step's weights sent to device memory, per bucket
         self._homes: Homes | None = None
         self._edits: GradEdits | None = None  # overlapped updates: gradients the script changes after backward
         self._pending_state: dict | None = None
@@ -110,6 +112,7 @@ class Offloaded:
         if self._edits is not None:
             self._edits.close()
         if self._homes is not None:
+            self._settle_uploads()
             self._homes.close()
 
     def state_bytes(self) -> StateBytes:
@@ -170,8 +173,10 @@ class Offloaded:
             if slot is not None and slot.home is not None and slot.grads_seen == self.config.micro_batches:
                 self._launch(p, slot, grad)
 
-    def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor) -> None:
-        """`p`'s update joins its bucket, which goes to the drivers once it is complete (or at the step)."""
+    def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor, uploads: list | None = None) -> None:
+        """`p`'s update joins its bucket, which goes to the drivers once it is complete (or at the step). In step()
+        (`uploads` given) the bucket's weights go to device memory right after its update; a bucket completed in
+        backward keeps them in its masters until step() (the model's parameters change only there)."""
         slot.step += 1
         slot.launched = True
         bucket = self._buckets[p]
@@ -180,7 +185,9 @@ class Offloaded:
             bucket.waiting.append(update)
             complete = bucket.take() if len(bucket.waiting) == bucket.size else None
         if complete:
-            launch(complete)
+            launch(complete, uploads)
+            if uploads is None:
+                self._overlapped.append(complete)  # one append: DDP's thread may complete a bucket meanwhile
 
     def step(self, closure=None):
         loss = None
@@ -196,7 +203,7 @@ class Offloaded:
     def _offloaded_step(self) -> None:
         self._check_micro_batches()
         self._check_grads_unedited()
-        spilled = []
+        spilled, uploads = [], []
         kept = self._kept()
         for p, slot in self._params.items():
             if slot.home is not None:
@@ -207,15 +214,21 @@ class Offloaded:
                 slot.step += 1
                 spilled.append((slot.name, p, p.grad, Hyperparameters.from_param_group(self._group_of[p]), slot.step))
             else:
-                self._launch(p, slot, p.grad)
+                self._launch(p, slot, p.grad, uploads)
         for bucket in {id(b): b for b in self._buckets.values()}.values():
             with bucket.lock:
                 left = bucket.take()
             if left:  # some of its parameters had no gradient this step
-                launch(left)
+                launch(left, uploads)
         if spilled:
             self._homes.staging.update_all(spilled)
         self._homes.drain()
+        overlapped, self._overlapped = self._overlapped, []
+        for batch in overlapped:
+            upload(batch, uploads)
+        for link, done in uploads:  # the next kernels read the weights: the device waits, not the host
+            link.compute_waits(done)
+        self._uploads = uploads
         for p, slot in self._params.items():
             if slot.launched:
                 slot.home.copy_back(p)
@@ -244,6 +257,12 @@ class Offloaded:
                 "an in-place op), after the plan's overlapped updates had used them", exit_code=STALE_PLAN,
                 hint="profile and plan again (hetero plan then updates after backward), or set overlap_backward: "
                      "false under optimizer in the plan"))
+
+    def _settle_uploads(self) -> None:
+        """The host waits for the latest step's uploads, which read masters it is about to write or free."""
+        for link, done in self._uploads:
+            link.synchronize(done)
+        self._uploads = []
 
     def _kept(self) -> set[str]:
         staging = self.staging()
@@ -284,6 +303,7 @@ class Offloaded:
 
     def _apply_state(self, loaded: dict) -> None:
         self._homes.drain()
+        self._settle_uploads()
         for p, slot in self._params.items():
             if (s := loaded.get(p)) is None:
                 continue

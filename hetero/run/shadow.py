@@ -22,18 +22,20 @@ after an event marking its own forward's end (the link is idle once the GFGB cop
 backward (a pre-hook on its outputs' grad_fn, or the first of its saved views to come back) waits for that copy.
 Micro-batches after the first keep the device copy: the weights do not change within a step.
 
-The step boundary. Before the step, the host waits for the copy stream (copies reading the host copies), not for the
-whole device: the kernels that read a layer's host view or write its gradients into host memory all come before its
-gradients' ready event, which the optimizer's update of that layer waits for before it writes the host copy
-(hetero.run.states). It points DFGB parameters back at their host view and GFGB parameters at the device view of
-their host copy, so that in `step()` every placed parameter (and every host gradient, hetero.run.grad_offload) is a
-device view of pinned host memory: the optimizer finds the host bytes behind it (`Device.host_view`, anew at every
-step: the same storage each step) and updates the CPU model there. A parameter never changes device: `p.data = x`
-across devices resets the parameter's gradient accumulator in autograd, and DDP's reducer hooks live on the old one
-(no all-reduce from the second step); host view and device buffer are both device tensors. After the step the GFGB
-parameters point at their device buffers again and the copies above are issued. Nothing synchronizes the device
-inside a step. Between `step()` and the next forward, GFGB weights are in flight: `state_dict()` waits for them;
-other code reading weights outside the model's forward must synchronize first.
+The step boundary. Before the step, the compute stream waits for the copy stream (copies reading the host copies),
+and the host waits for neither: the kernels that read a layer's host view or write its gradients into host memory
+all come before its gradients' ready event, recorded in step() after that wait, which the optimizer's update of that
+layer waits for before it writes the host copy (hetero.run.states). Where updates overlap backward, their ready
+events came earlier and step() writes the host copies from the homes' own masters on its thread: there the host
+waits for the copy stream, not for the whole device. It points DFGB parameters back at their host view and GFGB
+parameters at the device view of their host copy, so that in `step()` every placed parameter (and every host
+gradient, hetero.run.grad_offload) is a device view of pinned host memory: the optimizer finds the host bytes behind
+it (`Device.host_view`, anew at every step: the same storage each step) and updates the CPU model there. A parameter
+never changes device: `p.data = x` across devices resets the parameter's gradient accumulator in autograd, and DDP's
+reducer hooks live on the old one (no all-reduce from the second step); host view and device buffer are both device
+tensors. After the step the GFGB parameters point at their device buffers again and the copies above are issued.
+Nothing synchronizes the device inside a step. Between `step()` and the next forward, GFGB weights are in flight:
+`state_dict()` waits for them; other code reading weights outside the model's forward must synchronize first.
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ class ShadowConfig:
 
     layers: list[LayerPlan]
     updated_on: str  # the optimizer section's device; `gpu` also for the script's own optimizer
+    overlap: bool = False  # its updates overlap backward
 
     @classmethod
     def of(cls, plan: Plan) -> ShadowConfig | None:
         """None: the plan has no layers section."""
-        return cls(plan.layers, plan.optimizer.device if plan.optimizer is not None else "gpu") if plan.layers else None
+        if not plan.layers:
+            return None
+        opt = plan.optimizer
+        return cls(plan.layers, opt.device if opt is not None else "gpu", opt is not None and opt.overlap_backward)
 
 
 def shadow_model(config: ShadowConfig) -> ShadowModel | None:
@@ -88,7 +94,7 @@ def shadow_model(config: ShadowConfig) -> ShadowModel | None:
                           hint="set every layer to `mode: gfgb, grad: gpu`, or plan with --optimizer-device host",
                           exit_code=INVALID_FILE)
     dha.devices.check()  # a plan with layers needs a GPU; which one is known when the model is bound
-    return ShadowModel(config.layers)
+    return ShadowModel(config.layers, config.overlap)
 
 
 # -- the mechanism ------------------------------------------------------------------------------------------------
@@ -148,8 +154,9 @@ def place(device: Device, spec: LayerStorage, params: list[nn.Parameter]) -> Lay
 class ShadowModel(Mechanism):
     """The plan's `layers` section, carried out on a device (the GPU, or the CPU stand-in in tests)."""
 
-    def __init__(self, layers: list[LayerPlan]):
+    def __init__(self, layers: list[LayerPlan], overlap: bool = False):
         self.entries = layers
+        self.overlap = overlap  # the updates overlap backward: step() writes host copies on its thread
         self.device: Device | None = None  # the model's own GPU, opened at bind
         self.layers: list[LayerState] = []
         self.grads: HostGrads | None = None
@@ -259,8 +266,12 @@ class ShadowModel(Mechanism):
             return
         # No wait for the whole device: each update waits for its own gradients' event, which came after every
         # kernel reading the parameter's host bytes (hetero.run.states), so the host writes each layer's host copy
-        # once that layer is done. Only the copies that read host copies are waited for here.
-        self._settle()
+        # once that layer is done. The copies that read host copies: before any event recorded in step(), or, for
+        # host writes in step() that no such event precedes (overlapped updates), before the step.
+        if self.overlap:
+            self._settle()
+        else:
+            self.device.compute_waits(self.copied)
         for st in self.layers:
             if st.on_gpu or st.spec.mode == LayerMode.GFGB:
                 st.point(st.alias)

@@ -8,7 +8,8 @@ channel has a driver that alone switches the channel's arbiter (normal to copy t
 Adam), so the paper's exclusivity holds by construction, and while one channel's kernel runs the other channel's
 driver copies (§5.2). The model's parameters change only in `optimizer.step()`: updates that overlapped backward wait
 in the homes' own master copies until `copy_back`; a host home updated in `step()` has none, its master is the
-parameter's own host bytes (`HostHome`).
+parameter's own host bytes (`HostHome`). A parameter whose data is device memory gets its weights by `upload`: one
+asynchronous copy each on the device's upload stream, one event per bucket for the compute stream to wait on.
 """
 
 from __future__ import annotations
@@ -114,16 +115,40 @@ class Update:
     step: int
 
 
-def launch(updates: list[Update]) -> None:
+def launch(updates: list[Update], uploads: list | None = None) -> None:
     """Start updates whose gradients are all final, the last one made final by the calling thread: one ready event
-    (recorded after every kernel the gradients came from) and one job per driver, in order."""
+    (recorded after every kernel the gradients came from) and one job per driver, in order. With `uploads`, each
+    job then sends its weights to device memory (`upload`, into `uploads`) right after its update."""
     ready = updates[0].home.source.ready(updates[-1].grad)
     jobs: dict[int, list[Update]] = defaultdict(list)
     for u in updates:
         jobs[id(u.home.driver)].append(u)
     for batch in jobs.values():
         home = batch[0].home
-        home.driver.submit(lambda home=home, batch=batch: home.run_updates(batch, ready))
+        home.driver.submit(lambda home=home, batch=batch: _run(home, batch, ready, uploads))
+
+
+def _run(home: AxdimmHome | HostHome, batch: list[Update], ready, uploads: list | None) -> None:
+    """One driver job: the bucket's updates, then (in step()) its weights on their way back."""
+    home.run_updates(batch, ready)
+    if uploads is not None:
+        upload(batch, uploads, ready)
+
+
+def upload(batch: list[Update], into: list, after=None) -> None:
+    """The updated masters of a bucket's parameters whose data is device memory (`HostHome.attach` found it) into
+    that memory, asynchronously on the device's upload stream after the event `after` (None: after every kernel
+    issued so far); (device, event) added to `into`, the event of the last copy, which ends them all (one stream).
+    The caller has the compute stream wait for it and keeps the masters unwritten until then."""
+    homes = [u.home for u in batch if u.home.device_data is not None]
+    if not homes:
+        return
+    link = homes[0].source.link
+    waits = (homes[0].source.ready(None) if after is None else after,)
+    for home in homes:
+        done = link.upload(home.device_data, home.buffers[0][:home.device_data.numel()], waits)
+        waits = ()  # the stream runs its copies in order
+    into.append((link, done))
 
 
 class Driver:
@@ -161,6 +186,8 @@ class ChannelDriver(Driver):
 class AxdimmHome:
     """Master copy, gradient and Adam states of one parameter on one AXDIMM channel. Every operation sizes itself
     from the tensor it is given, so a home sized for the largest parameter stages any smaller one (NvmeStaging)."""
+
+    device_data = None  # never uploaded: the channel's memory is reached through memcpy only, by `copy_back`
 
     def __init__(self, driver: ChannelDriver, param: torch.Tensor):
         self.driver, self.device, self.channel = driver, driver.device, driver.channel
@@ -236,7 +263,8 @@ class HostHome:
     bytes of its own then gets a master of its own from that step on, as an unshared home has from the start.
     Updates that overlap backward are never shared: the model's parameters change only in `step()` (a script may
     read them between backward and step, and a gradient changed after backward stops the run before the updated
-    weights reach the model: hetero.harness.grads)."""
+    weights reach the model: hetero.harness.grads). A parameter whose data `attach` finds in device memory (a GPU
+    parameter no shadow model places) has a master of its own, which `upload` sends there, and `copy_back` skips."""
 
     def __init__(self, driver: Driver, kernel: AdamKernel, param: torch.Tensor, shared: bool = False):
         self.driver, self.kernel = driver, kernel
@@ -248,6 +276,7 @@ class HostHome:
                                                    self.source.buffer(n), self.source.buffer(n)]
         self.grad = self.source.buffer(n) if self.source.link is not None else None  # from the GPU
         self.loaded: torch.Tensor | None = None  # a master `load` gave a shared home: written at the next `attach`
+        self.device_data: torch.Tensor | None = None  # the parameter's data where `attach` found it device memory
         for b in self.buffers[1:]:
             b.zero_()
         if not shared:
@@ -269,11 +298,13 @@ class HostHome:
 
     def attach(self, param: torch.Tensor) -> None:
         """On the thread calling step(), before this step's updates: a shared home's master is `param`'s host bytes
-        now, holding what `load` gave since; without host bytes, a master of the home's own from now on."""
+        now, holding what `load` gave since; without host bytes, a master of the home's own from now on, and the
+        parameter's data (device memory) is where `upload` sends it."""
+        host = self.source.host_bytes(param)
+        self.device_data = flat(param.data) if host is None and self.source.link is not None else None
         if not self.shared:
             return
         loaded, self.loaded = self.loaded, None
-        host = self.source.host_bytes(param)
         if host is None:
             self.shared, host = False, self.source.buffer(param.numel())
             loaded = flat(param.data) if loaded is None else loaded
@@ -293,13 +324,11 @@ class HostHome:
         self.run_updates([Update(self, grad, hp, step)], ready)
 
     def run_updates(self, batch: list[Update], ready=None) -> None:
-        """The updates of a bucket (homes of this driver and kernel): gradients read in place after one wait for
-        `ready`, or downloaded (all issued, then the last one waited for), then one fused call per constants. The
-        wait comes before any write of a shared master: every kernel reading the parameter's host bytes came
-        before its gradients were final."""
+        """The updates of a bucket (homes of this driver and kernel): GPU gradients downloaded (all issued), the rest
+        read in place, after one host wait (the last download, which came after `ready`; else `ready`), then one
+        fused call per constants. The wait comes before any write of a shared master: every kernel reading the
+        parameter's host bytes came before its gradients were final."""
         grads = [u.home.source.in_host(u.grad) for u in batch]
-        if any(g is not None for g in grads):
-            self.source.wait(ready)
         last = None
         for i, u in enumerate(batch):
             if grads[i] is None:
@@ -308,6 +337,8 @@ class HostHome:
                 grads[i] = u.home.grad[:n]
         if last is not None:
             self.source.finish(last)
+        else:
+            self.source.wait(ready)
         by_constants: dict[Hyperparameters, list[tuple[Update, torch.Tensor]]] = defaultdict(list)
         for u, g in zip(batch, grads):
             by_constants[u.hp].append((u, flat(g)))
@@ -318,8 +349,9 @@ class HostHome:
                                  [v for _, _, v in states], hyperparameters=hp, steps=[u.step for u, _ in items])
 
     def copy_back(self, param: torch.Tensor) -> None:
-        """The updated master into the parameter's host bytes (its data where it has none); nothing when shared."""
-        if not self.shared:
+        """The updated master into the parameter's host bytes (its data where it has none); nothing when shared or
+        uploaded (`device_data`: `upload` sends it)."""
+        if not self.shared and self.device_data is None:
             self.source.host_data(param).copy_(self.buffers[0][:param.numel()])
 
     def nbytes(self) -> int:
