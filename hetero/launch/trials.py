@@ -220,7 +220,7 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
     threading.Thread(target=_stop_at, args=(stop, policy.poll_s), name="hetero-stop-at", daemon=True).start()
     from hetero.run.runtime import Runtime
 
-    steps = _Steps(warmup, policy)
+    steps = Steps(warmup, policy)
     with steps.counting(steps_from), Runtime(files.load(plan_path, expect=Plan), script=script):
         from hetero.harness.script import run_script
 
@@ -234,7 +234,7 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
     return 0
 
 
-class _Steps:
+class Steps:
     """The script's steps in a trial process: after the warm-up, the file pages each step used are counted from its
     start to its end, so that what the script does after its last step (an evaluation, a save) is not counted, and
     the least of the steps is kept: a page cache page another process touches counts as referenced in every process

@@ -159,3 +159,19 @@ def test_file_pages_are_counted_in_the_steps_not_after_the_script_trains(tmp_pat
     assert measured.stopped == 0 and len(measured.peaks_bytes) == 2 and measured.step_s > 0
     assert 0 < measured.mapped_bytes < 64 * MiB
     assert measured.system_s >= 0 and measured.mmap_threshold_bytes is None  # plain training: malloc's defaults
+
+
+def test_a_trial_process_keeps_the_least_file_pages_any_step_used(monkeypatch):
+    """A page another process touches counts as referenced in every process that maps it: each step after the
+    warm-up is a window of its own (cleared at its start, read at its end), and the least step is the script's."""
+    from hetero.run import process_memory
+
+    readings, cleared = iter([50 * MiB, 9 * MiB, 80 * MiB]), []
+    monkeypatch.setattr(process_memory, "charged_beside_bytes", lambda: next(readings))
+    monkeypatch.setattr(process_memory, "clear_referenced", lambda: cleared.append(True))
+    monkeypatch.setattr(process_memory, "dram_peak_bytes", lambda: 64 * MiB * (1 + len(cleared)))  # still rising
+    steps = trials.Steps(warmup=1, policy=MemoryPolicy(max_steps=99))
+    for _ in range(4):
+        steps.ended()
+    assert steps.beside_bytes == 9 * MiB and len(cleared) == 4  # cleared after the warm-up and after every reading
+    assert steps.system_s(2) >= 0 and steps.step_s(2) > 0
