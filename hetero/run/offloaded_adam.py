@@ -238,14 +238,11 @@ class Offloaded:
             slot.launched, slot.grads_seen = False, 0
 
     def _flatten(self) -> None:
-        """Once, before the first step's homes attach: each bucket's resident weights and their masters in one
-        buffer each (hetero.run.states.flatten), after the updates that overlapped backward wrote those masters."""
+        """Once, before the first step's homes attach, after the updates that overlapped backward (they wrote the
+        masters): each bucket's resident weights and their masters in one buffer each (hetero.run.states.flatten)."""
         self._homes.drain()
-        members: dict[int, list] = defaultdict(list)
-        for p, bucket in self._buckets.items():
-            members[id(bucket)].append((p, self._params[p].home))
-        for pairs in members.values():
-            flatten(pairs)
+        for bucket in {id(b): b for b in self._buckets.values()}.values():
+            flatten([(p, self._params[p].home) for p, b in self._buckets.items() if b is bucket])
         self._flat = True
 
     def _check_micro_batches(self) -> None:

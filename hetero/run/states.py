@@ -179,12 +179,11 @@ def flatten(members: list[tuple[torch.nn.Parameter, AxdimmHome | HostHome]]) -> 
     uploads, the drivers drained. `p.data = view` keeps the parameter itself: on the same device with the same
     dtype autograd keeps its gradient accumulator, so the hooks there (the optimizer's, DDP's reducer, which reads
     `.grad`, never `.data`) stay; a parameter never changes device. Its old storage goes with its last reference."""
-    resident = [(p, h) for p, h in members if isinstance(h, HostHome) and h.source.link is not None
+    link = members[0][1].source.link  # a bucket's parameters are on one device, as a model's are
+    resident = [(p, h) for p, h in members if isinstance(h, HostHome) and link is not None and h.source.link is link
                 and h.source.host_bytes(p) is None and p.untyped_storage().nbytes() == p.nbytes]
     if not resident:
         return
-    link = resident[0][1].source.link
-    resident = [(p, h) for p, h in resident if h.source.link is link]
     starts, nbytes = dha.offsets([p.nbytes for p, _ in resident])
     bucket = FlatBucket(link.buffer(nbytes).view(torch.float32), resident[0][1].source.buffer(nbytes // FP32),
                         len(resident))
@@ -363,10 +362,8 @@ class HostHome:
     def adopt(self, master: torch.Tensor, param: torch.Tensor, bucket: FlatBucket) -> None:
         """`master` (its place in `bucket`: `flatten`) is the home's own master from now on, holding what its master
         holds (a shared home's, whose parameter has no host bytes: what `load` gave, else the weights)."""
-        if self.shared:
-            _copy(master, flat(param.data) if self.loaded is None else self.loaded)
-        else:
-            _copy(master, self.buffers[0][:master.numel()])
+        current = (flat(param.data) if self.loaded is None else self.loaded) if self.shared else self.buffers[0]
+        _copy(master, current[:master.numel()])
         self.buffers[0], self.shared, self.loaded, self.bucket = master, False, None, bucket
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
