@@ -162,3 +162,26 @@ def test_training_is_bit_equal_to_fused_adamw(stand_ins, small_buckets, overlap,
     with Runtime(bench_plan(model, overlap, resident), script=__file__):
         out = script(model, rollback=rollback)
     assert out == ref and bit_equal(model, reference)
+
+
+def test_a_parameter_given_other_memory_still_gets_its_weights(stand_ins, small_buckets):
+    """After the first step the script gives a resident parameter new device memory (`p.data = ...`, not in its
+    bucket's flat buffer any more): its bucket's weights then go back one copy each, and training still equals
+    torch's."""
+    def train(model, fused=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+        for step in range(3):
+            x, y = batch(step, 0, model.wte.num_embeddings, model.wpe.num_embeddings)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                p = model.h[1].mlp.c_fc.weight
+                p.data = p.data.clone()
+
+    reference = gpt()
+    train(reference, fused=True)
+    model = stand_ins.to(gpt(), 0)
+    with Runtime(bench_plan(model, overlap=False), script=__file__):
+        train(model)
+    assert bit_equal(model, reference)
