@@ -172,13 +172,14 @@ class FlatBucket:
 
 
 def flatten(members: list[tuple[torch.nn.Parameter, AxdimmHome | HostHome]]) -> None:
-    """Lay out a bucket's resident parameters (`members`, each once: those of host homes whose data is device
-    memory of their own, no host bytes behind it, on the first one's device) as views into one new device buffer, and
-    their masters as views into one pinned host buffer at the same offsets (a FlatBucket, aligned as a layer's flat
-    storage: dha.offsets), holding what they held. Once, on the thread calling step(), before its updates and
-    uploads, the drivers drained. `p.data = view` keeps the parameter itself: on the same device with the same
-    dtype autograd keeps its gradient accumulator, so the hooks there (the optimizer's, DDP's reducer, which reads
-    `.grad`, never `.data`) stay; a parameter never changes device. Its old storage goes with its last reference."""
+    """Lay out a bucket's resident parameters (`members`, each once: those of host homes whose data is a whole
+    device storage, no view such as cuDNN's flat RNN weights, no host bytes behind it, on the first one's device) as
+    views into one new device buffer, and their masters as views into one pinned host buffer at the same offsets (a
+    FlatBucket, aligned as a layer's flat storage: dha.offsets), holding what they held. Once, on the thread calling
+    step(), before its updates and uploads, the drivers drained. `p.data = view` keeps the parameter itself: on the
+    same device with the same dtype autograd keeps its gradient accumulator, so the hooks there (the optimizer's,
+    DDP's reducer, which reads `.grad`, never `.data`) stay; a parameter never changes device. Its old storage goes
+    with its last reference."""
     link = members[0][1].source.link  # a bucket's parameters are on one device, as a model's are
     resident = [(p, h) for p, h in members if isinstance(h, HostHome) and link is not None and h.source.link is link
                 and h.source.host_bytes(p) is None and p.untyped_storage().nbytes() == p.nbytes]
