@@ -17,7 +17,7 @@ from hetero.harness.script import StopScript
 from hetero.kernels.adam import Hyperparameters
 from hetero.run.homes import Homes, ParamState
 from hetero.run.nvme_states import NvmeStaging, on_host
-from hetero.run.states import FP32, Update, launch, upload
+from hetero.run.states import FP32, Update, flatten, launch, upload
 from hetero.run.torch_optim import ids, parameters, several_ranks, torch_step, updates_the_model
 from hetero.schema.names import UPDATE_BUCKETS, UpdateBuckets, update_buckets
 
@@ -61,6 +61,7 @@ class Offloaded:
         self._overlapped: list[list[Update]] = []  # buckets updated during backward: their weights go back in step()
         self._uploads: list = []  # (device, event) of the latest step's weights sent to device memory, per bucket
         self._homes: Homes | None = None
+        self._flat = False  # the buckets' resident weights laid out flat (`_flatten`, at the first step)
         self._edits: GradEdits | None = None  # overlapped updates: gradients the script changes after backward
         self._pending_state: dict | None = None
         self._own = False  # True: an optimizer of parameters outside the planned model, left as torch's own
@@ -203,6 +204,8 @@ class Offloaded:
     def _offloaded_step(self) -> None:
         self._check_micro_batches()
         self._check_grads_unedited()
+        if not self._flat:
+            self._flatten()
         spilled, uploads = [], []
         kept = self._kept()
         for p, slot in self._params.items():
@@ -233,6 +236,14 @@ class Offloaded:
             if slot.launched:
                 slot.home.copy_back(p)
             slot.launched, slot.grads_seen = False, 0
+
+    def _flatten(self) -> None:
+        """Once, before the first step's homes attach, after the updates that overlapped backward (they wrote the
+        masters): each bucket's resident weights and their masters in one buffer each (hetero.run.states.flatten)."""
+        self._homes.drain()
+        for bucket in {id(b): b for b in self._buckets.values()}.values():
+            flatten([(p, self._params[p].home) for p, b in self._buckets.items() if b is bucket])
+        self._flat = True
 
     def _check_micro_batches(self) -> None:
         if not self.config.overlap:

@@ -9,7 +9,8 @@ Adam), so the paper's exclusivity holds by construction, and while one channel's
 driver copies (§5.2). The model's parameters change only in `optimizer.step()`: updates that overlapped backward wait
 in the homes' own master copies until `copy_back`; a host home updated in `step()` has none, its master is the
 parameter's own host bytes (`HostHome`). A parameter whose data is device memory gets its weights by `upload`: one
-asynchronous copy each on the device's upload stream, one event per bucket for the compute stream to wait on.
+asynchronous copy per bucket on the device's upload stream (`flatten` laid out the bucket's weights and masters in
+one buffer each at the first step), one event per bucket for the compute stream to wait on.
 """
 
 from __future__ import annotations
@@ -138,17 +139,60 @@ def _run(home: AxdimmHome | HostHome, batch: list[Update], ready, uploads: list 
 def upload(batch: list[Update], into: list, after=None) -> None:
     """The updated masters of a bucket's parameters whose data is device memory (`HostHome.attach` found it) into
     that memory, asynchronously on the device's upload stream after the event `after` (None: after every kernel
-    issued so far); (device, event) added to `into`, the event of the last copy, which ends them all (one stream).
-    The caller has the compute stream wait for it and keeps the masters unwritten until then."""
+    issued so far): one copy where they fill their bucket's flat buffers (`flatten`), else one each; (device, event)
+    added to `into`, the event of the last copy, which ends them all (one stream). The caller has the compute stream
+    wait for it and keeps the masters unwritten until then."""
     homes = [u.home for u in batch if u.home.device_data is not None]
     if not homes:
         return
     link = homes[0].source.link
     waits = (homes[0].source.ready(None) if after is None else after,)
-    for home in homes:
-        done = link.upload(home.device_data, home.buffers[0][:home.device_data.numel()], waits)
+    whole = homes[0].bucket
+    if whole is not None and len(homes) == whole.members and all(h.bucket is whole for h in homes):
+        copies = [(whole.device, whole.master)]
+    else:  # some had no gradient this step, or the script gave one other memory
+        copies = [(h.device_data, h.buffers[0][:h.device_data.numel()]) for h in homes]
+    for dst, src in copies:
+        done = link.upload(dst, src, waits)
         waits = ()  # the stream runs its copies in order
     into.append((link, done))
+
+
+@dataclass(eq=False, slots=True)
+class FlatBucket:
+    """A bucket's resident weights in one device buffer and their masters in one pinned host buffer, each parameter
+    at the same offset in both (`flatten`), so that `upload` sends them back in one copy."""
+
+    device: torch.Tensor
+    master: torch.Tensor
+    members: int
+
+    def holds(self, t: torch.Tensor | None) -> bool:
+        return t is not None and 0 <= t.data_ptr() - self.device.data_ptr() < self.device.nbytes
+
+
+def flatten(members: list[tuple[torch.nn.Parameter, AxdimmHome | HostHome]]) -> None:
+    """Lay out a bucket's resident parameters (`members`, each once: those of host homes whose data is a whole
+    device storage, no view such as cuDNN's flat RNN weights, no host bytes behind it, on the first one's device) as
+    views into one new device buffer, and their masters as views into one pinned host buffer at the same offsets (a
+    FlatBucket, aligned as a layer's flat storage: dha.offsets), holding what they held. Once, on the thread calling
+    step(), before its updates and uploads, the drivers drained. `p.data = view` keeps the parameter itself: on the
+    same device with the same dtype autograd keeps its gradient accumulator, so the hooks there (the optimizer's,
+    DDP's reducer, which reads `.grad`, never `.data`) stay; a parameter never changes device. Its old storage goes
+    with its last reference."""
+    link = members[0][1].source.link  # a bucket's parameters are on one device, as a model's are
+    resident = [(p, h) for p, h in members if isinstance(h, HostHome) and link is not None and h.source.link is link
+                and h.source.host_bytes(p) is None and p.untyped_storage().nbytes() == p.nbytes]
+    if not resident:
+        return
+    starts, nbytes = dha.offsets([p.nbytes for p, _ in resident])
+    bucket = FlatBucket(link.buffer(nbytes).view(torch.float32), resident[0][1].source.buffer(nbytes // FP32),
+                        len(resident))
+    for (p, home), start in zip(resident, starts):
+        data, master = (t[start // FP32:start // FP32 + p.numel()] for t in (bucket.device, bucket.master))
+        link.write(data, flat(p.data))
+        home.adopt(master, p, bucket)
+        p.data = data.view_as(p)
 
 
 class Driver:
@@ -277,6 +321,7 @@ class HostHome:
         self.grad = self.source.buffer(n) if self.source.link is not None else None  # from the GPU
         self.loaded: torch.Tensor | None = None  # a master `load` gave a shared home: written at the next `attach`
         self.device_data: torch.Tensor | None = None  # the parameter's data where `attach` found it device memory
+        self.bucket: FlatBucket | None = None  # where `flatten` laid out that data and the master
         for b in self.buffers[1:]:
             b.zero_()
         if not shared:
@@ -302,6 +347,8 @@ class HostHome:
         parameter's data (device memory) is where `upload` sends it."""
         host = self.source.host_bytes(param)
         self.device_data = flat(param.data) if host is None and self.source.link is not None else None
+        if self.bucket is not None and not self.bucket.holds(self.device_data):
+            self.bucket = None  # the script gave the parameter other memory: its weights go back on their own
         if not self.shared:
             return
         loaded, self.loaded = self.loaded, None
@@ -312,6 +359,13 @@ class HostHome:
             self.source.wait(self.source.ready(loaded))  # kernels of this step may still read the host bytes
             _copy(host, loaded)
         self.buffers[0] = host
+
+    def adopt(self, master: torch.Tensor, param: torch.Tensor, bucket: FlatBucket) -> None:
+        """`master` (its place in `bucket`: `flatten`) is the home's own master from now on, holding what its master
+        holds (a shared home's, whose parameter has no host bytes: what `load` gave, else the weights)."""
+        current = (flat(param.data) if self.loaded is None else self.loaded) if self.shared else self.buffers[0]
+        _copy(master, current[:master.numel()])
+        self.buffers[0], self.shared, self.loaded, self.bucket = master, False, None, bucket
 
     def update(self, grad: torch.Tensor, hp: Hyperparameters, step: int) -> None:
         """A bucket of one (the profile times single updates this way)."""

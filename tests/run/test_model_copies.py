@@ -64,10 +64,11 @@ def make() -> Net:
 
 
 def plan_for(mechanism: str, model: nn.Module, workdir: str):
-    """A hand-made plan with `mechanism` alone (the optimizer's: AdamW's states on the host or the emulated AXDIMM)."""
+    """A hand-made plan with `mechanism` alone (the optimizer's: AdamW's states on the host or the emulated AXDIMM;
+    `resident`: on the host for a model on a GPU, whose weights it lays out flat per bucket)."""
     device = mechanism if mechanism in ("host", "axdimm") else "host"
     plan = optimizer_plan(model, device=device)
-    if mechanism not in ("host", "axdimm"):
+    if mechanism not in ("host", "axdimm", "resident"):
         plan = replace(plan, optimizer=None, omitted={**plan.omitted, "optimizer": "test"})
     omitted = {k: v for k, v in plan.omitted.items() if k not in ("activations", "layers", "routing")}
     names = [s.name for s in select_layers(model, "module")]
@@ -124,7 +125,7 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-MECHANISMS = ("tiering", "host", "axdimm", "in_backward", "recompute", "shadow", "routing")
+MECHANISMS = ("tiering", "host", "axdimm", "in_backward", "recompute", "shadow", "routing", "resident")
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
@@ -137,12 +138,14 @@ def test_a_model_saved_and_deep_copied_mid_training_carries_nothing_of_hetero(me
     reference = make()
     expected = train(reference, wrap=wrap)
     model, workdir, copies = make(), str(tmp_path / "work"), []
+    if mechanism == "resident":
+        request.getfixturevalue("stand_ins").to(model, 0)
     os.makedirs(workdir)
     with Runtime(plan_for(mechanism, model, workdir), script=__file__):
         losses = train(model, copies, wrap)
         # the mechanism's hooks are on the model then (the optimizer's are on its parameters; routing's come off
         # once the first forward gave the parameters' order)
-        assert hetero_left(model) > 0 or mechanism in ("host", "axdimm", "in_backward", "routing")
+        assert hetero_left(model) > 0 or mechanism in ("host", "axdimm", "in_backward", "routing", "resident")
     saved, twin, state = copies
     assert b"hetero" not in saved  # no class or function of hetero's: it loads in a process without it
     loaded = torch.load(io.BytesIO(saved), weights_only=False)

@@ -2,7 +2,9 @@
 shadow-model plan (DHA, GFGB and DFGB layers, gradients on the device or in host memory, with and without routed
 sync) must equal plain DDP, and the replicas must stay bit for bit equal. The stand-in's strict parameters make a
 parameter that changes device at the step boundary an error, as it is in effect on CUDA (its gradient accumulator
-is replaced, DDP's hooks with it, and from the second step no all-reduce fires).
+is replaced, DDP's hooks with it, and from the second step no all-reduce fires). With `resident`, the GPU bench's
+plan (tests/run/test_weights_back.py): one block's parameters stay device memory, which the optimizer lays out flat
+per bucket at the first step (`p.data` = a view on the same device: DDP's hooks stay).
 
 Updates overlapped with backward are left out: the optimizer's post-accumulate-grad hook runs before DDP's hook on
 the gradient accumulator, so an overlapped update reads the rank's own gradient, not the average (an optimizer
@@ -24,6 +26,7 @@ from hetero.kernels import dha
 from hetero.run.runtime import Runtime
 from tests.run.test_routing import routed_plan
 from tests.run.test_shadow import batch, compare, gpt, layer_plan
+from tests.run.test_weights_back import bench_plan
 from tests.standin import StandInDevices, strict_parameters
 
 STEPS = 4
@@ -44,7 +47,8 @@ def train(ddp: DDP, rank: int) -> list[float]:
     return losses
 
 
-CONFIGS = [("gpu", False, False), ("host", False, False), ("gpu", False, True), ("host", False, True)]
+CONFIGS = [("gpu", False, False), ("host", False, False), ("gpu", False, True), ("host", False, True),
+           ("resident", False, False)]
 
 
 def _worker(rank: int, rdzv: str, out: str) -> None:
@@ -56,7 +60,7 @@ def _worker(rank: int, rdzv: str, out: str) -> None:
     for grad, overlap, routed in CONFIGS:
         devices = dha.devices = StandInDevices()
         model = gpt()
-        plan = layer_plan(model, "mixed", grad, overlap)
+        plan = bench_plan(model, overlap) if grad == "resident" else layer_plan(model, "mixed", grad, overlap)
         if routed:
             plan.routing = routed_plan(model, threshold=1024, shard=4096, dual_sync=8192).routing
             plan.omitted.pop("routing")

@@ -1,9 +1,12 @@
-"""Weights back per bucket (issue 55 item 6), on the stand-in device, for a plan shaped like the GPU bench's: a GPU
-model whose layers are DHA with host gradients where the layers section names them and resident (device memory,
-gradients on the GPU) where it leaves them out, Adam on the host in buckets. Each bucket's update starts its
-resident weights back to device memory (async uploads, one event per bucket) right after it runs, on the driver
-thread, or in step() for updates that overlapped backward; the next kernels wait on the stream, never the host.
-Training stays bit-equal to torch's AdamW(fused=True)."""
+"""Weights back per bucket (issue 55 items 5 and 6), on the stand-in device, for a plan shaped like the GPU bench's: a
+GPU model whose layers are DHA with host gradients where the layers section names them and resident (device memory,
+gradients on the GPU) where it leaves them out, Adam on the host in buckets; and for a model resident whole (no layers
+section), where every bucket's weights go back. At the first step each bucket's resident weights become views into
+one device buffer, their masters views into one pinned host buffer (hetero.run.states.flatten), so each bucket's
+update starts its weights back to device memory with one async upload (one event) right after it runs, on the driver
+thread, or in step() for updates that overlapped backward: Adam calls = weight uploads = buckets holding resident
+weights, and the next kernels wait on the stream, never the host. Training stays bit-equal to torch's
+AdamW(fused=True)."""
 
 from __future__ import annotations
 
@@ -30,15 +33,17 @@ from tests.standin import StandInDevice
 pytestmark = pytest.mark.usefixtures("one_thread")
 WARM, MEASURED = 2, 2
 BUCKET_BYTES = 20 << 10  # the tiny GPT's modules in several buckets, as a large model's are at 32 MiB
-RESIDENT = ("h.1.",)  # left out of the layers section: weights and gradients in device memory
+BENCH, WHOLE = "h.1.", ""  # left out of the layers section (weights and gradients in device memory): one block, all
 
 
-def bench_plan(model, overlap: bool):
-    """DHA layers with host gradients (embeddings, first block, the tied output layer), the rest resident."""
+def bench_plan(model, overlap: bool, resident: str = BENCH):
+    """DHA layers with host gradients (with BENCH: embeddings, first block, the tied output layer), the layers whose
+    names start with `resident` resident (WHOLE: no layers section)."""
     plan = optimizer_plan(model, device="host", overlap=overlap)
-    plan.layers = [LayerPlan(name=s.name, mode="dha", grad="host") for s in select_layers(model, "module")
-                   if not s.name.startswith(RESIDENT)]
-    plan.omitted.pop("layers")
+    if resident != WHOLE:
+        plan.layers = [LayerPlan(name=s.name, mode="dha", grad="host") for s in select_layers(model, "module")
+                       if not s.name.startswith(resident)]
+        plan.omitted.pop("layers")
     return plan
 
 
@@ -91,7 +96,7 @@ def counting(monkeypatch, weights):
     yield tally
 
 
-def per_step(model, stand_in: StandInDevice, tally: Tally) -> dict:
+def per_step(model, stand_in: StandInDevice, tally: Tally, resident: list) -> dict:
     """Train WARM + MEASURED steps; what each measured step did (see the module's docstring)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(WARM + MEASURED):
@@ -114,40 +119,69 @@ def per_step(model, stand_in: StandInDevice, tally: Tally) -> dict:
     work = {what: n // MEASURED for what, n in out.items()}
     work["host waits"] = {thread.split("_")[0]: n // MEASURED for thread, n in stand_in.synchronized.items()}
     work["buckets"] = len({id(b) for b in opt._buckets.values()})
+    work["buckets holding resident weights"] = len({id(opt._buckets[p]) for p in resident})
     return work
 
 
+@pytest.mark.parametrize("resident", [BENCH, WHOLE])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_weights_go_back_per_bucket_without_a_host_wait(stand_ins, small_buckets, monkeypatch, overlap):
+def test_weights_go_back_per_bucket_without_a_host_wait(stand_ins, small_buckets, monkeypatch, overlap, resident):
     model = stand_ins.to(gpt(), 0)
-    resident = [p for n, p in model.named_parameters() if n.startswith(RESIDENT)]
+    params = [p for n, p in model.named_parameters() if n.startswith(resident)]  # the tied weight once
     with counting(monkeypatch, lambda: [p.data for p in model.parameters()]) as tally, \
-            Runtime(bench_plan(model, overlap), script=__file__):
-        work = per_step(model, stand_ins.all[0], tally)
-    buckets = work["buckets"]
-    assert buckets == 7 and len(resident) == 12
+            Runtime(bench_plan(model, overlap, resident), script=__file__):
+        work = per_step(model, stand_ins.all[0], tally, params)
+    buckets, back = work["buckets"], work["buckets holding resident weights"]
+    assert buckets == 7 and len(params) == (12 if resident == BENCH else 28)
+    assert back == (3 if resident == BENCH else buckets)
     assert work["adam calls"] == buckets
     # one host wait per bucket, on the optimizer's driver; overlapped updates keep the shadow model's wait for its
     # copies before the step (step() then writes the DHA layers' host copies from the homes' own masters)
-    assert work["host waits"] == {"hetero-host-adam": buckets, **({"MainThread": 1} if overlap else {})}
+    shadow = overlap and resident == BENCH
+    assert work["host waits"] == {"hetero-host-adam": buckets, **({"MainThread": 1} if shadow else {})}
     # none into resident weights; overlapped updates of DHA layers copy their masters into the host copies in step()
     # (as before: such homes keep a master of their own until step(), and a DHA layer's weights are its host copy)
-    dha = sum(1 for _ in model.parameters()) - len(resident)
+    dha = sum(1 for _ in model.parameters()) - len(params)
     assert work.get("host copies of weights in step()", 0) == (dha if overlap else 0)
-    assert work["prefetch host to device"] == len(resident)  # one async upload per resident parameter
-    assert work["record_prefetch uploaded"] == len(resident)
-    assert work["d2h device to host"] == len(resident)  # their gradients, downloaded by the driver
-    # one event per bucket holding resident weights (3 of 7), waited on by the compute stream, never the host
-    assert work["compute_waits uploaded"] == 3 and "synchronize uploaded" not in work
+    assert work["prefetch host to device"] == back  # one async upload per bucket holding resident weights
+    assert work["record_prefetch uploaded"] == back
+    assert work["d2h device to host"] == len(params)  # their gradients, downloaded by the driver one by one
+    # one event per bucket holding resident weights, waited on by the compute stream, never the host
+    assert work["compute_waits uploaded"] == back and "synchronize uploaded" not in work
     assert work["whole-device waits"] == 0
+    assert not stand_ins.all[0].violations  # no device buffer freed under a queued copy
+    assert len({p.untyped_storage().data_ptr() for p in params}) == back  # each bucket's weights: one buffer
 
 
-@pytest.mark.parametrize("rollback", [False, True])
+@pytest.mark.parametrize("rollback, resident", [(False, BENCH), (True, BENCH), (True, WHOLE)])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_training_is_bit_equal_to_fused_adamw(stand_ins, small_buckets, overlap, rollback):
+def test_training_is_bit_equal_to_fused_adamw(stand_ins, small_buckets, overlap, rollback, resident):
     """With `rollback`, a checkpoint loaded mid-training (the optimizer's loads wait for the last uploads first)."""
     ref, reference = fused_reference(rollback)
     model = stand_ins.to(gpt(), 0)
-    with Runtime(bench_plan(model, overlap), script=__file__):
+    with Runtime(bench_plan(model, overlap, resident), script=__file__):
         out = script(model, rollback=rollback)
     assert out == ref and bit_equal(model, reference)
+
+
+def test_a_parameter_given_other_memory_still_gets_its_weights(stand_ins, small_buckets):
+    """After the first step the script gives a resident parameter new device memory (`p.data = ...`, not in its
+    bucket's flat buffer any more): its bucket's weights then go back one copy each, and training still equals
+    torch's."""
+    def train(model, fused=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+        for step in range(3):
+            x, y = batch(step, 0, model.wte.num_embeddings, model.wpe.num_embeddings)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                p = model.h[1].mlp.c_fc.weight
+                p.data = p.data.clone()
+
+    reference = gpt()
+    train(reference, fused=True)
+    model = stand_ins.to(gpt(), 0)
+    with Runtime(bench_plan(model, overlap=False), script=__file__):
+        train(model)
+    assert bit_equal(model, reference)
