@@ -1,21 +1,16 @@
 """The plan's `allocator` section: glibc's malloc told to give freed memory back to the kernel.
 
-By default glibc keeps what freed tensors leave inside its heaps for the next allocation; the process's resident memory
-then stays at its high-water mark, and a memory limit counts it (docs/benchmarks.md, "Design figures":
-evicting saved activations lowered nothing). With a low M_MMAP_THRESHOLD each large block is mapped on its own
-and unmapped when freed, and a low M_TRIM_THRESHOLD returns the top of a heap; that costs page faults each time a block
-is mapped again, which `hetero profile` measures and the plan counts (fewer with huge pages: hetero.run.huge_pages).
-Setting either threshold also stops glibc from raising the mmap threshold by itself.
+By default glibc keeps freed tensors' memory inside its heaps, so the resident set stays at its high-water mark and a
+memory limit counts it. A low M_MMAP_THRESHOLD maps each large block on its own and unmaps it when freed; a low
+M_TRIM_THRESHOLD returns the top of a heap (setting either also stops glibc raising the mmap threshold itself). The
+cost, page faults when blocks are mapped again, is what `hetero profile` measures and the plan counts (fewer with huge
+pages: hetero.run.huge_pages).
 
-The runtime applies the plan's values before the script runs, or, with the section's `from_bytes`, once the process
-first holds that much, and decides nothing: without the section, malloc keeps its defaults. Below `from_bytes` the free
-memory inside the heaps is returned at the end of a backward call (malloc_trim), when the freed activations leave the
-most of it, where the process ends the backward holding the policy's `trim_growth_share` of `from_bytes` more (hetero.plan.policy) than it ended any backward
-before with: the heaps then grow within a bound, not from one iteration to the next, and the switch is reached later or
-never, for the page faults of one refill where they grew, nothing where they do not. From the switch on, what was freed
-inside the heaps is returned every interval until the next backward ends: the tensors the switch found live in a heap
-leave holes there when backward frees them, and only a trim returns those (measured: docs/benchmarks.md). Elsewhere than
-glibc (no `mallopt` symbol) nothing can be set, and the runtime says so.
+The runtime applies the plan's values before the script runs or, with `from_bytes`, once the process first holds that
+much; without the section malloc keeps its defaults. Below `from_bytes`, a backward call that ends holding the policy's
+`trim_growth_share` of `from_bytes` more than any before trims the heaps (malloc_trim), so they grow within a bound.
+From the switch on, the heaps are trimmed every interval until the next backward ends (the holes the tensors live at
+the switch leave when freed). Without glibc (no `mallopt`) nothing can be set, and the runtime says so.
 """
 
 from __future__ import annotations

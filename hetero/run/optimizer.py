@@ -1,25 +1,18 @@
 """The offloaded Adam(W): the script's own `torch.optim.Adam`/`AdamW`, with its fp32 master weights and states where the
 plan puts them (AXDIMM channels, host memory, NVMe) and its updates run there.
 
-The classes subclass torch's, so argument parsing, defaults, param groups, LR schedulers and `isinstance` checks
-are torch's own; only `step`, `state_dict` and `load_state_dict` differ, and `state_dict()` is torch's format.
-With `overlap_backward`, each parameter's update is launched as soon as its gradient is final and synchronized:
-from its post-accumulate-grad hook on the last micro-batch of the step, or, for a parameter of a DDP model, when
-DDP's bucket holding it has been all-reduced (`DdpSync`), from the averaged gradient. Updates thus run while
-backward continues; the parameters themselves change only in `step()`, as with torch. Without it the updates run
-in `step()`, and host-held states have no master copy of their own: the update writes the parameter's own host bytes
-in place (`OptimizerPlan.shares_master`, hetero.run.states.HostHome).
+The classes subclass torch's, so arguments, param groups, LR schedulers and `isinstance` are torch's; only `step`,
+`state_dict` and `load_state_dict` differ, and `state_dict()` is torch's format. With `overlap_backward`, an update
+starts once its gradient is final and synchronized (its post-accumulate-grad hook on the step's last micro-batch, or,
+under DDP, when its bucket is all-reduced: `DdpSync`); the parameters still change only in `step()`. Without it the
+updates run in `step()`, and host-held states write the parameter's own host bytes in place
+(`OptimizerPlan.shares_master`, hetero.run.states.HostHome). A gradient the script changes after its overlapped update
+ran stops the run at `step()` (hetero.harness.grads).
 
-A gradient the script changes after backward (clipping, unscaling, an in-place op) but after its overlapped update ran
-stops the run at `step()`, before the updated master weights reach the model (hetero.harness.grads); the profile finds
-such scripts, and their plans do not overlap.
-
-With the plan's `nvme.grads`, the same hook sends each NVMe-held parameter's gradient to the store once it is final and
-sets `.grad` to None (hetero.run.nvme_states); `step()` reads it back with the states. What could read `.grad` in
-between is made to find it: torch's gradient clipping and GradScaler's unscale_ bring the kept gradients back first, and
-`zero_grad` (the optimizer's or a module's) forgets them. A script that keeps gradients across steps without zeroing
-them, or reads `.grad` itself between backward and step, is not trained the same way: such a plan is for scripts that
-zero their gradients each step (the plan says so).
+With the plan's `nvme.grads`, the same hook sends an NVMe-held parameter's final gradient to the store and sets `.grad`
+to None (hetero.run.nvme_states); `step()` reads it back. torch's gradient clipping and GradScaler's unscale_ bring the
+kept gradients back first, and `zero_grad` (the optimizer's or a module's) forgets them; such a plan is for scripts
+that zero their gradients each step and do not read `.grad` between backward and step.
 """
 
 from __future__ import annotations

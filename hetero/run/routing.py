@@ -1,37 +1,26 @@
 """The plan's `routing` section: COARSE's tensor routing, partitioning and dual synchronization (§III-E/F) as a DDP
 communication hook, registered on the script's own `DistributedDataParallel` model without touching the script.
 
-Paths. COARSE clients push small tensors to a latency-friendly proxy and large ones to a bandwidth-friendly one.
-With DDP every rank holds and averages every gradient, so here a path is a process group over all ranks, with its
-own communicator (its own connections and worker threads with gloo, its own stream with NCCL), created with the
-default group's backend when the DDP model is built:
+Paths. Each path is a process group over all ranks with its own communicator, created with the default group's
+backend when the DDP model is built:
   - priority: the first layers' gradients (dual synchronization, below), ranks in natural order;
   - latency: tensors up to `threshold_bytes`, packed into messages of at most that size, ring 0 -> latency_peer -> ...;
-  - bandwidth: the other tensors, cut into `shard_bytes` shards that are all in flight at once (pipelined),
-    ring 0 -> bandwidth_peer -> ....
-The peers are the plan's concrete handle on the links: each path's group lists rank 0 then its peer
-(`new_group(sort_ranks=False)`), and a ring all-reduce sends from each group rank to the next, so rank 0's traffic
-on that path crosses its link to that peer, the link the profile measured best for that size class. NCCL builds
-its rings from the topology instead, so with NCCL the peers only name the links the plan was made for. A separate
-communicator per path means a small tensor never waits behind megabytes of shards, which is the point of
-COARSE's two proxies; on a machine whose links are all alike the paths differ in nothing else.
+  - bandwidth: the other tensors, cut into `shard_bytes` shards all in flight at once, ring 0 -> bandwidth_peer -> ....
+A group lists rank 0 then its peer (`new_group(sort_ranks=False)`), so rank 0's ring traffic on that path crosses its
+link to that peer, the one the profile measured best for the size class (NCCL builds its rings from the topology, so
+there the peers only name the links). A communicator per path keeps small tensors from waiting behind shards.
 
-Dual synchronization. Backward finishes with the first layers, and the next forward needs them first. The
-parameters the first forward uses first, up to `dual_sync_bytes` (the tensor that crosses the limit included),
-go on the priority path, issued before anything else in their bucket, on a queue no other path fills.
+Dual synchronization. The parameters the first forward uses first, up to `dual_sync_bytes` (the tensor that crosses
+the limit included), go on the priority path, issued before anything else in their bucket.
 
 Averaging. Every message is an in-place sum of a slice of DDP's bucket (or a packed copy of small slices, copied
-back); the bucket is divided by the world size first, as torch's reference `allreduce_hook` does, so gradients
-are DDP's own average. A ring all-reduce leaves every rank with the same bits.
+back), the bucket divided by the world size first as torch's `allreduce_hook` does: DDP's own average, the same bits
+on every rank.
 
-No deadlock. DDP hands buckets to the hook in bucket order on every rank (the reducer launches bucket i only
-after bucket i-1), bucket contents are the same on every rank (DDP checks shapes and rebuilds buckets from rank
-0's order), and `messages` is a pure function of a bucket's layout, so every rank issues the same collectives in
-the same order on each path's group; groups are created in the same order on every rank, right after DDP's
-constructor (itself a collective point). Each group is a FIFO queue matched by issue order, so the k-th
-collective on a path waits only for the k-th on the other ranks, and nothing in the hook waits for another path
-(the one wait, DDP's at the end of backward, comes after everything was issued). This is COARSE's per-client
-queue: its deadlock came from proxies serving tensors in arrival order, which differed between clients.
+No deadlock. DDP hands the hook buckets in the same order with the same contents on every rank, `messages` is a pure
+function of a bucket's layout, and the groups are made in the same order on every rank right after DDP's constructor;
+so every rank issues the same collectives in the same order on each path, each group a FIFO matched by issue order,
+and nothing in the hook waits for another path (COARSE's deadlock came from proxies serving in arrival order).
 """
 
 from __future__ import annotations
@@ -280,9 +269,8 @@ class GradientRouting(Mechanism):
         return sync, Sync.__call__
 
     def close(self) -> None:
-        # The script's DDP model keeps its hook state, and with it the paths' gloo groups, until the interpreter
-        # tears down, where destroying a group whose worker threads still run aborts the process ("terminate
-        # called without an active exception"): the groups go now, while Python is whole.
+        # The script's DDP model keeps the paths' groups until interpreter teardown, where destroying a gloo group
+        # whose threads still run aborts the process: they go now.
         for sync in self.syncs:
             sync.order.close()
             groups, sync.groups, sync.pending = list(sync.groups.values()), {}, []

@@ -2,40 +2,28 @@
 right moments so that the model's own code computes on it unchanged.
 
 Storage per mode. Every placed parameter has a pinned host copy, the CPU model the optimizer writes (hetero.run.
-states: in place where updates run in step(), its master copy; else by `copy_back` from a master of its own).
-`dha`: the parameter's data is a zero-copy device view of that host copy (hetero.kernels.dha), so kernels read it
-over the link and nothing is copied. `gfgb`: the data is a device buffer, refilled from the host copy every step on
-the copy stream. `dfgb`: the data is the host view for the forward, and a device buffer is filled after the
-layer's forward; the backward reads the device buffer. Two things see a parameter in backward: what autograd saved
-in the forward (a Linear saves a view of its weight, `weight.t()`), and the parameter itself. The saved views go
-through the one saved-tensor hook pair (hetero.harness.saved_tensors): a view of a DFGB layer's host view is saved
-as a record of the layer, its dtype, shape, strides and offset, and comes back as the same view of the device copy
-(waiting for its copy first), or of the host view where no copy was made. The parameters' `data` is rebound to the
-device copy when the layer's backward starts (or its first saved view comes back), and back at the step boundary.
-Public torch only: no storage changes its memory.
+states). `dha`: the data is a zero-copy device view of that host copy (hetero.kernels.dha). `gfgb`: the data is a device
+buffer, refilled from the host copy every step on the copy stream. `dfgb`: the data is the host view for the forward;
+a device buffer is filled after the layer's forward and the backward reads it. What autograd saved in the forward (a
+Linear saves `weight.t()`) goes through the saved-tensor hooks (hetero.harness.saved_tensors): a view of a DFGB layer's
+host view is saved as a record (layer, dtype, shape, strides, offset) and comes back as the same view of the device
+copy (waiting for it), or of the host view where no copy was made. The parameters' `data` is rebound to the device
+copy when the layer's backward starts (or its first saved view comes back), and back at the step boundary.
 
-Copy stream and events (§IV-B, Fig. 6). After `optimizer.step()` the copy stream first waits for the compute stream
-(the last step's kernels may still read the device buffers), then copies the GFGB layers in forward order, each
-followed by its own event; a GFGB layer's forward waits for its event only, so DHA layers compute while later
-layers are still in flight. At the end of the model's forward the DFGB layers are copied in backward order, each
-after an event marking its own forward's end (the link is idle once the GFGB copies are done), and the layer's
-backward (a pre-hook on its outputs' grad_fn, or the first of its saved views to come back) waits for that copy.
-Micro-batches after the first keep the device copy: the weights do not change within a step.
+Copy stream and events (§IV-B, Fig. 6). After `optimizer.step()` the copy stream waits for the compute stream, then
+copies the GFGB layers in forward order, each followed by its own event that only that layer's forward waits for. At
+the end of the model's forward the DFGB layers are copied in backward order, each after an event marking its
+forward's end, and the layer's backward waits for its copy. Later micro-batches of a step keep the device copy.
 
-The step boundary. Before the step, the compute stream waits for the copy stream (copies reading the host copies),
-and the host waits for neither: the kernels that read a layer's host view or write its gradients into host memory
-all come before its gradients' ready event, recorded in step() after that wait, which the optimizer's update of that
-layer waits for before it writes the host copy (hetero.run.states). Where updates overlap backward, their ready
-events came earlier and step() writes the host copies from the homes' own masters on its thread: there the host
-waits for the copy stream, not for the whole device. It points DFGB parameters back at their host view and GFGB
-parameters at the device view of their host copy, so that in `step()` every placed parameter (and every host
-gradient, hetero.run.grad_offload) is a device view of pinned host memory: the optimizer finds the host bytes behind
-it (`Device.host_view`, anew at every step: the same storage each step) and updates the CPU model there. A parameter
-never changes device: `p.data = x` across devices resets the parameter's gradient accumulator in autograd, and DDP's
-reducer hooks live on the old one (no all-reduce from the second step); host view and device buffer are both device
-tensors. After the step the GFGB parameters point at their device buffers again and the copies above are issued.
-Nothing synchronizes the device inside a step. Between `step()` and the next forward, GFGB weights are in flight:
-`state_dict()` waits for them; other code reading weights outside the model's forward must synchronize first.
+The step boundary. Before the step the compute stream waits for the copy stream; the host waits for neither, since
+each update waits for its gradients' ready event, which follows every kernel reading the layer's host copy
+(hetero.run.states). Where updates overlap backward, step() writes host copies on its thread, so the host waits for
+the copy stream first. In `step()` every placed parameter (and host gradient, hetero.run.grad_offload) is a device
+view of pinned host memory, where the optimizer finds its host bytes (`Device.host_view`). A parameter never changes
+device: `p.data = x` across devices resets its gradient accumulator, where DDP's reducer hooks live. After the step
+the GFGB parameters point at their device buffers again and their copies are issued; nothing synchronizes the device
+inside a step. Until the next forward GFGB weights are in flight: `state_dict()` waits for them, other readers must
+synchronize first.
 """
 
 from __future__ import annotations
@@ -264,10 +252,8 @@ class ShadowModel(Mechanism):
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):
             return
-        # No wait for the whole device: each update waits for its own gradients' event, which came after every
-        # kernel reading the parameter's host bytes (hetero.run.states), so the host writes each layer's host copy
-        # once that layer is done. The copies that read host copies: before any event recorded in step(), or, for
-        # host writes in step() that no such event precedes (overlapped updates), before the step.
+        # The copies reading host copies come before any event recorded in step(); overlapped updates write host
+        # copies with no such event before them, so the host waits for the copies first (the module's docstring).
         if self.overlap:
             self._settle()
         else:

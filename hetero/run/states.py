@@ -1,16 +1,13 @@
 """Where one parameter's fp32 master copy and Adam states live, and how its update runs there.
 
-A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in the middle of
-backward only enqueues work. Updates go to the drivers in buckets (`launch`: whole modules' parameters up to a size,
-hetero.schema.names.update_buckets, once the last of their gradients is final): one ready event, one job per driver
-and, on the host, one fused Adam call for the bucket, each parameter's arithmetic exactly as alone. On the AXDIMM each
-channel has a driver that alone switches the channel's arbiter (normal to copy the gradient in, acceleration to run
-Adam), so the paper's exclusivity holds by construction, and while one channel's kernel runs the other channel's
-driver copies (§5.2). The model's parameters change only in `optimizer.step()`: updates that overlapped backward wait
-in the homes' own master copies until `copy_back`; a host home updated in `step()` has none, its master is the
-parameter's own host bytes (`HostHome`). A parameter whose data is device memory gets its weights by `upload`: one
-asynchronous copy per bucket on the device's upload stream (`flatten` laid out the bucket's weights and masters in
-one buffer each at the first step), one event per bucket for the compute stream to wait on.
+A home holds the states; a driver runs updates in arrival order on its own thread, so a gradient hook in backward only
+enqueues work. Updates reach the drivers in buckets (`launch`, hetero.schema.names.update_buckets): one ready event,
+one job per driver and, on the host, one fused Adam call, each parameter's arithmetic exactly as alone. Each AXDIMM
+channel has a driver that alone switches its arbiter (normal to copy the gradient in, acceleration to run Adam), so
+the paper's exclusivity holds by construction (§5.2). The model's parameters change only in `optimizer.step()`:
+overlapped updates wait in the homes' masters until `copy_back`; a host home updated in `step()` has no master of its
+own, the parameter's host bytes are it (`HostHome`). Parameters whose data is device memory get their weights by
+`upload`: one asynchronous copy per bucket (`flatten`) on the upload stream, one event for compute to wait on.
 """
 
 from __future__ import annotations
@@ -41,10 +38,9 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class GradientSource:
-    """Where a home reads a gradient from. A gradient on a GPU comes down on the device's download stream, which
-    waits for the gradient's ready event (recorded on the compute stream by the thread that made it final), into
-    pinned memory, non-blocking; the driver thread waits for the copy's own event and never holds up compute. A
-    device view of pinned host memory (a `grad: host` layer's gradient) is read in place."""
+    """Where a home reads a gradient from. A GPU gradient comes down into pinned memory on the download stream after
+    its ready event, the driver thread waiting for the copy's event; a device view of pinned host memory (a `grad:
+    host` layer's gradient) is read in place."""
 
     def __init__(self, param: torch.Tensor):
         self.link = dha.devices.of(param)  # the parameter's GPU, the one its gradients are made on; None: host
@@ -137,11 +133,10 @@ def _run(home: AxdimmHome | HostHome, batch: list[Update], ready, uploads: list 
 
 
 def upload(batch: list[Update], into: list, after=None) -> None:
-    """The updated masters of a bucket's parameters whose data is device memory (`HostHome.attach` found it) into
-    that memory, asynchronously on the device's upload stream after the event `after` (None: after every kernel
-    issued so far): one copy where they fill their bucket's flat buffers (`flatten`), else one each; (device, event)
-    added to `into`, the event of the last copy, which ends them all (one stream). The caller has the compute stream
-    wait for it and keeps the masters unwritten until then."""
+    """The updated masters of a bucket's parameters whose data is device memory (`HostHome.attach`) into that
+    memory, on the upload stream after event `after` (None: every kernel so far): one copy where they fill their
+    flat buffers (`flatten`), else one each. Adds (device, last copy's event) to `into`; the caller has compute wait
+    for it and keeps the masters unwritten until then."""
     homes = [u.home for u in batch if u.home.device_data is not None]
     if not homes:
         return
@@ -172,14 +167,11 @@ class FlatBucket:
 
 
 def flatten(members: list[tuple[torch.nn.Parameter, AxdimmHome | HostHome]]) -> None:
-    """Lay out a bucket's resident parameters (`members`, each once: those of host homes whose data is a whole
-    device storage, no view such as cuDNN's flat RNN weights, no host bytes behind it, on the first one's device) as
-    views into one new device buffer, and their masters as views into one pinned host buffer at the same offsets (a
-    FlatBucket, aligned as a layer's flat storage: dha.offsets), holding what they held. Once, on the thread calling
-    step(), before its updates and uploads, the drivers drained. `p.data = view` keeps the parameter itself: on the
-    same device with the same dtype autograd keeps its gradient accumulator, so the hooks there (the optimizer's,
-    DDP's reducer, which reads `.grad`, never `.data`) stay; a parameter never changes device. Its old storage goes
-    with its last reference."""
+    """Lay out a bucket's resident parameters (of `members`: host homes' whose data is a whole device storage on the
+    first one's device, with no host bytes behind it) as views into one new device buffer, and their masters as views
+    into one pinned host buffer at the same offsets (a FlatBucket, aligned as dha.offsets), holding what they held.
+    Once, on step()'s thread before its updates, the drivers drained. `p.data = view` on the same device and dtype
+    keeps the parameter's gradient accumulator and the hooks on it (the optimizer's, DDP's reducer)."""
     link = members[0][1].source.link  # a bucket's parameters are on one device, as a model's are
     resident = [(p, h) for p, h in members if isinstance(h, HostHome) and link is not None and h.source.link is link
                 and h.source.host_bytes(p) is None and p.untyped_storage().nbytes() == p.nbytes]
@@ -299,16 +291,11 @@ class AxdimmHome:
 class HostHome:
     """Master copy and Adam states in host memory (pinned when a GPU computes), updated by the host's driver.
 
-    A home made `shared` (the plan's rule, `OptimizerPlan.shares_master`: host states updated in `step()`) has no
-    master buffer: its master is the parameter's own host bytes (`GradientSource.host_bytes`), which the update
-    writes in place, so `copy_back` copies nothing. `attach` finds them at every step, before its update (in step()
-    every parameter a shadow model places is a device view of its pinned host copy; between steps a GFGB
-    parameter's data is its device buffer, and a script may rebind a parameter's data). A parameter with no host
-    bytes of its own then gets a master of its own from that step on, as an unshared home has from the start.
-    Updates that overlap backward are never shared: the model's parameters change only in `step()` (a script may
-    read them between backward and step, and a gradient changed after backward stops the run before the updated
-    weights reach the model: hetero.harness.grads). A parameter whose data `attach` finds in device memory (a GPU
-    parameter no shadow model places) has a master of its own, which `upload` sends there, and `copy_back` skips."""
+    A `shared` home (`OptimizerPlan.shares_master`: host states updated in `step()`) has no master buffer: its master
+    is the parameter's own host bytes (`GradientSource.host_bytes`), written in place, so `copy_back` copies nothing.
+    `attach` finds them at every step, before its update; a parameter without host bytes then gets a master of its
+    own from that step on. Updates that overlap backward are never shared: the parameters change only in `step()`. A
+    parameter whose data `attach` finds in device memory has a master of its own, which `upload` sends there."""
 
     def __init__(self, driver: Driver, kernel: AdamKernel, param: torch.Tensor, shared: bool = False):
         self.driver, self.kernel = driver, kernel

@@ -1,29 +1,23 @@
 """Activation tiering: the plan's `activations` schedule carried out with saved-tensor hooks (TierTrain §5-6).
 
-Attribution is the profiler's (hetero.harness.layer_timing), so a planned byte means the same thing here: every tensor
+Attribution is the profiler's (hetero.harness.layer_timing), so a planned byte means the same here: every tensor
 autograd saves inside the model's forward (parameters and their views excluded, each storage once) belongs to the
-innermost layer running, or to the last layer that ended inside it since it started (a ReLU its forward calls after a
-child's), or between layers to the last one that ended; a storage saved by several layers belongs to the last of them,
-whose backward needs it first.
+innermost layer running, or to the last layer that ended inside it since it started, or between layers to the last
+one that ended; a storage saved by several layers belongs to the last, whose backward needs it first.
 
-Eviction is aggressive (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to the
-planned bytes, largest first, the last one cut to the bytes left (a partial eviction keeps the tail in fast memory and
-reassembles it on the way back); storages saved after their layer ended are queued at once, whether or not the layer
-saved a movable storage itself. Storages of parameters never move, and tensors whose storage is under `min_tensor` are
-not even recorded (nor counted in the ledger): the pack hook leaves them to autograd after one size check. One writer
-thread writes evictions in the order they were queued (the earliest layers', which wait longest for their backward,
-first; a later layer's still queued when its backward starts is called off, never written), and once a write is complete
-the fast-tier copy is dropped, so the memory is really returned (on a GPU the write is a download the writer issues
-without waiting, and the slow tier keeps the storage until a query finds it done: hetero.run.devices.host_pool).
+Eviction (§5.1): when a layer's forward ends, its saved storages are queued for the slow tier up to the planned bytes,
+largest first, the last one cut to the bytes left (the tail stays in fast memory); storages saved after their layer
+ended are queued at once. Parameters' storages never move, and storages under `min_tensor` are left to autograd
+unrecorded. One writer thread writes evictions in queue order (a layer's still queued when its backward starts is
+called off) and drops the fast-tier copy once a write completes (on a GPU the slow tier keeps the storage until a
+query finds the download done: hetero.run.devices.host_pool).
 
-Prefetch is keyed to backward progress, not to the clock: a layer's backward starts at the first unpack of its saved
-tensors (or when its output's gradient is ready), and the layers the plan triggers from it are queued then. Entries
-without a trigger are due at their planned time from the forward start, once what their layer saves has been queued (a
-tensor saved now would be another layer's), and all of them at the latest when the backward starts, the latest layer
-first. Within a layer the last saved storage comes back first: what was evicted last is prefetched first, in the order
-backward needs it. One reader thread serves requests in order (TierTrain's busy rule; the plan already cut requests to
-fit). An unpack that finds its bytes not back waits for them, fetching them itself if nobody has started, and counts one
-late prefetch; a buffer is handed out only once its read is complete, and a failed read raises.
+Prefetch follows backward progress: a layer's backward starts at the first unpack of its saved tensors (or when its
+output's gradient is ready), and the layers the plan triggers from it are queued then. Untriggered entries are due at
+their planned time from the forward start, once their layer's saved storages are all known, and all at the latest
+when backward starts, the latest layer first; within a layer the last saved storage comes back first. One reader
+thread serves requests in order. An unpack whose bytes are not back waits for them (fetching them itself if nobody
+started) and counts a late prefetch; a failed read raises.
 """
 
 from __future__ import annotations
