@@ -1,12 +1,10 @@
 """`hetero run` watching the process's host-memory peak against the plan's DRAM budget.
 
-A thread reads the process's peak as a memory limit charges it (hetero.run.process_memory: from the kernel's high-water
-mark, which no sampling can miss) every `interval_s`. The first time it comes within `margin` of the budget it prints
-one warning naming the largest entries of the plan's own account (`predicted.dram`), so the user sees what to move; the
-first time it passes the budget it says so at once, with the peak measured and the entry most to blame: the one whose
-measured bytes exceed the plan's most. The runtime's mechanisms report what they hold (the optimizer's states and
-staging); the rest of the process is the plan's first entry, plain training's own peak. The run's summary says whether
-the budget was kept. It never stops the run: the budget is the plan's promise, a memory limit the kernel's.
+A thread reads the peak as a memory limit charges it (hetero.run.process_memory) every `interval_s`. The first time it
+comes within `margin` of the budget it warns once, naming the largest entries of the plan's account (`predicted.dram`);
+the first time it passes the budget it says so, with the entry most to blame: the one whose measured bytes (what the
+mechanisms report holding; the rest of the process is the plan's first entry) exceed the plan's most. The summary says
+whether the budget was kept. It never stops the run.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The script's DDP models' gradient synchronization, shared by the mechanisms that need a say in it.
 
-DDP allows one communication hook per model. Routing (COARSE) replaces the all-reduce; the offloaded optimizer must
-start an overlapped update only once the parameter's gradient is averaged over the ranks, not when the local
-gradient lands (the post-accumulate-grad hook fires before DDP's bucket all-reduce). So one hook per DDP model,
-registered right after DDP builds it:
-
-  1. the all-reduce: routing's (when the plan routes this model), the script's own (a later
-     `register_comm_hook` call replaces ours instead of failing), else DDP's default (`allreduce_hook`);
-  2. when its future completes, every listener gets the bucket's parameters with their averaged gradients, read
-     from the tensor the all-reduce returned (DDP copies that same tensor into `.grad` at the end of backward).
-
-A bucket's future completes on the communication thread; DDP's end of backward waits for it, callbacks included,
-so whatever a listener starts has been started before `optimizer.step()` runs.
+DDP allows one communication hook per model; routing (COARSE) replaces the all-reduce, and the offloaded optimizer
+must start an overlapped update only once a gradient is averaged (its post-accumulate-grad hook fires before DDP's
+all-reduce). So one hook per DDP model, registered right after DDP builds it:
+  1. the all-reduce: routing's, else the script's own (a later `register_comm_hook` replaces ours instead of
+     failing), else DDP's default (`allreduce_hook`);
+  2. when its future completes (on the communication thread), every listener gets the bucket's parameters with their
+     averaged gradients, read from the tensor the all-reduce returned. DDP's end of backward waits for it, callbacks
+     included, so what a listener starts has started before `optimizer.step()`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """`hetero run` keeping the plan's GPU budget (`budget.gpu_memory`).
 
-The process's CUDA allocator is capped at the budget (`torch.cuda.set_per_process_memory_fraction` on the model's
-GPU, once the model is bound: a torchrun worker picks its GPU before that), so a run that needs more than the plan
-promised fails where it happens, as it would on a card of that size or beside the processes the budget leaves room
-for, instead of passing on a bigger card. The cap is on reserved memory, what the process pays for. An
-out-of-memory error then ends the run with one line naming the plan entry, the predicted peak and the measured
-peak (reserved), exit code STALE_PLAN (the plan does not fit this run): never a traceback.
+The CUDA allocator's reserved memory is capped at the budget on the model's GPU once the model is bound (a torchrun
+worker picks its GPU before that), so a run that needs more than the plan promised fails as it would on a card of that
+size, not passing on a bigger one. Its out-of-memory error then ends the run with one line naming the plan entry, the
+predicted and the measured peak (reserved), exit code STALE_PLAN: never a traceback.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Gradients written straight to pinned host memory (GO-MemFerry §IV-D) for the parameters of `grad: host` layers.
 
-Each such parameter gets a pinned host buffer and a device view of it (hetero.kernels.dha); its `.grad` is that
-view, so no device gradient buffer exists between micro-batches or steps. Three ways in, cheapest first:
-- Linear layers whose weight and bias are theirs alone run through `LinearToHost`, whose backward has the
-  weight-gradient GEMM (and the bias reduction) write into the host view itself: the kernel's output is host memory.
-- Any other op: a hook on the parameter receives the gradient the backward kernel produced (a transient device
-  tensor, freed as soon as the hook returns) and writes it into the host view once; autograd's AccumulateGrad then
-  adopts the view as `.grad` rather than allocating one.
+Each such parameter's `.grad` is a device view of a pinned host buffer (hetero.kernels.dha), so no device gradient
+buffer exists between micro-batches or steps. Three ways in, cheapest first:
+- Linear layers whose weight and bias are theirs alone run through `LinearToHost`, whose backward GEMM (and bias
+  reduction) writes into the host view itself.
+- Any other op: a hook on the parameter writes the backward's transient device gradient into the host view once, and
+  AccumulateGrad adopts the view as `.grad`.
 - Later micro-batches of a step find `.grad` defined, and AccumulateGrad adds into the host view in place.
-A post-accumulate hook checks that `.grad` really is the host view (autograd clones where it cannot adopt, and a
-script may have set `.grad` itself) and moves it there if not, so the invariant holds whatever the op. Gradients
-in host memory carry no graph: double backward (`create_graph=True`) through them is not supported.
-
-The gradients stay device views across `optimizer.step()` (a parameter and its gradient never change device, see
-hetero.run.shadow): an optimizer on the host reads the host bytes behind them (`Device.host_view`) without a copy.
+A post-accumulate hook moves `.grad` into the host view where it is not (autograd cloned it, or the script set it).
+Double backward (`create_graph=True`) through these gradients is not supported. The gradients stay device views across
+`optimizer.step()`: an optimizer on the host reads the host bytes behind them (`Device.host_view`) without a copy.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Transparent huge pages for a process that returns freed memory (the plan's `allocator` section).
 
-Returning freed memory makes each large tensor a mapping of its own, whose pages the kernel faults in, zeroed, every
-time one is allocated again: with 4 KiB pages that is one fault per 4 KiB, the cost the profile measures for the
-section. glibc (2.35 on) asks for transparent huge pages on what its malloc maps when the process starts with the
-tunable `glibc.malloc.hugetlb=1`: one fault per 2 MiB where the kernel's THP mode is `madvise` (most
-distributions' default) or `always`, and nothing changes where it is `never` or glibc is older. The tunable is read
-once, when the process starts: hetero sets it in the environment of the processes it starts to return memory (the
-profile's fresh processes, torchrun's workers) and `hetero run` starts itself again with it
-(hetero.launch.launcher). Measured: docs/benchmarks.md. No torch: the profile's small parent imports this.
+Returning freed memory makes each large tensor a mapping of its own, faulted in anew, zeroed, at each allocation: one
+fault per 4 KiB page, the cost the profile measures. glibc 2.35+ started with the tunable `glibc.malloc.hugetlb=1`
+asks for transparent huge pages on what malloc maps: one fault per 2 MiB where the kernel's THP mode is `madvise` or
+`always`. The tunable is read at process start, so hetero sets it in the environment of the processes it starts to
+return memory and `hetero run` starts itself again with it (hetero.launch.launcher). No torch: the profile's small
+parent imports this.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Optimizer states kept in NVMe files between steps (ZeRO-Infinity's optimizer on NVMe; the AXDIMM paper's overflow,
 §5.3), updated inside `optimizer.step()` through two staging slots on the update device.
 
-While one slot's piece is updated the next one is read into the other, and an updated piece is written out (leaves)
-before its slot takes the next (updated pieces leave first). This is the schedule hetero.plan.simulate predicts; a
-change here changes the plan's predictions. The update device is either an AXDIMM channel (whose memory is reached
-through memcpy, so the reads land in a host bounce buffer first) or host memory (the reads land in the slot itself).
+While one slot's piece is updated the next is read into the other, and an updated piece is written out before its
+slot takes the next: the schedule hetero.plan.simulate predicts, so a change here changes the plan's predictions. On an
+AXDIMM channel (memcpy only) reads land in a host bounce buffer first; in host memory, in the slot itself.
 
-A parameter trained in host memory is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements (Adam is
-elementwise, so a piece's update is the same arithmetic as the whole tensor's), so the slots cost the same few MiB of
-host memory whatever the largest parameter; the plan counts exactly that (hetero.plan.footprint). A GPU's parameter is
-staged whole: its gradient comes down in one copy.
+A host-trained parameter is staged in pieces of at most `NvmeOverflow.STAGING_PIECE_PARAMS` elements (Adam is
+elementwise), so the slots cost the same few MiB whatever the largest parameter (hetero.plan.footprint); a GPU's
+parameter is staged whole, its gradient coming down in one copy.
 
-With the plan's `nvme.grads`, a host-trained parameter's gradient joins its states in the store as soon as it is final
-(`keep_grad`, from the optimizer's post-accumulate-grad hook), so host memory holds no gradient between backward and
-step; `update_all` reads each piece's gradient with its states, into a fourth buffer of the slot. A later micro-batch's
-gradient is added to the kept one as AccumulateGrad would add it (float addition commutes, so the sum is bit-equal).
+With the plan's `nvme.grads`, a host-trained parameter's final gradient joins its states in the store (`keep_grad`),
+added to a kept one as AccumulateGrad would (bit-equal); `update_all` reads it with the states into the slot's fourth
+buffer.
 """
 
 from __future__ import annotations

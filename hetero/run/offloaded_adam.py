@@ -24,9 +24,8 @@ from hetero.schema.names import UPDATE_BUCKETS, UpdateBuckets, update_buckets
 
 @dataclass(frozen=True, slots=True)
 class StateBytes:
-    """Where an optimizer's states are: the bytes its homes hold on the device (m, v, a master unless the
-    parameter's own host bytes are the master, and a landing place for gradients that come from a GPU or into an
-    AXDIMM channel: hetero.run.states), and 3 fp32 buffers per parameter in NVMe files (master, m, v)."""
+    """Where an optimizer's states are: the bytes its homes hold on the device (`nbytes`: hetero.run.states), and 3
+    fp32 buffers per parameter in NVMe files (master, m, v)."""
 
     device: int
     nvme: int
@@ -72,18 +71,16 @@ class Offloaded:
             except HeteroError as e:
                 self._own = not self.config.strict
                 self._unplaceable = e.message
-        # removed at close: a parameter's hook lives where the garbage collector cannot see it, so the optimizer,
-        # the runtime behind its config and the model would outlive the run (measured: the GPU memory of every
-        # model trained in one process stayed allocated)
+        # removed at close: the garbage collector cannot see a parameter's hook, which would keep the optimizer,
+        # the runtime behind its config and the model alive after the run
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_final)
                        for group in self.param_groups for p in group["params"]
                        if p.requires_grad and (self.config.overlap or self.config.keep_grads)]
 
     def bind(self, names: dict[torch.nn.Parameter, str]) -> None:
-        """Give the states their homes; called by the runtime once it knows the model. `names`: the parameters whose
-        states the plan places. An optimizer none of whose parameters are among them (a model the plan leaves to
-        the script, e.g. a GAN's other half) stays torch's own; one that mixes them with others cannot be placed
-        and is refused, as is one hetero's Adam cannot take the place of (amsgrad)."""
+        """Give the states their homes, once the runtime knows the model (`names`: the parameters the plan places).
+        An optimizer of none of them stays torch's own; one mixing them with others is refused, as is one hetero's
+        Adam cannot replace (amsgrad)."""
         if self._homes is not None or self._own:
             return
         order = parameters(self)
@@ -166,18 +163,16 @@ class Offloaded:
         self.forget_grads()
 
     def bucket_synced(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
-        """DDP averaged these gradients: launch the updates of those whose last micro-batch this was. The
-        post-accumulate-grad hook (which counts micro-batches) runs inside AccumulateGrad, before DDP's own
-        post-hook marks the parameter ready, so the count is current when the bucket completes."""
+        """DDP averaged these gradients: launch the updates of those whose last micro-batch this was (the
+        post-accumulate-grad hook counted it before DDP marked the parameter ready)."""
         for p, grad in zip(params, grads):
             slot = self._params.get(p)
             if slot is not None and slot.home is not None and slot.grads_seen == self.config.micro_batches:
                 self._launch(p, slot, grad)
 
     def _launch(self, p: torch.nn.Parameter, slot: ParamState, grad: torch.Tensor, uploads: list | None = None) -> None:
-        """`p`'s update joins its bucket, which goes to the drivers once it is complete (or at the step). In step()
-        (`uploads` given) the bucket's weights go to device memory right after its update; a bucket completed in
-        backward keeps them in its masters until step() (the model's parameters change only there)."""
+        """`p`'s update joins its bucket, which goes to the drivers once complete (or at the step). In step()
+        (`uploads` given) its weights go to device memory right after; else they wait in the masters until step()."""
         slot.step += 1
         slot.launched = True
         bucket = self._buckets[p]

@@ -1,12 +1,9 @@
 """What the whole process holds: the figures a user pays for and a memory limit counts.
 
-Host memory is what a memory limit charges the process: its resident set less the pages it maps from files
-(interpreter, heap, allocator slack, tensors: anonymous and shared memory). A memory cgroup charges a library's file
-pages only to whoever first read them, and reclaims clean ones before it kills anything, so the resident set (VmRSS,
-VmHWM) overstates what a limit counts by torch's libraries (docs/benchmarks.md, "Design figures"). Its
-peak is taken from the kernel's own high-water mark (VmHWM), which no sampling can miss, less the file pages mapped
-when it last rose (`Peak`): the library pages are mapped by the time training peaks and stay so. On a GPU, torch's
-caching allocator's peaks: `allocated` (live tensors) and `reserved` (what the GPU has given the process).
+Host memory is what a memory limit charges: the resident set less the pages mapped from files (a cgroup charges a
+library's file pages only to their first reader and reclaims clean ones first, so VmRSS overstates it). Its peak is
+the kernel's high-water mark (VmHWM), which no sampling can miss, less the file pages mapped when it last rose
+(`Peak`). On a GPU, torch's caching allocator's peaks: `allocated` (live tensors) and `reserved`.
 """
 
 from __future__ import annotations
@@ -34,16 +31,14 @@ def resident_bytes() -> int:
 
 
 class _StatusFile:
-    """/proc/self/status read into one buffer made once, with no allocation per read: `open()` and a text buffer
-    between a step's large frees move where malloc puts the next tensors, and with them the peak being measured
-    (measured: docs/benchmarks.md)."""
+    """/proc/self/status read into one buffer made once, with no allocation per read: an allocation between a
+    step's large frees moves where malloc puts the next tensors, and with them the peak being measured."""
 
     SIZE = 1 << 14  # the fields read are in the file's first lines
 
     def __init__(self, path: str):
         self.path = path
-        # A mapping of its own, not malloc's heap: a buffer made there at the first read (a training step's end, in
-        # the profile's fresh processes) stays among the step's freed tensors and splits the room they leave.
+        # A mapping of its own, not in malloc's heap, where it would split the room a step's freed tensors leave.
         self.buffer = mmap.mmap(-1, self.SIZE + 1)
         self.buffer[:1] = b"\n"  # a newline first: every field then follows one
         self.into = [memoryview(self.buffer)[1:]]
@@ -79,8 +74,7 @@ _files: dict[str, _StatusFile] = {}
 
 
 def _forked() -> None:
-    # A forked child's "self" is another process, and a lock a thread of the parent held at the fork stays held in
-    # the child: it makes its readers anew.
+    # A forked child's "self" is another process, and a lock held at the fork stays held: new readers.
     for reader in _files.values():
         reader.close()
     _files.clear()
@@ -168,10 +162,9 @@ UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned c
 
 
 def memory_limit_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """The limit of the memory cgroup this process runs in, the tightest of its ancestors' included; None when
-    there is none (or cgroups cannot be read). cgroup v1: the `memory` controller's line of /proc/self/cgroup names
-    a folder under `root`/memory whose memory.stat has `hierarchical_memory_limit` (memory.limit_in_bytes where it
-    lacks it); cgroup v2: the `0::` line, and memory.max in that folder and each one above it."""
+    """The limit of this process's memory cgroup, the tightest of its ancestors' included; None when there is none
+    or cgroups cannot be read. v1: `hierarchical_memory_limit` in memory.stat (else memory.limit_in_bytes) of the
+    `memory` controller's folder; v2: memory.max in the `0::` line's folder and each one above it."""
     if (found := _memory_cgroup(proc_cgroup, root)) is None:
         return None
     version, folders = found

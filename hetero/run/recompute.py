@@ -1,13 +1,11 @@
 """The plan's `recompute` section: the chosen blocks' forwards run through torch.utils.checkpoint.
 
-Each block the plan names gets an instance `forward` that calls `checkpoint(original_forward, ...,
-use_reentrant=False)` while gradients are enabled (RNG state preserved, torch's default), so autograd keeps the
-block's inputs instead of everything its layers save, and backward runs the forward again to rebuild it. The
-block's own hooks still run around it (nn.Module.__call__ calls them, then `forward`), and so do the hooks of the
-modules inside it, once in forward and once in the recomputation: the plan's other mechanisms compose with it.
-Without gradients (evaluation) the block runs as written. A copy of the model (an EMA's deepcopy) has none of it
-(hetero.harness.hooks.forward_override). `close` removes the instance attribute: the class's forward is the block's
-again. The runtime decides nothing: the profile checked the blocks, the plan chose them.
+Each block the plan names gets an instance `forward` calling `checkpoint(original_forward, ..., use_reentrant=False)`
+while gradients are enabled (RNG state preserved), so autograd keeps the block's inputs and backward runs the forward
+again. The block's own hooks and those of the modules inside it still run (the latter once more in the
+recomputation), so the plan's other mechanisms compose with it. Without gradients the block runs as written; a copy
+of the model (an EMA's deepcopy) has none of it (hetero.harness.hooks.forward_override); `close` removes the instance
+attribute. The runtime decides nothing: the profile checked the blocks, the plan chose them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """`hetero run --trace`: what happened in a window of optimizer steps, as a Chrome trace and run.yaml.
 
-Compute is measured by the profiler's own layer hooks (hetero.harness.layers), so a measured layer time means what a
-profiled one means and `hetero plan --from-run` can use it; on a GPU its tokens are CUDA events, read once after the
-window (no device-wide synchronization inside a recorded step) and placed on the host's timeline through one anchor
-event. Workers (AXDIMM channels, NVMe, the evict and prefetch threads, gradient sync) report their spans through
-`hetero.run.spans`, one lane per thread, so a lane's spans never overlap. Memory is every mechanism's own byte
-accounting by tier: sampled when each recorded step ends, plus the tiering ledger's change events in between.
-
-The window is `steps` optimizer steps after `warmup` (the first step allocates and first-touches everything); then
-every hook comes off and the run goes on untouched. Only rank 0 of a multi-process run records.
+Compute is measured by the profiler's own layer hooks (hetero.harness.layers), so `hetero plan --from-run` can use a
+measured layer time; on a GPU their CUDA events are read once after the window and placed on the host's timeline
+through one anchor event. Workers report spans through `hetero.run.spans`, one lane per thread. Memory is every
+mechanism's own accounting by tier, sampled as each recorded step ends, plus the tiering ledger's change events.
+The window is `steps` optimizer steps after `warmup`; then every hook comes off. Only rank 0 records.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class GradientSource:
         self.link = dha.devices.of(param)  # the parameter's GPU, the one its gradients are made on; None: host
 
     def ready(self, grad: torch.Tensor):
-        """On the thread that made `grad` final: an event after its producer, recorded on the current stream of the
-        parameter's own device; None for a host parameter (its gradient is final when the hook runs)."""
+        """On the thread that made `grad` final: an event after its producer on the parameter's device; None on the
+        host (its gradient is final when the hook runs)."""
         if self.link is None:
             return None
         event = self.link.event("gradient ready")
@@ -59,14 +59,14 @@ class GradientSource:
         return grad if self.link is None else self.link.host_view(grad)
 
     def wait(self, ready) -> None:
-        """The host waits for `ready`: the kernels that wrote the gradients in host memory are done, and so are those
-        that read the parameters' host bytes (they ran before the gradients were final)."""
+        """The host waits for `ready`: the kernels writing the gradients, and those before them reading the
+        parameters' host bytes, are done."""
         if self.link is not None and ready is not None:
             self.link.synchronize(ready)
 
     def download_async(self, dst: torch.Tensor, grad: torch.Tensor, ready):
-        """Start copying a GPU gradient into host `dst` (pinned) after `ready`; the event that ends it (downloads
-        run in order on one stream). The caller keeps `grad` until then."""
+        """Start copying a GPU gradient into pinned `dst` after `ready`; returns the event ending it (one stream, in
+        order). The caller keeps `grad` until then."""
         return self.link.download(dst, grad, ready)
 
     def finish(self, done) -> None:
@@ -84,8 +84,7 @@ class GradientSource:
 
     def host_bytes(self, param: torch.Tensor) -> torch.Tensor | None:
         """The parameter's own host bytes, flat: a host parameter's data, or the pinned host bytes behind its device
-        view; None while its data is device memory (a GFGB layer's buffer outside step(), or a GPU parameter that
-        no shadow model places)."""
+        view; None while its data is device memory."""
         if self.link is None:
             return flat(param.data)
         host = self.link.host_view(param.data)
@@ -97,8 +96,8 @@ class GradientSource:
         return flat(param.data) if host is None else host
 
     def buffer(self, numel: int) -> torch.Tensor:
-        """fp32 host memory for `numel` values, pinned when a GPU reads or writes it. Exact: torch's pinned allocator
-        would round each block up to a power of two, while the plan counts exact bytes."""
+        """fp32 host memory for `numel` values, pinned when a GPU reads or writes it, exact bytes as the plan counts
+        (torch's pinned allocator rounds up to a power of two)."""
         return torch.empty(numel) if self.link is None else self.link.pinned(numel * FP32).view(torch.float32)
 
 
@@ -315,8 +314,8 @@ class HostHome:
             _copy(self.buffers[0], flat(param))
 
     def load(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Replace the states. A shared home keeps `master` (the weights as the model holds them: the caller leaves
-        it unchanged) until its next `attach` writes it into the parameter's host bytes, which only a step finds."""
+        """Replace the states. A shared home keeps `master` (left unchanged by the caller) until its next `attach`
+        writes it into the parameter's host bytes."""
         if self.shared:
             self.loaded = master.reshape(-1)
         for dst, src in zip(self._own(), (exp_avg, exp_avg_sq) if self.shared else (master, exp_avg, exp_avg_sq)):
@@ -365,10 +364,9 @@ class HostHome:
         self.run_updates([Update(self, grad, hp, step)], ready)
 
     def run_updates(self, batch: list[Update], ready=None) -> None:
-        """The updates of a bucket (homes of this driver and kernel): GPU gradients downloaded (all issued), the rest
-        read in place, after one host wait (the last download, which came after `ready`; else `ready`), then one
-        fused call per constants. The wait comes before any write of a shared master: every kernel reading the
-        parameter's host bytes came before its gradients were final."""
+        """The updates of a bucket (homes of this driver and kernel): GPU gradients downloaded, the rest read in
+        place, after one host wait (the last download, else `ready`) that precedes any write of a shared master;
+        then one fused call per constants."""
         grads = [u.home.source.in_host(u.grad) for u in batch]
         last = None
         for i, u in enumerate(batch):

@@ -57,8 +57,7 @@ class ActivationTiering(Mechanism):
         for e in plan.schedule:
             if e.evict_bytes > 0 and e.prefetch_after is not None:
                 self.after[e.prefetch_after].append(e.layer)
-        # Earliest first, and of prefetches due at once the latest layer in forward order first: backward needs it
-        # first (what was evicted last comes back first).
+        # Earliest first; of prefetches due at once, the latest layer first: backward needs it first.
         order = {e.layer: i for i, e in enumerate(plan.schedule)}
         self.timed = [(at, layer) for at, _, layer in sorted((e.prefetch_at_s, -order[e.layer], e.layer)
                                                               for e in plan.schedule
@@ -90,8 +89,7 @@ class ActivationTiering(Mechanism):
             self.names[id(spec.module)] = spec.name
             self.handles += [hooks.forward_pre(spec.module, self._layer_start),
                              hooks.forward(spec.module, self._layer_end, always_call=True)]
-        # The model's hooks go around the layers' (the root may be a layer itself): its pre-hook first, its
-        # post-hook last. Of several models, each one's calls are the model's forwards.
+        # Each model's hooks go around its layers' (a root may be a layer itself): pre-hook first, post-hook last.
         for root in roots(model):
             self.handles += [hooks.forward_pre(root, self._forward_start, prepend=True),
                              hooks.forward(root, self._forward_end, always_call=True)]
@@ -309,10 +307,9 @@ class ActivationTiering(Mechanism):
                 self._request(mb, target)
 
     def _due(self, mb: TieredPass) -> None:
-        """Time-keyed prefetches whose time has come, for layers whose saved storages are all known: the layer's
-        forward has ended and a tensor saved now would not be its (`_saving`: a ReLU its parent calls after it saves
-        for it). A step slower than the profiled one may reach that time early; what the layer saved is queued
-        first, as planned, and called off if still unwritten."""
+        """Time-keyed prefetches whose time has come, for layers whose saved storages are all known: its forward
+        ended and a tensor saved now would not be its (`_saving`). What the layer saved was queued first, as planned,
+        and is called off if still unwritten."""
         now = perf_counter() - mb.start
         if not mb.timed or mb.timed[0][0] > now:
             return

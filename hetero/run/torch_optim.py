@@ -1,7 +1,6 @@
-"""The layer that stands hetero's optimizers in for torch's for a run: torch.optim.Adam and AdamW replaced by
-subclasses, torch's own step run without its hooks, gradient clipping replaced, and the questions both the offloaded
-optimizer (hetero.run.optimizer) and the updates in backward (hetero.run.update_in_backward) ask of an optimizer:
-whether it updates the planned model, whether the script trains on several ranks."""
+"""hetero's optimizers standing in for torch's for a run: Adam and AdamW replaced by subclasses, torch's own step run
+without its hooks, gradient clipping replaced, and what hetero.run.optimizer and hetero.run.update_in_backward ask of
+an optimizer: whether it updates the planned model, whether the script trains on several ranks."""
 
 from __future__ import annotations
 
@@ -81,9 +80,8 @@ def updates_any(optimizer: torch.optim.Optimizer, model: set[int]) -> bool:
 
 
 def updates_the_model(optimizer: torch.optim.Optimizer, model: set[int]) -> bool:
-    """`updates_any`, where a mix cannot be planned: True when `optimizer` updates only the model's parameters
-    (`ids(...)`), False for none of them (a second model's optimizer, e.g. a GAN's other half, stays torch's own);
-    an optimizer that updates both is refused."""
+    """True when `optimizer` updates only the model's parameters (`ids(...)`), False for none of them (a second
+    model's optimizer stays torch's own); one that updates both is refused."""
     mine = parameters(optimizer)
     outside = [p for p in mine if id(p) not in model]
     if outside and len(outside) < len(mine):

@@ -1,17 +1,14 @@
 """The plan's `update_in_backward`: the script's own Adam(W) steps each parameter as soon as backward makes its
 gradient final, and frees the gradient there, so host memory never holds every gradient at once.
 
-Each update is torch's own `step()` run on one parameter: its param group with that parameter alone, the same
-state, the same arithmetic (on CPU torch's default Adam loops over parameters one by one anyway, so the weights are
-plain training's bit for bit). A parameter's last use in backward precedes its AccumulateGrad, which precedes its
-post-accumulate-grad hook: no later part of backward reads the weight the hook changes. The script's `step()` then
-finds no gradient left and changes nothing; its step hooks and LR schedulers run as before.
+Each update is torch's own `step()` on a param group holding that parameter alone: the same state and arithmetic (on
+CPU torch's default Adam loops over parameters anyway, so the weights are plain training's bit for bit). The
+post-accumulate-grad hook follows the parameter's last use in backward. The script's `step()` then finds no gradient
+and changes nothing; its step hooks and LR schedulers run as before.
 
-What this cannot train the same way is refused rather than trained differently: a second backward into the same
-parameter before `step()` (gradient accumulation, a GAN's generator reached by the discriminator's loss), gradient
-clipping or unscaling (torch's functions refuse), a gradient set again before `step()`, several ranks. A script
-that reads `.grad` between backward and step finds None: the planner writes this section only for scripts whose
-profile saw one backward per step and no change to a gradient after backward, and says so.
+Refused rather than trained differently: a second backward into a parameter before `step()`, gradient clipping or
+unscaling, a gradient set again before `step()`, several ranks. A script reading `.grad` between backward and step
+finds None; the planner writes this section only where the profile saw neither.
 """
 
 from __future__ import annotations
