@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import types
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -129,16 +128,8 @@ class LinearToHost(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        gw = _into(ctx.sink.target(weight), lambda out: torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out=out)) \
+        # out=: into host memory where the sink says, else a fresh tensor
+        gw = torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out=ctx.sink.target(weight)) \
             if ctx.needs_input_grad[1] else None
-        gb = _into(ctx.sink.target(ctx.bias), lambda out: torch.sum(g, 0, out=out)) \
-            if ctx.needs_input_grad[2] else None
+        gb = torch.sum(g, 0, out=ctx.sink.target(ctx.bias)) if ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
-
-
-def _into(out: torch.Tensor | None, compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-    """Run `compute` writing into `out` (host memory) when given, else into a fresh tensor."""
-    if out is None:
-        return compute(None)
-    compute(out)
-    return out

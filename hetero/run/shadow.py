@@ -266,13 +266,11 @@ class ShadowModel(Mechanism):
     def _after_step(self, optimizer, args, kwargs) -> None:
         if not self._ours(optimizer):
             return
-        for st in self.layers:
-            if st.spec.mode == LayerMode.GFGB:
-                st.point(st.gpu)
         self.device.record_compute(self.boundary)
         self.device.copy_waits(self.boundary)  # the last step's kernels are done with the device buffers
         for st in self.layers:
             if st.spec.mode == LayerMode.GFGB:
+                st.point(st.gpu)
                 self.device.copy(st.gpu, st.host)
                 self.device.record_copy(st.ready)
         self.device.record_copy(self.copied)
