@@ -27,6 +27,7 @@ from hetero.run.torch_optim import (ids, parameters, refusing_clipping, replace_
 from hetero.schema.plan import Plan, UpdateInBackward
 from hetero.units import SIZE
 
+AGAIN = "profile and plan again: hetero plan updates in backward only "  # a refusal's hint, continued
 LANES = 64  # elements: a multiple of any vector loop's width (AVX-512: 16 fp32 per register, unrolled twice)
 
 
@@ -82,9 +83,11 @@ class InBackward:
         if not self._mine:
             return
         if p in self._updated:
-            raise StopScript(_second_backward())  # inside the script: its `except Exception` must not hide it
+            raise _refused("a second backward reached a parameter before step() (gradient accumulation, or one "
+                           "model's loss reaching another's parameters)", f"{AGAIN}for one backward per step")
         if several_ranks():
-            raise StopScript(_several_ranks())
+            raise _refused("this script trains on several ranks, whose gradient all-reduce needs the gradients",
+                           "plan again from a profile of this run")
         self._update(p, self._group_of[p])
         self._updated.add(p)
         p.grad = None
@@ -134,7 +137,8 @@ class InBackward:
 
     def step(self, closure=None):
         if any(p.grad is not None for p in self._updated):  # the script set a gradient its update had freed
-            raise StopScript(_gradient_set_again())
+            raise _refused("the script set a gradient again between backward and step()",
+                           f"{AGAIN}where the script leaves gradients as backward made them")
         self._updated.clear()  # before the closure: its backward belongs to this step
         return torch_step(self.replaces, self, closure)
 
@@ -187,21 +191,7 @@ class UpdatesInBackward(Mechanism):
                  "arithmetic)")]
 
 
-def _second_backward() -> HeteroError:
-    return HeteroError("the plan updates each parameter during backward, but a second backward reached a parameter "
-                       "before step() (gradient accumulation, or one model's loss reaching another's parameters)",
-                       hint="profile and plan again: hetero plan updates in backward only for one backward per step",
-                       exit_code=STALE_PLAN)
-
-
-def _gradient_set_again() -> HeteroError:
-    return HeteroError("the plan updates each parameter during backward, but the script set a gradient again "
-                       "between backward and step()", exit_code=STALE_PLAN,
-                       hint="profile and plan again: hetero plan updates in backward only where the script leaves "
-                            "gradients as backward made them")
-
-
-def _several_ranks() -> HeteroError:
-    return HeteroError("the plan updates each parameter during backward, but this script trains on several ranks, "
-                       "whose gradient all-reduce needs the gradients", hint="plan again from a profile of this run",
-                       exit_code=STALE_PLAN)
+def _refused(but: str, hint: str) -> StopScript:
+    """Raised inside the script: its `except Exception` must not hide it."""
+    return StopScript(HeteroError(f"the plan updates each parameter during backward, but {but}", hint=hint,
+                                  exit_code=STALE_PLAN))
