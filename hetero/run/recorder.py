@@ -192,7 +192,9 @@ class Recorder(spans.Sink, Mechanism):
 
     def _write(self) -> Run:
         self.clock.finish()
-        recorded = self._compute_spans() + self._step_spans() + self.spans
+        steps = [trace.Span("optimizer.step", "optimizer.step", self._absolute(m.start), self._absolute(m.end))
+                 for m in self.marks]
+        recorded = self._compute_spans() + steps + self.spans
         origin, counters = self.opened, self._counters()
         run = self._run(summarize(self.profiler), counters)
         meta = {"hetero": __version__, "plan": self.out.plan_path, "script": self.out.script,
@@ -230,10 +232,6 @@ class Recorder(spans.Sink, Mechanism):
             out += [trace.Span("compute", f"bp {names[i]}", base + t.bp_start[i], base + t.bp_start[i] + t.bp[i])
                     for i in range(len(names)) if t.bp[i] > 0]
         return out
-
-    def _step_spans(self) -> list[trace.Span]:
-        return [trace.Span("optimizer.step", "optimizer.step", self._absolute(m.start), self._absolute(m.end))
-                for m in self.marks]
 
     def _counters(self) -> list[trace.Count]:
         """Counter samples per tier, each carrying every source's latest bytes (a viewer stacks them)."""
