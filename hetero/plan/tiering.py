@@ -1,16 +1,13 @@
 """Which saved activations wait in a slower tier between a layer's forward and its backward (TierTrain §5.3).
 
-A layer's saved tensors are idle from the end of its forward to the start of its backward (Eq. 2). They are worth
-moving only if there is time to evict them, let them stay at least the stay time ST (against ping-pong) and prefetch
-them back (Eq. 3-6); otherwise the part that fits is moved (Eq. 7). The prefetch starts just in time (Eq. 8), and one
-prefetcher serves the requests: a request that would start while it is still busy is cut to what fits after it
-(Eq. 9-10), or dropped. The paper writes sizes over rates (sz * MR with MR = 1/ER + 1/PR); here the tiers' measured
-curves give the times, which are the paper's when a curve is a pure rate and include each transfer's latency when it
-is not; a layer's bytes move storage by storage, as the runtime moves them, so each storage pays that latency.
+A layer's saved tensors are idle from the end of its forward to the start of its backward (Eq. 2). They move only if
+there is time to evict them, stay at least ST (against ping-pong) and prefetch them back (Eq. 3-6); otherwise the
+part that fits moves (Eq. 7). The prefetch starts just in time (Eq. 8); one prefetcher serves the requests, and one
+that would start while it is busy is cut to what fits after it (Eq. 9-10), or dropped. Times come from the tiers'
+measured curves, storage by storage as the runtime moves them, so each storage pays a transfer's latency.
 
-Requests are decided in the order the prefetcher serves them, the backward order: the paper's t_busy rule (t_busy
-becomes the layer's backward start) only makes sense that way, since decided in forward order every later layer
-would find the prefetcher busy past its own backward and be dropped.
+Requests are decided in backward order, the prefetcher's: in forward order the paper's t_busy rule would find the
+prefetcher busy past every later layer's backward and drop it.
 """
 
 from __future__ import annotations
