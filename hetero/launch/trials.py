@@ -1,17 +1,12 @@
 """`hetero plan`'s measuring step: a plan under a DRAM budget is run in fresh processes of its own before it is
 written, and kept only where they show it fits (hetero.plan.policy).
 
-The pure planner ranks the candidates a budget allows by prediction (hetero.plan.fit); the one it chooses is written
-to a private work directory and run `trial_processes` times as `hetero run` would run it (its runtime, its malloc
-settings, `hetero run`'s modules loaded), each process alone, until its peak settles, stopping itself at the budget.
-What they measured (each peak, the file pages they used, their step times) is a `Trial` the planner takes as input
-on its next call: a candidate that does not fit is passed over, one slower than predicted is ranked by its measured
-step. The loop ends once the chosen plan is one a trial verified, or the planner refuses naming the floor. The
-trials are recorded in the plan (`budget.trials`), never in the profile.
-
-`python -c CHILD` is a trial process: it dies with `hetero plan` (Linux parent-death signal), runs the script from
-the directory `hetero profile` ran in, and writes what it measured as JSON into the work directory (swept by the
-next start if `hetero plan` is killed: hetero.run.devices.workdir).
+The plan the pure planner chooses (hetero.plan.fit) is written to a private work directory and run
+`trial_processes` times as `hetero run` would run it, each process alone, until its peak settles, stopping itself
+at the budget. What they measured is a `Trial` the planner takes on its next call. The loop ends once the chosen
+plan is one a trial verified, or the planner refuses naming the floor. Trials are recorded in the plan
+(`budget.trials`), never in the profile. `python -c CHILD` is a trial process: it dies with `hetero plan`, runs the
+script from `hetero profile`'s directory, and writes what it measured as JSON into the work directory.
 """
 
 from __future__ import annotations
