@@ -73,6 +73,11 @@ class HostPeak:
     memory_returned: bool  # the account starts from plain training's peak with freed memory returned
 
 
+def busy_share(measured: float | None) -> float:
+    """A background worker's measured share of a core; an unmeasured one counts as busy all the time."""
+    return 1.0 if measured is None else measured
+
+
 def ns(seconds: float) -> float:
     """Times in the plan to the nanosecond: readable, and far below any clock the runtime keeps."""
     return round(seconds, 9)
