@@ -148,9 +148,8 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
         torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False,
         replace_process: bool = False) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's) exit code.
-    With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the script in this
-    process's place (hetero.launch.plain), and one that returns freed memory first starts this command again in this
-    process's place with malloc's huge pages asked for (hetero.run.huge_pages): neither call returns then."""
+    With `replace_process`, a plan that moves nothing execs the script in this process's place (hetero.launch.plain),
+    and one that returns freed memory first execs this command again with malloc's huge pages asked for."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:

@@ -199,9 +199,8 @@ def _said(trial: Trial, policy: MemoryPolicy) -> str:
             f"{SIZE.format_short(policy.held_bytes(trial))} held at most; {trial.step_s:.3g}s a step")
 
 
-# The trial process first asks to die with its parent (whose pid is its first argument); then it loads what `hetero
-# run` has loaded when its script starts (the CLI, the runtime), so that its peak counts them as a planned run's
-# does, and runs this module's `child`.
+# A trial process dies with its parent (the pid, its first argument), loads what `hetero run` has loaded when its
+# script starts (the CLI, the runtime), so that its peak counts them too, and runs `child`.
 CHILD = ("import sys, hetero.interrupts; hetero.interrupts.die_with_parent(int(sys.argv.pop(1))); "
          "import importlib.util, hetero.cli.main, hetero.run.runtime; "
          "importlib.util.find_spec('typer._adapters') and __import__('typer._adapters'); "
@@ -230,11 +229,9 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
 
 
 class Steps:
-    """The script's steps in a trial process: after the warm-up, the file pages each step used are counted from its
-    start to its end, so that what the script does after its last step (an evaluation, a save) is not counted, and
-    the least of the steps is kept: a page cache page another process touches counts as referenced in every process
-    that maps it (the kernel keeps that flag per page), and a step no other process disturbed is the script's own
-    use. It stops once its peak has settled (`settled`)."""
+    """The script's steps in a trial process: after the warm-up, the file pages each step used, counted from its
+    start to its end (not what follows the last step), the least of the steps kept: a page another process touches
+    counts as referenced in every process mapping it. It stops once its peak has settled (`settled`)."""
 
     def __init__(self, warmup: int, policy: MemoryPolicy):
         self.warmup, self.policy = warmup, policy
@@ -307,9 +304,8 @@ def settled(peaks: list[int], least_steps: int, policy: MemoryPolicy = POLICY) -
 
 
 def _stop_at(limit: int, poll_s: float) -> None:
-    """End this process (exit `STOPPED`) once it holds `limit` bytes (mid-step, where the peak is: no code of the
-    script may run on). Under a memory limit it may be killed first, between two reads: it offers itself to the
-    limit's killer before `hetero plan`'s processes, and a kill counts as a stop (hetero.launch.waiter)."""
+    """End this process (exit `STOPPED`) once it holds `limit` bytes, mid-step. It offers itself to a memory limit's
+    killer before `hetero plan`'s processes; a kill counts as a stop (hetero.launch.waiter)."""
     with suppress(OSError):
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
