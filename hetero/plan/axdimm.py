@@ -218,9 +218,8 @@ def states(params: list[Param], placement: Placement) -> list[StatePlacement]:
 def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, rates: Rates,
             grads: bool = False) -> list[list[Update]]:
     """Each layer's calls for the simulator: a channel's lane for AXDIMM states (NVMe-staged ones take turns over
-    the channels; the simulator runs them on the staging slots' channels), the compute lane when `rates.lanes` is
-    empty. Each call costs `rates.launch_s` and its parameters at the rate: one per parameter, or with
-    `rates.bucketed` one per bucket of the states not staged from NVMe (the runtime stages those one by one). With
+    the channels), the compute lane when `rates.lanes` is empty. Each call costs `rates.launch_s` and its parameters
+    at the rate: one per parameter, or with `rates.bucketed` one per bucket of the states not staged from NVMe. With
     `grads` an NVMe-held parameter's gradient is written there in backward and read back with its states."""
     out: list[list[Update]] = [[] for _ in range(n_layers)]
     where = {s.param: s for s in placed}

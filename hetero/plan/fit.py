@@ -62,10 +62,9 @@ class Candidate:
 
 
 def margins(trials: list[Trial]) -> dict[bool, int]:
-    """What trials measured above their plans' predictions (their margins included), by whether the plan returns
-    freed memory (malloc's settings move the peak most): the most of each, a lower bound where a trial reached the
-    budget; where no trial has those settings, the most file pages any trial used beside its peak. A trial at a rung
-    the profile did not measure (`at_rung`) has no prediction of its own and counts for none."""
+    """The most trials measured above their plans' predictions (margins included), by whether the plan returns
+    freed memory; without such a trial, the most file pages any trial used beside its peak. A trial at a rung the
+    profile did not measure (`at_rung`) counts for none."""
     beside = max((t.mapped_bytes for t in trials), default=0)
     predicted = [t for t in trials if t.mmap_threshold_bytes in (None, AllocatorPlan.RETURNING)]
     out = {}
@@ -196,9 +195,8 @@ def at_rung(plan: Plan, threshold: int | None) -> Plan:
 
 
 def _next_rung(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial]) -> Candidate | None:
-    """Where `best` returns freed memory and its trial's processes spent time in the kernel (page faults, mostly,
-    which a higher threshold trades for memory): the same levers, every block they can recompute, at malloc's next
-    rung, untried (`hetero plan` tries it, and keeps it where it fits and measured faster); else None."""
+    """Where `best` returns freed memory and its trial spent time in the kernel (page faults, mostly): the same
+    levers, every block they can recompute, at malloc's next rung, untried (`hetero plan` tries it); else None."""
     a, t = best.plan.allocator, best.trial
     if a is None or t is None or not t.system_s or \
             not ctx.options.measuring or len(trials) >= POLICY.max_trials:

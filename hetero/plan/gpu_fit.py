@@ -93,11 +93,9 @@ def fit(ctx, pins, solve: Callable[[frozenset[str], int], Plan]) -> Plan:
 
 
 def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[str], int], Plan]) -> Candidate:
-    """The plan with `levers` whose prediction fits `budget`, where one does. MemFerry's search places layers in the
-    simulator's count, translated from the prediction's on the plan with every layer resident
-    (hetero.plan.gpu_layers.counted_budget_bytes): exact where only the modes change, but where activations are
-    tiered the simulated eviction shifts with the modes' timing. So a plan over the budget is searched again for a
-    budget tighter by its overshoot, up to REFITS times."""
+    """The plan with `levers` whose prediction fits `budget`, where one does. MemFerry searches in the simulator's
+    count (hetero.plan.gpu_layers.counted_budget_bytes), inexact where tiered evictions shift with the modes, so a
+    plan over the budget is searched again for a budget tighter by its overshoot, up to REFITS times."""
     searched, best = budget, None
     for _ in range(REFITS):
         try:

@@ -95,16 +95,12 @@ def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:
 
 def schedule(windows: list[Window], evict: Curve, prefetch: Curve, stay_time_s: float, min_tensor: int,
              pinned: dict[int, Decision] | None = None, rule: str = "paper") -> list[Decision]:
-    """One decision per layer with storages of at least `min_tensor` (dropped requests included, with the reason),
-    in forward order; only those storages count, each one a transfer. `pinned` decisions are kept and occupy the
-    prefetcher like any other.
-
-    rule `paper`: requests in backward order, each prefetch ending at its layer's backward start and cut to what
-    fits after t_busy (Eq. 9-10). rule `packed` (ours): the same prefetcher, but requests are placed from the last
-    backward layer to the first, each ending at its backward start or when the next prefetch begins, whichever is
-    earlier; a large request then uses the idle time before a small one instead of being cut behind it.
-    Either way the evictions' own queue is then checked (`_queue`), and requests it cut are placed again with that
-    cap until nothing changes, so a slot freed by a cut request goes to another."""
+    """One decision per layer with storages of at least `min_tensor` (dropped ones with the reason), in forward
+    order; each such storage is a transfer. `pinned` decisions are kept and occupy the prefetcher like any other.
+    rule `paper`: in backward order, each prefetch ending at its layer's backward start, cut to what fits after
+    t_busy (Eq. 9-10); `packed` (ours): from the last backward layer to the first, each ending at its backward start
+    or when the next prefetch begins, so a large request uses the idle time before a small one. Requests the
+    evictions' own queue cuts (`evictions`) are placed again with that cap until nothing changes."""
     q = _Queue(windows=[w.movable(max(min_tensor, 1)) for w in windows], evict=evict, prefetch=prefetch,
                migrate=evict.then(prefetch), stay_s=stay_time_s, pinned=pinned or {}, rule=rule,
                starts=sorted((w.bp_start_s, i) for i, w in enumerate(windows)))
