@@ -1,21 +1,16 @@
 """`hetero profile` under a memory limit the kernel enforces: a profile the limit kills is said in one line.
 
-Below what any plan can keep, the profile's first step, as little as the profile makes it hold (its repeated blocks
-recomputed, Adam's states and gradients on NVMe where plain training would not fit: hetero.profile.pressure and
-hetero.profile.conservative), passes the memory cgroup's limit, and the kernel kills the process: SIGKILL, no Python
-code runs, the shell says `Killed`. So under a limit `hetero profile` forks before it imports torch. The child
-profiles and writes each phase it reaches down a pipe (`Phases`); the parent execs this module (`python -m
-hetero.launch.guard`): a bare interpreter, where staying the CLI would leave the child copying the pages they share
-as its reference counts touch them, all of it charged to the same cgroup. The waiter waits for the child and, where
-the limit's killer ended it (the cgroup's OOM-kill count grew), says so: killed while the script trained holding as
-little as the profile makes it (every block recomputed, as its forwards last reported), the floor no plan keeps
-(exit 2, as `hetero plan` refuses a budget below it); anywhere else, where (exit 1). It removes the work directories
-the killed child left. Any other end is passed on: the child's exit code, or 128 + the signal that ended it.
+The limit's killer sends SIGKILL: no Python code runs. So under a limit `hetero profile` forks before it imports
+torch. The child profiles and reports each phase it reaches down a pipe (`Phases`); the parent execs this module
+(`python -m hetero.launch.guard`), a bare interpreter, so that no shared pages are copied and charged to the cgroup.
+The waiter waits for the child and, where the limit's killer ended it (the cgroup's OOM-kill count grew), says so:
+killed while training held as little as the profile makes it (every block recomputed), the floor (exit 2, as
+`hetero plan` refuses a budget below it); anywhere else, where (exit 1). It removes the work directories the child
+left. Any other end is passed on: the child's exit code, or 128 + the signal that ended it.
 
-Signals: the child stays in the terminal's process group, so a terminal's Ctrl-C or hangup reaches it directly;
-SIGINT, SIGTERM and SIGHUP a process sends the waiter (hetero's pid, the one a scheduler knows) are passed on to the
-child (`wait`). The child dies with the waiter (SIGTERM). The waiter, charged to the cgroup too, is inside the
-profile's headroom under its budget (hetero.plan.policy.MemoryPolicy.profile_headroom).
+Signals: the child stays in the terminal's process group, so Ctrl-C or a hangup reaches it directly; SIGINT,
+SIGTERM and SIGHUP a process sends the waiter are passed on (`wait`). The child dies with the waiter. The waiter
+is inside the profile's headroom (hetero.plan.policy.MemoryPolicy.profile_headroom).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """`hetero run` and `hetero profile` launches: in this process, or through torchrun with one worker per rank.
 
-`build` is pure (argv and environment from the arguments) so it can be tested without running anything. One
-process: `run` checks the plan as `hetero check` does (hetero.launch.preflight: refused with exit 3 or 4 before
-anything runs), sweeps what killed hetero processes left behind (saying so in one line), and runs the script here as
-`python script.py args` would. Several (`--nproc-per-node`): hetero checks what it can first (script, plan, profile,
-the plan's ranks), then starts `python -m hetero.launch.torchrun ... -m hetero.launch.worker script args` (torchrun's
-own engine, quiet about failures hetero reports), and every worker runs `hetero.launch.worker`. torchrun and its
+`build` is pure (argv and environment from the arguments). One process: `run` checks the plan as `hetero check`
+does (hetero.launch.preflight: exit 3 or 4 before anything runs), sweeps what killed hetero processes left behind,
+and runs the script here as `python script.py args` would. Several (`--nproc-per-node`): hetero checks what it can
+first, then starts `python -m hetero.launch.torchrun ... -m hetero.launch.worker script args`; torchrun and its
 workers end when hetero ends.
 The protocol between hetero and its workers is the environment:
   HETERO_PLAN         the plan (workers started by plain `torchrun -m hetero.launch.worker` default to plan.yaml)
@@ -13,9 +11,8 @@ The protocol between hetero and its workers is the environment:
   HETERO_SKIP_PROFILE_CHECK  1: run a plan whose profile cannot be found or read, unchecked against it
   HETERO_PROFILE      JSON {output, options}: profile instead of run; rank 0 writes the profile
   HETERO_TRACE        JSON {trace, steps}: rank 0 records that many steps into the trace and run.yaml beside it
-  HETERO_EXIT_DIR     where each worker leaves its exit code, the time it ended and the last line of its error, so
-                      that hetero prints one line per failed rank and exits with the code of the worker that failed
-                      first (torchrun itself exits 1 for any failure); see hetero.launch.torchrun
+  HETERO_EXIT_DIR     where each worker leaves its exit code, end time and last error line, so that hetero prints
+                      one line per failed rank and exits with the first failure's code (hetero.launch.torchrun)
 Workers read LOCAL_RANK/RANK/WORLD_SIZE from torchrun's environment; the script's arguments are never changed.
 """
 
@@ -151,9 +148,8 @@ def run(script: str, args: list[str], plan: str | None = None, allow_stale: bool
         torchrun: Torchrun | None = None, trace: Trace | None = None, skip_profile_check: bool = False,
         replace_process: bool = False) -> int:
     """Run the script under the plan, here or in torchrun's workers; the script's (or first failed worker's) exit code.
-    With `replace_process` (hetero is this process's own command), a plan that moves nothing runs the script in this
-    process's place (hetero.launch.plain), and one that returns freed memory first starts this command again in this
-    process's place with malloc's huge pages asked for (hetero.run.huge_pages): neither call returns then."""
+    With `replace_process`, a plan that moves nothing execs the script in this process's place (hetero.launch.plain),
+    and one that returns freed memory first execs this command again with malloc's huge pages asked for."""
     check_script(script)
     plan_path = find_plan(plan)
     if trace is not None:

@@ -1,13 +1,11 @@
 """A plan that runs plain training costs nothing: `hetero run` checks the plan and its profile, then replaces itself
-(`os.execv`, the same process id) with `python -m hetero.launch.plain SCRIPT ARGS`, a fresh interpreter that holds
-none of hetero's command line (typer, rich, the YAML reader, the runtime) and runs the script as `python SCRIPT
-ARGS` would. Until the model's first training forward, global module hooks look for it, as `hetero run` does
-(hetero.harness.capture): a model other than the planned one is refused (exit 4), since its plan may not be plain;
-then the hooks are gone, and nothing of hetero runs per step. At the end one line compares the process's peak with
-plain training's as the profile measured it.
+(`os.execv`) with `python -m hetero.launch.plain SCRIPT ARGS`, a fresh interpreter without hetero's command line,
+which runs the script as `python SCRIPT ARGS` would. Until the model's first training forward, global module hooks
+look for it (hetero.harness.capture): a model other than the planned one is refused (exit 4); then the hooks are
+gone. At the end one line compares the process's peak with plain training's as profiled.
 
 What the bootstrap needs travels in the environment (`PLAIN_ENV`, JSON): the planned fingerprint, whether a stale
-plan may run, and the two figures for the last line.
+plan may run, and the figures for the last line.
 """
 
 from __future__ import annotations

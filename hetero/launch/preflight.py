@@ -1,8 +1,5 @@
 """Every check `hetero run` makes of a plan before the script starts, in the one function `hetero check` calls too,
-so that the two agree on every file: a plan `check` passes is one `run` starts, and one `check` refuses is one `run`
-refuses, with the same exit code.
-
-In order:
+so that the two pass and refuse the same files with the same exit codes. In order:
 1. the plan is a valid Plan (exit 3, every problem at its file:line);
 2. its profile is found and is a valid Profile (missing: exit 4, unreadable: exit 3; `--skip-profile-check` turns
    both into a warning, and the plan then goes unchecked against it), and unchanged since the plan was made (exit 4;
@@ -10,10 +7,8 @@ In order:
 3. against the profile (hetero.schema.sources.against_profile): names the model does not have, parameters the
    optimizer section places nowhere, GPU sections on a machine without one (exit 3 at the entry's line); entries
    `run` would ignore are warnings that say so;
-4. the directories the plan names (`optimizer.nvme.path`, `activations.slow_path`), where they will be used: what
-   the run would refuse when it makes its work directories there (hetero.run.devices.places: a place others
-   control, a link of another user's on the way, a kernel pseudo file system such as /proc), exit 3 at the line.
-
+4. the directories the plan names (`optimizer.nvme.path`, `activations.slow_path`): what the run would refuse when
+   it makes its work directories there (hetero.run.devices.places), exit 3 at the line.
 torch is not imported here: `hetero check` stays fast.
 """
 

@@ -1,16 +1,15 @@
 """torchrun as hetero starts it (`python -m hetero.launch.torchrun TORCHRUN-ARGS -m hetero.launch.worker SCRIPT ...`):
 torch's own launcher (`torch.distributed.run`), quiet about failures that hetero reports itself, and tied to hetero.
 
-- It ends when hetero ends, however hetero ends (Linux parent-death signal: SIGTERM, which torchrun turns into
-  stopping its workers); its workers do the same towards it (hetero.launch.worker).
-- A failed worker is torchrun's ChildFailedError: instead of its traceback and log lines, each failed rank's exit
-  code goes into the exit directory (HETERO_EXIT_DIR) where the worker could not leave it (`os._exit`, a signal;
-  such a rank counts as the first to fail), and hetero prints one line per failed rank (report_failures).
+- It ends when hetero ends (parent-death signal: SIGTERM, which stops its workers); its workers do the same
+  towards it (hetero.launch.worker).
+- A failed worker is torchrun's ChildFailedError: instead of its traceback, each failed rank's exit code goes into
+  the exit directory (HETERO_EXIT_DIR) where the worker could not leave it (`os._exit`, a signal; such a rank
+  counts as the first to fail), and hetero prints one line per failed rank (report_failures).
 - SIGTERM/SIGINT/SIGHUP (forwarded by hetero) stop the workers as torchrun does, then exit 128 + the signal.
 
-The exit directory's files are `rank<N>`, one line each: `<time ns> <exit code> <last line of the error>`, and
-`rank<N>.traceback`, the script's traceback where it raised: hetero prints the first failed rank's, once, before its
-one line per rank (the others' follow from it: a peer's connection closed in an all-reduce).
+The exit directory holds `rank<N>`, one line: `<time ns> <exit code> <last line of the error>`, and
+`rank<N>.traceback`, the script's traceback where it raised: hetero prints the first failed rank's, once.
 """
 
 from __future__ import annotations

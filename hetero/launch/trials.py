@@ -1,17 +1,12 @@
 """`hetero plan`'s measuring step: a plan under a DRAM budget is run in fresh processes of its own before it is
 written, and kept only where they show it fits (hetero.plan.policy).
 
-The pure planner ranks the candidates a budget allows by prediction (hetero.plan.fit); the one it chooses is written
-to a private work directory and run `trial_processes` times as `hetero run` would run it (its runtime, its malloc
-settings, `hetero run`'s modules loaded), each process alone, until its peak settles, stopping itself at the budget.
-What they measured (each peak, the file pages they used, their step times) is a `Trial` the planner takes as input
-on its next call: a candidate that does not fit is passed over, one slower than predicted is ranked by its measured
-step. The loop ends once the chosen plan is one a trial verified, or the planner refuses naming the floor. The
-trials are recorded in the plan (`budget.trials`), never in the profile.
-
-`python -c CHILD` is a trial process: it dies with `hetero plan` (Linux parent-death signal), runs the script from
-the directory `hetero profile` ran in, and writes what it measured as JSON into the work directory (swept by the
-next start if `hetero plan` is killed: hetero.run.devices.workdir).
+The plan the pure planner chooses (hetero.plan.fit) is written to a private work directory and run
+`trial_processes` times as `hetero run` would run it, each process alone, until its peak settles, stopping itself
+at the budget. What they measured is a `Trial` the planner takes on its next call. The loop ends once the chosen
+plan is one a trial verified, or the planner refuses naming the floor. Trials are recorded in the plan
+(`budget.trials`), never in the profile. `python -c CHILD` is a trial process: it dies with `hetero plan`, runs the
+script from `hetero profile`'s directory, and writes what it measured as JSON into the work directory.
 """
 
 from __future__ import annotations
@@ -204,9 +199,8 @@ def _said(trial: Trial, policy: MemoryPolicy) -> str:
             f"{SIZE.format_short(policy.held_bytes(trial))} held at most; {trial.step_s:.3g}s a step")
 
 
-# The trial process first asks to die with its parent (whose pid is its first argument); then it loads what `hetero
-# run` has loaded when its script starts (the CLI, the runtime), so that its peak counts them as a planned run's
-# does, and runs this module's `child`.
+# A trial process dies with its parent (the pid, its first argument), loads what `hetero run` has loaded when its
+# script starts (the CLI, the runtime), so that its peak counts them too, and runs `child`.
 CHILD = ("import sys, hetero.interrupts; hetero.interrupts.die_with_parent(int(sys.argv.pop(1))); "
          "import importlib.util, hetero.cli.main, hetero.run.runtime; "
          "importlib.util.find_spec('typer._adapters') and __import__('typer._adapters'); "
@@ -235,11 +229,9 @@ def child(argv: list[str], policy: MemoryPolicy = POLICY) -> int:
 
 
 class Steps:
-    """The script's steps in a trial process: after the warm-up, the file pages each step used are counted from its
-    start to its end, so that what the script does after its last step (an evaluation, a save) is not counted, and
-    the least of the steps is kept: a page cache page another process touches counts as referenced in every process
-    that maps it (the kernel keeps that flag per page), and a step no other process disturbed is the script's own
-    use. It stops once its peak has settled (`settled`)."""
+    """The script's steps in a trial process: after the warm-up, the file pages each step used, counted from its
+    start to its end (not what follows the last step), the least of the steps kept: a page another process touches
+    counts as referenced in every process mapping it. It stops once its peak has settled (`settled`)."""
 
     def __init__(self, warmup: int, policy: MemoryPolicy):
         self.warmup, self.policy = warmup, policy
@@ -312,9 +304,8 @@ def settled(peaks: list[int], least_steps: int, policy: MemoryPolicy = POLICY) -
 
 
 def _stop_at(limit: int, poll_s: float) -> None:
-    """End this process (exit `STOPPED`) once it holds `limit` bytes (mid-step, where the peak is: no code of the
-    script may run on). Under a memory limit it may be killed first, between two reads: it offers itself to the
-    limit's killer before `hetero plan`'s processes, and a kill counts as a stop (hetero.launch.waiter)."""
+    """End this process (exit `STOPPED`) once it holds `limit` bytes, mid-step. It offers itself to a memory limit's
+    killer before `hetero plan`'s processes; a kill counts as a stop (hetero.launch.waiter)."""
     with suppress(OSError):
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")

@@ -1,13 +1,11 @@
 """`hetero plan` under a memory limit: its trials run beside a bare interpreter, never beside the planner.
 
-A trial process measures a plan under the memory limit of the process that started it, and stops itself before the
-two of them together pass it (hetero.launch.trials). `hetero plan`'s own process (its command line, the planner, the
-profile) would take what it holds from what the trial may hold, which `hetero run` never pays. So under a limit,
-`hetero plan` replaces itself with this module (os.execv: nothing of it stays), which holds little more than the
-interpreter: it runs the planner as a child (`hetero plan ... --trial-state STATE`) until the planner asks for a
-trial (exit `TRIAL_WANTED`, the trial's command in STATE), runs the trial's processes (`run_process`: the one way
-trials are run, in this process or in `hetero plan`'s own), records what each wrote in STATE, and runs the planner
-again, until it ends: its exit code is `hetero plan`'s. Standard library only, so that it stays small.
+A trial process stops itself before it and the process that started it together pass the limit
+(hetero.launch.trials), so `hetero plan`'s own memory would be taken from the trial's. Under a limit `hetero plan`
+replaces itself with this module (os.execv), which runs the planner as a child (`hetero plan ...
+--trial-state STATE`) until it asks for a trial (exit `TRIAL_WANTED`, the trial in STATE), runs the trial's
+processes (`run_process`: the one way trials run), records what each wrote in STATE, and runs the planner again,
+until it ends: its exit code is `hetero plan`'s. Standard library only, so that it stays small.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""A torchrun worker, started by `hetero run/profile --nproc-per-node N` (or by hand:
-`torchrun ... -m hetero.launch.worker SCRIPT ARGS`): profile or run as the environment says (see
-`hetero.launch.launcher`), then leave the exit code and the last line of the error for the parent."""
+"""A torchrun worker, started by `hetero run/profile --nproc-per-node N` or `torchrun ... -m hetero.launch.worker`:
+profile or run as the environment says (hetero.launch.launcher)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Where each parameter's fp32 master copy, gradient and Adam states live, and where its update runs (AXDIMM §5).
 
-On the AXDIMM, parameters go to its channels round-robin (§5.2), each channel within its capacity, so both channels'
-Adam kernels work while the link feeds the other. What does not fit goes to NVMe (§5.3): the parameters updated
-last in the iteration (the first layers, since backward runs in reverse). The runtime reads, updates and writes
-them back inside `optimizer.step()`, after backward, in parameter order, through two staging slots kept free on
-the channels (an updated tensor is written out before its slot takes the next one): the next tensor's read
-overlaps the current update, and the simulator predicts exactly that (hetero.plan.simulate), not reads hidden
-behind forward and backward. `host` and `gpu` put every
-state in host or GPU memory (host overflowing to NVMe the same way).
+On the AXDIMM, parameters go to its channels round-robin (§5.2), each within its capacity, so both channels' Adam
+kernels work while the link feeds the other. What does not fit goes to NVMe (§5.3): the parameters updated last
+(the first layers). The runtime stages them inside `optimizer.step()`, in parameter order, through two staging
+slots on the channels, the next tensor's read overlapping the current update, as hetero.plan.simulate predicts.
+`host` and `gpu` put every state in host or GPU memory (host overflowing to NVMe the same way).
 """
 
 from __future__ import annotations
@@ -221,9 +218,8 @@ def states(params: list[Param], placement: Placement) -> list[StatePlacement]:
 def updates(params: list[Param], placed: list[StatePlacement], n_layers: int, rates: Rates,
             grads: bool = False) -> list[list[Update]]:
     """Each layer's calls for the simulator: a channel's lane for AXDIMM states (NVMe-staged ones take turns over
-    the channels; the simulator runs them on the staging slots' channels), the compute lane when `rates.lanes` is
-    empty. Each call costs `rates.launch_s` and its parameters at the rate: one per parameter, or with
-    `rates.bucketed` one per bucket of the states not staged from NVMe (the runtime stages those one by one). With
+    the channels), the compute lane when `rates.lanes` is empty. Each call costs `rates.launch_s` and its parameters
+    at the rate: one per parameter, or with `rates.bucketed` one per bucket of the states not staged from NVMe. With
     `grads` an NVMe-held parameter's gradient is written there in backward and read back with its states."""
     out: list[list[Update]] = [[] for _ in range(n_layers)]
     where = {s.param: s for s in placed}

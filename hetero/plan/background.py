@@ -12,19 +12,15 @@ class Lane:
     """A lane whose worker keeps `share` of a core busy while it works."""
 
     share: float
-    tasks: list[tuple[float, float]] = field(default_factory=list)  # (start, end) in issue order, which is time
-    # order: a lane serves one task at a time
+    tasks: list[tuple[float, float]] = field(default_factory=list)  # (start, end), in issue order: time order
     first_open: int = 0  # the first task not ended before the last compute start
 
 
 @dataclass(slots=True)
 class Background:
-    """How background lanes slow compute on a machine without a GPU. While lanes whose workers keep shares s_k of a
-    core busy are working, compute advances at 1 / (1 + (f - 1) * sum s_k) of its profiled speed, f being the
-    profile's background_slowdown. So w seconds of compute that a worker of share s overlaps take (f - 1) * s * w
-    longer, and with a worker streaming throughout f * w, as f was measured. (Charging (f - 1) per second of wall
-    time overlapped instead would count the stretch itself as more overlap: with f > 2 and a busy worker that never
-    settles.)"""
+    """While lanes whose workers keep shares s_k of a core busy are working, compute advances at
+    1 / (1 + (f - 1) * sum s_k) of its profiled speed, f being the profile's background_slowdown: w seconds of
+    compute beside a worker of share s take (f - 1) * s * w longer; beside one streaming throughout, f * w."""
 
     extra: float  # f - 1
     lanes: dict[str, Lane]  # the lanes that slow compute
@@ -42,9 +38,8 @@ class Background:
             busy.tasks.append((start, end))
 
     def finish(self, start: float, work: float) -> float:
-        """When `work` seconds of compute started at `start` end, walking the background load from `start`. Compute
-        starts never go back in time (one compute lane, placed in order), so tasks ended by `start` are skipped
-        for good: each call looks at the few tasks its own span meets."""
+        """When `work` seconds of compute started at `start` end. Compute starts never go back in time, so tasks
+        ended by `start` are skipped for good."""
         if work <= 0:
             return start
         first = float("inf")

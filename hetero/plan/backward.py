@@ -1,23 +1,16 @@
 """Saved activations and gradients through one training step, at their highest: the one rule the GPU prediction
-(hetero.plan.plain), recomputation and updates in backward (the DRAM account, hetero.plan.footprint) and the
-profile's estimate of plain training under a budget (hetero.profile.pressure) all count a plan's memory by.
+(hetero.plan.plain), recomputation and updates in backward (hetero.plan.footprint) and the profile's estimate of
+plain training under a budget (hetero.profile.pressure) count a plan's memory by.
 
-Backward runs the layers from the last. When it starts, every saved tensor of forward is held, and no gradient
-exists (a script zeroes them to None); the loss's own backward comes first, outside the model's layers: for a
-cross-entropy over the model's output it holds three tensors of the output's size (the log-probabilities it saved,
-their gradient and the output's), which the profile cannot see layer by layer (`output_bytes`, measured:
-`Training.output_bytes`). An LM's peak can be there, before any block is rebuilt.
-
-A layer's gradients appear during its backward, while its saved tensors are still held, which go once its backward
-ends. A recomputed block holds only its inputs from forward on; when backward reaches its last layer, its forward
-runs again and all its layers' saved tensors are back at once (its inputs among them, held already), on top of
-what is still held. Gradients leave as soon as they are made where they go to another tier (`gone_grads`) or
-where each parameter is updated in backward (`in_backward`: a gradient, and the two temporaries of torch's Adam
-update, the size of one piece of the parameter at a time: `UPDATE_PIECE_BYTES`). Otherwise they all coexist when the
-optimizer steps, with the step's scratch (`step`; `step_scratch_bytes`: by how torch steps Adam). Where tiering
-keeps saved tensors in another tier, at most its peak of them is held at once (`saved_cap`). Differences of
-`peak_bytes` are what a plan changes at the process's peak: a gradient moved or freed saves only where it coexists
-with what makes the peak. Pure.
+Backward runs the layers from the last. When it starts, every saved tensor of forward is held and no gradient
+exists; the loss's backward comes first: a cross-entropy holds three tensors of the output's size
+(`Training.output_bytes`), where an LM's peak can be. A layer's gradients appear during its backward, while its
+saved tensors are held; those go once it ends. A recomputed block holds only its inputs; when backward reaches its
+last layer, all its layers' saved tensors are back at once. Gradients leave once made where they go to another tier
+(`gone_grads`) or where each parameter is updated in backward (`in_backward`: a gradient and Adam's temporaries, one
+`UPDATE_PIECE_BYTES` piece at a time); otherwise they all coexist at the step, with its scratch
+(`step_scratch_bytes`). Tiering holds at most its peak of saved tensors (`saved_cap`). Differences of `peak_bytes`
+are what a plan changes at the process's peak. Pure.
 """
 
 from __future__ import annotations
@@ -28,10 +21,8 @@ from dataclasses import dataclass, field, replace
 from hetero.schema.profile import AdamImplementation, Layer
 
 ADAM_TEMPORARIES = 2  # tensors the size of what it updates that torch's single-tensor Adam(W) makes per parameter
-# Updates in backward run torch's step on pieces of a parameter this large at most (hetero.run.update_in_backward),
-# so that their temporaries are this size, not the largest parameter's (a large embedding's), at no cost to the step.
-# Under freed memory returned the pieces stay below the mmap threshold (`update_piece_bytes`): one mapped, faulted and
-# unmapped per piece costs more than the whole parameter's huge pages.
+# Updates in backward step pieces of a parameter at most this large (hetero.run.update_in_backward), so their
+# temporaries are this size, not the largest parameter's (smaller under freed memory returned: `update_piece_bytes`).
 UPDATE_PIECE_BYTES = 1 << 20
 LEAST_MMAP_THRESHOLD = 128 << 10  # glibc's default mmap threshold, from which its dynamic threshold grows
 LOSS_OUTPUTS = 3  # output-sized tensors a cross-entropy's backward holds: its saved log-probabilities, two gradients

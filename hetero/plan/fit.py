@@ -1,32 +1,22 @@
-"""Keeping a DRAM budget on a machine without a GPU: the plan's predicted whole-process peak (hetero.plan.footprint)
-must not exceed it. When plain training's does, the planner tries every combination of what can lower host memory
-here, each simulated as a whole plan, and keeps the fastest combination that fits:
+"""Keeping a DRAM budget without a GPU: the plan's predicted whole-process peak (hetero.plan.footprint) must not
+exceed it. Where plain training's does, every allowed combination of levers is simulated as a whole plan, and the
+fastest that fits is kept:
 
-- `allocator`: glibc returns the memory freed tensors leave (the plan's `allocator` section); the profile measures
-  the peak and the step time that way, so its cost is measured page faults, not a guess;
-- `in_backward`: the script's own Adam(W) updates each parameter as soon as backward makes its gradient final and
-  frees the gradient (the plan's `update_in_backward`): all gradients but one never coexist, at no cost in time,
-  for a script with one backward per step, no clipping, one process;
+- `allocator`: glibc returns freed memory (the plan's `allocator`); its cost is the profile's measured page faults;
+- `in_backward`: the script's Adam(W) updates each parameter as soon as backward makes its gradient final, and frees
+  the gradient (`update_in_backward`): at no cost in time, for one backward per step, no clipping, one process;
 - `states`: every Adam state (and its fp32 master copy) on NVMe, staged through host memory inside `step()`;
-- `grads`: with `states`, each gradient joins its states on NVMe as soon as backward makes it final, and `step()`
-  reads it back with them (MemFerry's "a gradient leaves when it is final", with NVMe as the slow tier); only for one
-  process (a data-parallel all-reduce needs the gradients in memory);
-- `tiering`: saved activations evicted to the slow tier after each layer's forward (lowers the peak only where
-  freed memory is returned, which the footprint counts);
-- `recompute`: the blocks the profile found recomputable keep only their inputs, and backward runs their forward
-  again (hetero.plan.recompute), with freed memory returned (`NEEDS`): time for memory, like the disk levers, so the
-  fastest combination that fits decides between them; with it, the fewest blocks (most bytes saved per second
-  first) that keep the budget.
+- `grads`: with `states`, each gradient joins its states on NVMe once final, and `step()` reads it back with them
+  (MemFerry's "a gradient leaves when it is final"); one process only;
+- `tiering`: saved activations evicted to the slow tier after each layer's forward;
+- `recompute`: recomputable blocks keep only their inputs and backward reruns their forward
+  (hetero.plan.recompute), with freed memory returned (`NEEDS`); the fewest blocks that keep the budget.
 
-Each candidate is ranked by its predicted peak and iteration; `hetero plan` then runs the one chosen in fresh
-processes of its own (a trial, hetero.launch.trials) and calls the planner again with what they measured
-(`PlanOptions.trials`): a trialed candidate counts at its measured peak, with the margins hetero.plan.policy derives
-from the trial, and at its measured step. The plan is the fastest candidate a trial verified; after
-`MemoryPolicy.max_trials` trials, only trialed candidates are chosen from. Where none fits, the planner refuses,
-naming the floor: the least any candidate needs, measured where it was tried.
-
-A budget comes from `--dram-budget` or, by default, from the memory cgroup the profile ran in. Pure: no torch, no
-I/O; `solve` builds and simulates each candidate.
+`hetero plan` runs the chosen candidate in fresh processes (a trial, hetero.launch.trials) and plans again with
+what they measured (`PlanOptions.trials`): a tried candidate counts at its measured peak, with the margins of
+hetero.plan.policy, and at its measured step. After `MemoryPolicy.max_trials` trials only tried candidates are
+chosen. Where none fits, the planner refuses, naming the floor: the least any candidate needs, measured where tried.
+The budget is `--dram-budget`, else the profile's memory cgroup's. Pure: `solve` builds and simulates each candidate.
 """
 
 from __future__ import annotations
@@ -46,9 +36,6 @@ LEVERS = ("allocator", "in_backward", "states", "grads", "tiering", "recompute")
 # the heap, so the peak barely falls unless freed memory is returned.
 NEEDS = {"grads": "states", "recompute": "allocator"}
 EXCLUDES = (frozenset({"in_backward", "states"}),)  # levers that cannot work together (both drive the optimizer)
-# On a CPU, evicted activations leave host memory far later than the simulator has them leave, so tiering saves a
-# fraction of its predicted saving (measured: docs/benchmarks.md): where blocks can be recomputed instead, they are,
-# and tiering is left out.
 TRIED = "measured by the trial, beyond the parts"  # the host-memory account's entry for a trial's margins
 TIERING_LEFT_OUT = ("the blocks can be recomputed instead, which frees what they save at once, while evicted "
                     "activations were measured to leave host memory far later than simulated on a CPU")
@@ -75,10 +62,9 @@ class Candidate:
 
 
 def margins(trials: list[Trial]) -> dict[bool, int]:
-    """What trials measured above their plans' predictions (their margins included), by whether the plan returns
-    freed memory (malloc's settings move the peak most): the most of each, a lower bound where a trial reached the
-    budget; where no trial has those settings, the most file pages any trial used beside its peak. A trial at a rung
-    the profile did not measure (`at_rung`) has no prediction of its own and counts for none."""
+    """The most trials measured above their plans' predictions (margins included), by whether the plan returns
+    freed memory; without such a trial, the most file pages any trial used beside its peak. A trial at a rung the
+    profile did not measure (`at_rung`) counts for none."""
     beside = max((t.mapped_bytes for t in trials), default=0)
     predicted = [t for t in trials if t.mmap_threshold_bytes in (None, AllocatorPlan.RETURNING)]
     out = {}
@@ -209,9 +195,8 @@ def at_rung(plan: Plan, threshold: int | None) -> Plan:
 
 
 def _next_rung(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial]) -> Candidate | None:
-    """Where `best` returns freed memory and its trial's processes spent time in the kernel (page faults, mostly,
-    which a higher threshold trades for memory): the same levers, every block they can recompute, at malloc's next
-    rung, untried (`hetero plan` tries it, and keeps it where it fits and measured faster); else None."""
+    """Where `best` returns freed memory and its trial spent time in the kernel (page faults, mostly): the same
+    levers, every block they can recompute, at malloc's next rung, untried (`hetero plan` tries it); else None."""
     a, t = best.plan.allocator, best.trial
     if a is None or t is None or not t.system_s or \
             not ctx.options.measuring or len(trials) >= POLICY.max_trials:

@@ -1,20 +1,15 @@
 """The whole process's host memory under a plan: plain training's measured peak, plus what the plan's runtime holds
 in host memory beyond plain, plus what the plan moves into host memory from a faster tier, less what it moves out.
 
-The profile measures plain training's peak resident memory (interpreter, libraries, allocator slack included); the
-plan changes it by a difference of the simulator's static bytes, so everything plain and planned runs share cancels.
-With glibc's default allocator, saved activations evicted *from* host memory are subtracted only up to the
-activation store's own buffers: the allocator keeps the memory they freed for the next ones, so the process's peak
-stays where plain training put it (docs/benchmarks.md, "Design figures"). A plan whose
-`allocator` section returns freed memory starts from the peak the profile measured that way, and there evictions do
-lower it: by the simulated drop of the saved-activation peak. Recomputed blocks (the plan's `recompute`, which comes
-with freed memory returned) never hold what they would have saved, so they lower it by the level of saved
-activations and gradients at its highest through the step (hetero.plan.backward), as updates in backward do by the
-gradients that coexist there.
+The plan changes the profile's measured peak by a difference of the simulator's static bytes, so what plain and
+planned runs share cancels. With glibc's defaults, activations evicted from host memory are subtracted only up to
+the activation store's own buffers (the allocator keeps what they freed); a plan whose `allocator` returns freed
+memory starts from the peak measured that way, and evictions lower it by the simulated drop of the saved-activation
+peak. Recomputed blocks and updates in backward lower it by what they keep from coexisting (hetero.plan.backward).
 
 `contributors` is the one account: the predicted peak is its sum, the plan writes it (`predicted.dram`) and
-`hetero run` names its largest entries when the process nears the budget. Each section writes its own entries
-(`Section.host_bytes`, hetero.plan.section); the entry names are re-exported here for the account's readers.
+`hetero run` names its largest entries near the budget. Each section writes its own entries
+(`Section.host_bytes`); the entry names are re-exported here for the account's readers.
 """
 
 from __future__ import annotations

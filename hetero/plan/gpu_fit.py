@@ -2,18 +2,14 @@
 predicted iteration. The candidates are combinations of three levers, each simulated as a whole plan:
 
 - `offload`: Adam's states and updates leave the GPU for the host or an AXDIMM, overlapped with backward, and
-  each layer's parameters are placed by MemFerry (GFGB, DHA, DFGB) within the budget; every gradient still reaches
-  the optimizer through a copy after its backward;
+  MemFerry places each layer's parameters (GFGB, DHA, DFGB) within the budget;
 - `host_grads`: with `offload`, GO-MemFerry's reserve: backward writes the gradients beyond the reserve's share
-  straight to pinned host memory (the reserve governs the gradients that must leave the GPU, never those that fit);
+  straight to pinned host memory;
 - `tiering`: saved activations wait in host memory between each layer's forward and backward (TierTrain).
 
-Every prediction is anchored on what the profile measured of plain training: its GPU peak is what the plan keeps on
-the GPU, counted phase by phase, plus what plain training's reserved peak holds beyond the same count
-(hetero.plan.gpu_peak); its iteration is plain's own unhooked step plus what the plan changes (hetero.plan.plain).
-Among the plans
-whose predicted GPU peak fits the budget, the fastest wins; one within `TIE` of it with fewer levers wins instead,
-so plain training stays plain unless a lever pays clearly. Pure: `solve` builds and simulates each candidate.
+Predictions are anchored on plain training as profiled: the GPU peak by hetero.plan.gpu_peak, the iteration by
+hetero.plan.plain. Of the plans that fit the budget the fastest wins, but one within `TIE` of it with fewer levers
+wins instead, so plain training stays plain unless a lever pays clearly. Pure: `solve` builds and simulates each.
 """
 
 from __future__ import annotations
@@ -97,11 +93,9 @@ def fit(ctx, pins, solve: Callable[[frozenset[str], int], Plan]) -> Plan:
 
 
 def candidate(budget: int, levers: frozenset[str], solve: Callable[[frozenset[str], int], Plan]) -> Candidate:
-    """The plan with `levers` whose prediction fits `budget`, where one does. MemFerry's search places layers in the
-    simulator's count, translated from the prediction's on the plan with every layer resident
-    (hetero.plan.gpu_layers.counted_budget_bytes): exact where only the modes change, but where activations are
-    tiered the simulated eviction shifts with the modes' timing. So a plan over the budget is searched again for a
-    budget tighter by its overshoot, up to REFITS times."""
+    """The plan with `levers` whose prediction fits `budget`, where one does. MemFerry searches in the simulator's
+    count (hetero.plan.gpu_layers.counted_budget_bytes), inexact where tiered evictions shift with the modes, so a
+    plan over the budget is searched again for a budget tighter by its overshoot, up to REFITS times."""
     searched, best = budget, None
     for _ in range(REFITS):
         try:

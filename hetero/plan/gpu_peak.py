@@ -1,26 +1,19 @@
 """A GPU plan's peak: what the plan keeps on the GPU, counted in each phase of a step, plus what plain training's
-measured peak holds beyond the same count. The one rule the GPU fit (hetero.plan.gpu_fit, and MemFerry's search
-through hetero.plan.gpu_layers) and the plan's prediction (`predicted.peak.gpu` and its account) count by.
+measured peak holds beyond the same count. The one rule the GPU fit (hetero.plan.gpu_fit, hetero.plan.gpu_layers)
+and the plan's prediction (`predicted.peak.gpu` and its account) count by.
 
-The phases:
+- forward, at its end: saved activations and the model's output (with micro-batches, earlier ones' gradients too);
+- backward: saved activations and GPU-kept gradients at their highest (hetero.plan.backward), and the largest host
+  gradient backward makes on the GPU before copying it down;
+- step: every gradient kept on the GPU, and the scratch of each Adam that steps there.
 
-- forward, at its end: the saved activations and the model's output (with micro-batches, the gradients of the
-  earlier ones too);
-- backward: saved activations and the gradients kept on the GPU at their highest through backward
-  (hetero.plan.backward), and the largest host gradient backward makes on the GPU before copying it down;
-- the optimizer's step: every gradient kept on the GPU, and the step's scratch of each Adam that steps there.
+Each phase also holds the resident weights (all but DHA layers') and the Adam states on the GPU. Host gradients
+leave as backward makes them; GPU ones stay until the script frees them after the step. Adam's states and scratch
+count only where Adam stays on the GPU (the script's, or `optimizer.device: gpu`), the scratch by
+`ScriptOptimizer.implementation`. Tiered activations count at most the simulator's peak of them on the GPU.
 
-Each phase also holds the resident weights (every layer's but those read from host memory, DHA) and the Adam
-states on the GPU. Gradients written to host memory leave as backward makes them; those kept on the GPU stay until
-the script frees them after the step (hetero's offloaded Adam copies them down and leaves `.grad` be). Adam's
-states and its step's scratch are counted only where Adam stays on the GPU: the script's own (plain training, and
-an optimizer the plan leaves to the script), or the plan's `optimizer.device: gpu`; the scratch by how torch steps
-the script's Adam (`ScriptOptimizer.implementation`). Where activations are tiered, at most the simulator's peak of
-saved activations on the GPU is held at once.
-
-The prediction is the highest phase plus plain training's slack, added once: its measured reserved peak less the
-same count of plain training (the caching allocator's reserve, workspaces, backward's temporaries), so that a plan
-that moves nothing is predicted as measured. Without a measurement (an older profile) the count is the prediction.
+The prediction is the highest phase plus plain training's slack: its measured reserved peak less the same count of
+plain training, so that a plan that moves nothing is predicted as measured (without a measurement, the count alone).
 Pure: no torch, no I/O.
 """
 

@@ -1,11 +1,10 @@
 """Which layers write their gradients straight to pinned host memory (GO-MemFerry §IV-D).
 
 The reserve factor bounds the gradient bytes kept on the GPU. Keeping layer i's gradients there saves
-T_GBP(i) - T_CBP(i) of backward time, so the choice is a 0/1 knapsack, solved by the paper's dynamic program
-D[i][j] = max(D[i-1][j], D[i-1][j - s_i] + T_GBP(i) - T_CBP(i)) over a byte grid. Sizes are rounded up to the grid
-and the capacity down, so the kept bytes never exceed the reserve; where every gradient fits the reserve in bytes, all
-are kept without the table (whose rounding could drop some). Among plans of equal gain the one keeping more
-bytes wins: with that tie-break a larger capacity can only keep more grid cells on the GPU, never fewer.
+T_GBP(i) - T_CBP(i) of backward time: a 0/1 knapsack, solved by the paper's dynamic program
+D[i][j] = max(D[i-1][j], D[i-1][j - s_i] + T_GBP(i) - T_CBP(i)) over a byte grid. Sizes round up to the grid and the
+capacity down, so the kept bytes never exceed the reserve; where every gradient fits, all are kept without the
+table. Of equal gains the one keeping more bytes wins, so a larger capacity never keeps fewer grid cells.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 
 `gfgb` copies a layer to the GPU before its forward; `dha` lets the GPU read it from pinned host memory in both
 passes; `dfgb` reads it from host memory in the forward and copies it to the GPU for the backward. The paper's
-forward algorithm (Alg. 1, with its backtracking) and its greedy DFGB choice give the starting plan; the simulator
-then judges candidates: a local search (one layer's mode at a time, two at a time on small models) from that plan
-and from uniform ones, within the whole device; then a family of plans that does not depend on the GPU budget
-(a chain of demotions to DHA, and on small models a search within each of several memory levels), of which the
-fastest that fits the budget is chosen, so that a larger budget can never give a slower plan.
+forward algorithm (Alg. 1, with its backtracking) and its greedy DFGB choice give the starting plan of the
+simulator's searches (hetero.plan.memferry_solve).
 """
 
 from __future__ import annotations

@@ -120,10 +120,8 @@ def fit_budget(costs: Costs, template: Choices, best: Evaluated, fixed: dict[int
                allowed: tuple[Mode, ...] = MODES, memo: Memo | None = None) -> Evaluated | None:
     """The fastest plan within `budget_bytes` among a family of plans that does not depend on the budget: a chain
     that demotes GPU-resident layers to DHA one at a time, cheapest slowdown per byte first, and (on small models)
-    a local search within each of _LEVELS memory levels spread over the chain, from the chain's plan below it.
-    A larger budget only admits more of the family, so the predicted time can never get worse as the budget grows.
-    A plan whose compute alone is slower than the fastest fitting one so far is not simulated: it cannot change
-    the minimum. None when no plan of the family fits."""
+    a local search within each of _LEVELS memory levels spread over the chain, from the chain's plan below it, so a
+    larger budget can never give a slower plan. None when no plan of the family fits."""
     chosen, memo = None, {} if memo is None else memo
     for e in _family(costs, template, best, fixed, allowed, memo):
         if isinstance(e, tuple):  # (modes, lower bound) of a big model's chain plan

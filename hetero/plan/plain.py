@@ -1,9 +1,6 @@
-"""Plain training as the profile measured it, and a plan's iteration anchored on it.
-
-The simulator times what a plan places and moves (kernels, copies, updates); a process pays for more: the launch
-gaps of a real step, the data, what a script does between steps. So a plan's iteration is plain training's
-measured step plus the simulated difference between the plan and plain training. A plan that moves nothing is
-predicted exactly as measured. (A GPU plan's peak is anchored on plain's measured peak alike: hetero.plan.gpu_peak.)
+"""Plain training as the profile measured it, and a plan's iteration anchored on it: plain training's measured step
+plus the simulated difference between the plan and plain training, since a process pays for more than the simulator
+times (launch gaps, data, what a script does between steps). A plan that moves nothing is predicted as measured.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The one memory policy: how a plan under a DRAM budget is trusted, and what margins it keeps.
 
-A plan's host-memory peak is predicted (hetero.plan.footprint) to rank the candidates a budget allows; the one
-`hetero plan` chooses is then run in fresh processes of its own, stopped at the budget (a trial,
-hetero.launch.trials), and kept only where what they measured fits. The margins come from the trial itself, not
-from constants fitted to one machine:
+The plan `hetero plan` chooses by prediction (hetero.plan.footprint) is run in fresh processes, stopped at the
+budget (a trial, hetero.launch.trials), and kept only where what they measured fits. The margins come from the
+trial, not from constants fitted to one machine:
 
-- **spread**: processes with malloc's defaults peak differently from one to the next (where the heap's pieces land
-  moves with address-space randomization); a trial's processes show that spread, and a plan keeps its range above
-  the highest peak measured (for normally spread peaks and 3 processes, about 2.5 standard deviations above their
-  mean);
-- **mapped files**: a memory limit also charges the file pages a process keeps using (its libraries' code and data
-  touched every step), which a trial measures as the file pages its processes referenced in their timed steps;
-- **steps**: a trial times its steps, and a plan it verified predicts that step.
+- **spread**: with malloc's defaults, peaks vary between processes (address-space randomization); a plan keeps the
+  trial's range above its highest peak (for 3 normal peaks, about 2.5 standard deviations above their mean);
+- **mapped files**: a memory limit also charges the file pages a process keeps using, which a trial measures as
+  those its processes referenced in their timed steps;
+- **steps**: a plan a trial verified predicts the step it measured.
 
-The profile, which must survive the budget it runs in before any of this is known, keeps the room `room_of` leaves
-(`profile_headroom` and `profile_mapped_bytes` below the budget). Pure: no torch, no I/O.
+The profile, which must survive its budget before any of this is known, keeps the room `room_of` leaves
+(`profile_headroom` and `profile_mapped_bytes`). Pure: no torch, no I/O.
 """
 
 from __future__ import annotations

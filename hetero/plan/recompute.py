@@ -1,17 +1,11 @@
 """Recomputation as a lever of the DRAM-budget fit (hetero.plan.fit): activation checkpointing of chosen blocks.
 
-A recomputed block keeps only its inputs through the iteration; backward runs its forward again to rebuild the rest
-of what it saved. From the profile: a block's saved bytes are its layers' (`Layer.saved_bytes` counts what autograd
-saves until the next layer starts, the ops between layers included), its recomputation time is its forward's span
-(from the end of the layer before it to the end of its last layer), and what it keeps is its measured
-`input_bytes`. Blocks are taken in the order of bytes saved per second of recomputation, so that the fewest
-seconds buy the saving a budget needs (`fewest`).
-
-What it takes off the process's peak (`peak_drop`): the highest level of saved activations and gradients through
-the step falls from plain training's to the plan's, where every block recomputed holds its inputs and backward
-rebuilds one block at a time, each on top of what is still held then (hetero.plan.backward); once that level is the
-optimizer step's, all gradients held, recomputing more saves nothing.
-Pure: no torch, no I/O.
+A recomputed block keeps only its measured `input_bytes`; backward reruns its forward to rebuild the rest. Its
+saved bytes are its layers' (`Layer.saved_bytes`), its cost its forward's span (from the end of the layer before
+it to the end of its last layer). Blocks are taken by bytes saved per second of recomputation, so the fewest
+seconds buy the saving a budget needs (`fewest`). What it takes off the peak (`peak_drop`): the highest level of
+saved activations and gradients through the step (hetero.plan.backward); once that is the optimizer step's, with
+all gradients held, recomputing more saves nothing. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The one seam between the planner and a plan section: what each section (optimizer, activations, routing,
-allocator, update_in_backward, recompute, layers) contributes to planning, as a subclass of `Section`.
-
-A section contributes, each through one method: the section itself (`solve`, run in its `phase`), what an earlier
-plan pinned of it (`pinned`), what it holds in each tier for the whole iteration (`static_bytes`), its part of the
-simulator's choices (`curves`, `choose`), its entries of the host-memory account (`host_bytes`), time it adds
-beyond the simulated iteration (`cost_s`), and what it decides once the plan is predicted (`settle`). Here each
-contributes nothing: a section overrides the ones it uses. `hetero.plan.sections` holds one instance of each in a
-table; `solve`, `pins`, `choices` and `footprint` loop over it and name no section. Pure: no torch, no I/O.
+"""The one seam between the planner and a plan section (optimizer, activations, routing, allocator,
+update_in_backward, recompute, layers): a subclass of `Section` overrides the methods it contributes through; here
+each contributes nothing. `hetero.plan.sections` holds one instance of each in a table; `solve`, `pins`, `choices`
+and `footprint` loop over it and name no section. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -76,6 +71,11 @@ class HostPeak:
     evicted_from_peak: int  # saved-activation bytes of that peak where host memory is the fast tier (0 with a GPU)
     evicted_saving: int  # how much tiering lowers the saved-activation peak in host memory
     memory_returned: bool  # the account starts from plain training's peak with freed memory returned
+
+
+def busy_share(measured: float | None) -> float:
+    """A background worker's measured share of a core; an unmeasured one counts as busy all the time."""
+    return 1.0 if measured is None else measured
 
 
 def ns(seconds: float) -> float:

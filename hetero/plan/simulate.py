@@ -1,22 +1,17 @@
 """One predicted iteration under a plan: tasks on lanes (compute, H2D, D2H, optimizer channels, NVMe read/write,
 activation evict/prefetch, sync), each lane serving its tasks in the order they are issued.
 
-Every lane here has a fixed issue order (GFGB copies in forward order, then DFGB copies in backward order, then
+Every lane has a fixed issue order (GFGB copies in forward order, then DFGB copies in backward order, then
 prefetches as backward progresses; gradients in backward order; updates in gradient order, then the NVMe-spilled
 ones in the optimizer's order), so the simulation is one pass over the layers: a task starts when its lane is free
-and its inputs are ready.
+and its inputs are ready. Spans are recorded only when asked: the planners call `simulate` hundreds of times.
 
-Optimizer states spilled to NVMe are simulated as the runtime handles them (hetero.run.nvme_states.NvmeStaging): read,
-updated and written back inside `optimizer.step()`, after backward, in parameter (forward) order, through two
-staging slots that alternate, slot k on channel k: the next tensor's read overlaps the current update, a slot is
-read into only once its previous tensor was written out, and the step returns once every write is done.
+NVMe-spilled states are handled as the runtime does (hetero.run.nvme_states.NvmeStaging): inside
+`optimizer.step()`, in parameter order, through two alternating staging slots (slot k on channel k); the next
+tensor's read overlaps the current update, a slot is read into once its last tensor was written out.
 
-The planners call `simulate` hundreds of times, so it records spans only when asked.
-
-Without a GPU the background lanes are host threads on the cores compute uses, so compute slows while they work
-(`Background`). The one pass knows the background tasks issued before a compute task is placed: evictions of the
-layers before it, prefetches its own and earlier backward starts triggered, updates of the layers before it. A task
-issued later but starting earlier (a prefetch timed by the clock) does not slow the compute it overlaps.
+Without a GPU, background lanes share the cores with compute, which slows while they work (`Background`), by the
+background tasks issued before each compute task; one issued later but starting earlier does not slow it.
 """
 
 from __future__ import annotations

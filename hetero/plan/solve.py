@@ -1,11 +1,10 @@
 """`hetero plan`: a Profile and the user's options in, a Plan out.
 
-The phases run in a fixed order because each needs the ones before it: check the options against the machine,
-collect what the user pinned in an earlier plan, choose which levers to pull (hetero.plan.fit without a GPU under a
-DRAM budget, hetero.plan.gpu_fit with a GPU), and for each choice solve the sections (hetero.plan.sections: first
-the `draft` ones, each from those before it, then the `whole` ones, which simulate the draft), predict the
-iteration, and let the sections settle what depends on the prediction. `predict` simulates any plan, edited ones
-included, the same way. No phase names a section: each comes from the table.
+In order, each phase needing those before: check the options against the machine, collect what an earlier plan
+pinned, choose the levers (hetero.plan.fit without a GPU under a DRAM budget, hetero.plan.gpu_fit with one), and for
+each choice solve the sections (hetero.plan.sections: the `draft` ones in order, then the `whole` ones, which
+simulate the draft), predict the iteration, and let the sections settle what depends on the prediction. `predict`
+simulates any plan, edited ones included, the same way. No phase names a section: each comes from the table.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Which saved activations wait in a slower tier between a layer's forward and its backward (TierTrain §5.3).
 
-A layer's saved tensors are idle from the end of its forward to the start of its backward (Eq. 2). They are worth
-moving only if there is time to evict them, let them stay at least the stay time ST (against ping-pong) and prefetch
-them back (Eq. 3-6); otherwise the part that fits is moved (Eq. 7). The prefetch starts just in time (Eq. 8), and one
-prefetcher serves the requests: a request that would start while it is still busy is cut to what fits after it
-(Eq. 9-10), or dropped. The paper writes sizes over rates (sz * MR with MR = 1/ER + 1/PR); here the tiers' measured
-curves give the times, which are the paper's when a curve is a pure rate and include each transfer's latency when it
-is not; a layer's bytes move storage by storage, as the runtime moves them, so each storage pays that latency.
+A layer's saved tensors are idle from the end of its forward to the start of its backward (Eq. 2). They move only if
+there is time to evict them, stay at least ST (against ping-pong) and prefetch them back (Eq. 3-6); otherwise the
+part that fits moves (Eq. 7). The prefetch starts just in time (Eq. 8); one prefetcher serves the requests, and one
+that would start while it is busy is cut to what fits after it (Eq. 9-10), or dropped. Times come from the tiers'
+measured curves, storage by storage as the runtime moves them, so each storage pays a transfer's latency.
 
-Requests are decided in the order the prefetcher serves them, the backward order: the paper's t_busy rule (t_busy
-becomes the layer's backward start) only makes sense that way, since decided in forward order every later layer
-would find the prefetcher busy past its own backward and be dropped.
+Requests are decided in backward order, the prefetcher's: in forward order the paper's t_busy rule would find the
+prefetcher busy past every later layer's backward and drop it.
 """
 
 from __future__ import annotations
@@ -98,16 +95,12 @@ def min_tensor_bytes(evict: Curve, prefetch: Curve) -> int:
 
 def schedule(windows: list[Window], evict: Curve, prefetch: Curve, stay_time_s: float, min_tensor: int,
              pinned: dict[int, Decision] | None = None, rule: str = "paper") -> list[Decision]:
-    """One decision per layer with storages of at least `min_tensor` (dropped requests included, with the reason),
-    in forward order; only those storages count, each one a transfer. `pinned` decisions are kept and occupy the
-    prefetcher like any other.
-
-    rule `paper`: requests in backward order, each prefetch ending at its layer's backward start and cut to what
-    fits after t_busy (Eq. 9-10). rule `packed` (ours): the same prefetcher, but requests are placed from the last
-    backward layer to the first, each ending at its backward start or when the next prefetch begins, whichever is
-    earlier; a large request then uses the idle time before a small one instead of being cut behind it.
-    Either way the evictions' own queue is then checked (`_queue`), and requests it cut are placed again with that
-    cap until nothing changes, so a slot freed by a cut request goes to another."""
+    """One decision per layer with storages of at least `min_tensor` (dropped ones with the reason), in forward
+    order; each such storage is a transfer. `pinned` decisions are kept and occupy the prefetcher like any other.
+    rule `paper`: in backward order, each prefetch ending at its layer's backward start, cut to what fits after
+    t_busy (Eq. 9-10); `packed` (ours): from the last backward layer to the first, each ending at its backward start
+    or when the next prefetch begins, so a large request uses the idle time before a small one. Requests the
+    evictions' own queue cuts (`evictions`) are placed again with that cap until nothing changes."""
     q = _Queue(windows=[w.movable(max(min_tensor, 1)) for w in windows], evict=evict, prefetch=prefetch,
                migrate=evict.then(prefetch), stay_s=stay_time_s, pinned=pinned or {}, rule=rule,
                starts=sorted((w.bp_start_s, i) for i, w in enumerate(windows)))

@@ -1,10 +1,7 @@
 """The plan's sections, one module each, in the order the planner goes through them (hetero.plan.section says what
 each contributes). Adding a section on the plan side: its module, with its `Section` subclass, and one instance
-of it here.
-
-The order: `draft` sections are solved in it, each from the ones before (update_in_backward only where the
-optimizer section left the script's optimizer), then the `whole` ones; sections left out say why in this order;
-the iteration adds their costs in it.
+of it here. `draft` sections are solved in this order, each from the ones before, then the `whole` ones; omitted
+sections say why, and the iteration adds their costs, in it too.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from hetero.errors import USAGE, HeteroError
 from hetero.plan import recompute, tiering
 from hetero.plan.context import Context
 from hetero.plan.model import Curve
-from hetero.plan.section import HostPeak, Section, Step, Translation, ns
+from hetero.plan.section import HostPeak, Section, Step, Translation, busy_share, ns
 from hetero.plan.simulate import Result
 from hetero.schema.plan import ActivationPlan, Eviction, Plan, RecomputePlan
 from hetero.schema.profile import Profile
@@ -62,7 +62,7 @@ class Activations(Section):
         share = {}
         slow = next((x for x in t.profile.machine.tiers if x.name == acts.slow), None)
         if slow is not None:  # disk workers mostly wait for the device (the profile measures how much)
-            share["evict"], share["prefetch"] = _share(slow.write_cpu), _share(slow.read_cpu)
+            share["evict"], share["prefetch"] = busy_share(slow.write_cpu), busy_share(slow.read_cpu)
         return dict(evict_bytes=evicted, trigger=trigger, prefetch_at_s=at, fast=acts.fast, slow=acts.slow,
                     cpu_share=share)
 
@@ -76,10 +76,6 @@ class Activations(Section):
         # and tiering's processes did not pass plain's peak either: the buffers come out of what evictions free
         saving = peak.evicted_saving if peak.memory_returned else min(peak.evicted_saving, bounces)
         return {EVICTED: -saving, TIERING: bounces}
-
-
-def _share(measured: float | None) -> float:
-    return 1.0 if measured is None else measured
 
 
 def _activations(ctx: Context, evictions: dict[str, Eviction], omitted: dict[str, str], levers: frozenset[str],
@@ -125,10 +121,8 @@ def _activations(ctx: Context, evictions: dict[str, Eviction], omitted: dict[str
 
 def _trigger(layers, at_s: float) -> str:
     """On a GPU, the layer whose backward start (as profiled) comes last at or before `at_s`: the prefetch is keyed
-    to it instead of the clock. A GPU runs behind the thread that issues its work, and memory is allocated and freed
-    in the order the work is issued: a clock-timed prefetch would be issued as soon as that thread reached backward,
-    bringing every evicted tensor back at once, while one keyed to a layer's backward start is issued between the
-    backward layers the plan put it between."""
+    to it, not the clock. A GPU runs behind the thread that issues its work, so a clock-timed prefetch would be
+    issued as that thread reached backward, bringing every evicted tensor back at once."""
     started = [x for x in layers if x.bp_start_s <= at_s]
     first = min(layers, key=lambda x: x.bp_start_s)
     return max(started, key=lambda x: x.bp_start_s, default=first).name

@@ -10,7 +10,7 @@ from typing import Any
 from hetero.errors import USAGE, HeteroError
 from hetero.plan import axdimm
 from hetero.plan.context import Context
-from hetero.plan.section import HostPeak, Section, Step, Translation
+from hetero.plan.section import HostPeak, Section, Step, Translation, busy_share
 from hetero.plan.sections import optimizer_bytes
 from hetero.schema.plan import NvmeOverflow, OptimizerPlan, Plan, StatePlacement
 from hetero.schema.profile import Profile
@@ -68,24 +68,19 @@ class Optimizer(Section):
 
 
 def _cpu_share(profile: Profile, opt: OptimizerPlan | None, lanes: list[str]) -> dict[str, float]:
-    """Disk workers mostly wait for the device (the profile measures how much); unmeasured ones count as busy all
-    the time. Emulated AXDIMM channels and the host optimizer's driver are host threads running Adam (the profile
-    measures their share when the CPU computes); a hardware AXDIMM computes on its own device."""
+    """Disk workers mostly wait for the device (the profile measures how much). Emulated AXDIMM channels and the
+    host optimizer's driver are host threads running Adam; a hardware AXDIMM computes on its own device."""
     m, out = profile.machine, {}
     nvme = axdimm.nvme_tier(profile)  # the tier whose curves time the optimizer's state reads and writes
     if nvme is not None:
-        out["nvme read"], out["nvme write"] = _share(nvme.read_cpu), _share(nvme.write_cpu)
+        out["nvme read"], out["nvme write"] = busy_share(nvme.read_cpu), busy_share(nvme.write_cpu)
     on_device = opt is not None and opt.device == "axdimm" and m.axdimm is not None and m.axdimm.backend == "hardware"
     if opt is not None and opt.device == "host":
         worker = m.cpu.adam_cpu
     else:
         worker = m.axdimm.cpu if m.axdimm is not None else None
-    out.update(dict.fromkeys(lanes, 0.0 if on_device else _share(worker)))
+    out.update(dict.fromkeys(lanes, 0.0 if on_device else busy_share(worker)))
     return out
-
-
-def _share(measured: float | None) -> float:
-    return 1.0 if measured is None else measured
 
 
 def _placeable(ctx: Context) -> tuple[Context, str]:
