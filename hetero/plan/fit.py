@@ -196,7 +196,9 @@ def at_rung(plan: Plan, threshold: int | None) -> Plan:
 
 def _next_rung(ctx, solve: Callable[..., Plan], best: Candidate, host: str, trials: list[Trial]) -> Candidate | None:
     """Where `best` returns freed memory and its trial spent time in the kernel (page faults, mostly): the same
-    levers, every block they can recompute, at malloc's next rung, untried (`hetero plan` tries it); else None."""
+    levers, every block they can recompute, at malloc's next rung, untried (`hetero plan` tries it); else None. A
+    rung saves at most that kernel time: where its blocks recomputed beyond `best`'s cost as much (predicted), it
+    cannot be faster and is not tried."""
     a, t = best.plan.allocator, best.trial
     if a is None or t is None or not t.system_s or \
             not ctx.options.measuring or len(trials) >= POLICY.max_trials:
@@ -205,7 +207,8 @@ def _next_rung(ctx, solve: Callable[..., Plan], best: Candidate, host: str, tria
     if not higher:
         return None
     candidate = _candidate(best.levers, at_rung(solve(best.levers), higher[0]), host, trials)
-    return candidate if candidate.trial is None else None
+    recomputing = candidate.plan.predicted.iteration_s - best.plan.predicted.iteration_s
+    return candidate if candidate.trial is None and recomputing < t.system_s else None
 
 
 def recompute_levers(ctx) -> frozenset[str]:

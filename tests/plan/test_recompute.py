@@ -135,3 +135,19 @@ def test_a_trial_of_fewer_blocks_that_did_not_fit_has_the_planner_recompute_more
                  mmap_threshold_bytes=first.allocator.mmap_threshold_bytes)
     second = plan(cpu, replace(options, trials=(over,)))
     assert second.recompute is not None and len(second.recompute.blocks) > k  # the trial's error added
+
+
+@pytest.mark.parametrize("kernel_s", [1e-6, 100.0])
+def test_a_higher_rung_is_tried_only_where_its_page_faults_could_pay_for_its_blocks(cpu, kernel_s):
+    """A rung recomputes every block; it saves at most the kernel time the trial measured."""
+    options = replace(budget(650 * MiB), measuring=True)
+    first = plan(cpu, options)
+    k = len(first.recompute.blocks)
+    fits = Trial(levers=sorted(fit.levers_of(cpu, first)), blocks=k, predicted_bytes=first.predicted.peak_bytes["dram"],
+                 peaks_bytes=[600 * MiB] * 3, stopped=0, stop_bytes=650 * MiB, mapped_bytes=0, step_s=1.0,
+                 step_range_s=0.0, mmap_threshold_bytes=first.allocator.mmap_threshold_bytes, system_s=kernel_s)
+    second = plan(cpu, replace(options, trials=(fits,)))
+    if kernel_s < 1:
+        assert len(second.recompute.blocks) == k and second.allocator.mmap_threshold_bytes == 128 << 10
+    else:
+        assert second.allocator.mmap_threshold_bytes == 1 << 20 and len(second.recompute.blocks) > k
