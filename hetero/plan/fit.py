@@ -14,7 +14,8 @@ fastest that fits is kept:
 
 `hetero plan` runs the chosen candidate in fresh processes (a trial, hetero.launch.trials) and plans again with
 what they measured (`PlanOptions.trials`): a tried candidate counts at its measured peak, with the margins of
-hetero.plan.policy, and at its measured step. After `MemoryPolicy.max_trials` trials only tried candidates are
+hetero.plan.policy, and at its measured step; a verified plan that returns freed memory is tried at malloc's next
+threshold (`_next_rung`) and kept where faster. After `MemoryPolicy.max_trials` trials only tried candidates are
 chosen. Where none fits, the planner refuses, naming the floor: the least any candidate needs, measured where tried.
 The budget is `--dram-budget`, else the profile's memory cgroup's. Pure: `solve` builds and simulates each candidate.
 """

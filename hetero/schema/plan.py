@@ -264,9 +264,9 @@ class AllocatorPlan:
     default keeps it, and a memory limit counts it); `hetero run` starts the process asking glibc for transparent huge
     pages, which makes mapping the blocks again cheaper (unless GLIBC_TUNABLES sets glibc.malloc.hugetlb already)."""
 
-    # The thresholds a plan returns freed memory at, least memory kept first: the profile measures at the first,
-    # `hetero plan` tries the next in a trial where the last one's processes spent more of a step in the kernel (page
-    # faults) than their steps varied (hetero.plan.fit).
+    # The thresholds a plan returns freed memory at, least memory kept first: the profile measures at the first;
+    # `hetero plan` tries the next in a trial where the last one's processes spent time in the kernel (page faults)
+    # that could pay for the blocks the rung recomputes (hetero.plan.fit).
     RUNGS: ClassVar[tuple[int, ...]] = (128 << 10, 1 << 20, 8 << 20)
     RETURNING: ClassVar[int] = RUNGS[0]
 
